@@ -1,0 +1,21 @@
+# blockdiag — every target creates .venv when missing and installs the project with its test extras.
+# torch is pinned to 2.13.0: its CPU build lies on this machine's disk; an unpinned torch pulls a CUDA build.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+JOBS   ?= 2
+
+.PHONY: install test
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test]"
+	@touch $@
+
+install: $(STAMP)
+
+# pytest exits 5 when it collects no tests; make treats that like any failure.
+test: $(STAMP)
+	$(PY) -m pytest -n $(JOBS) --timeout=300 -q

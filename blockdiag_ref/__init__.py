@@ -1,0 +1,17 @@
+"""blockdiag_ref — the single-device truth for block-diagonal (per-document causal) attention.
+
+Main entries: :class:`DocLayout` (documents of packed rows), :func:`doc_ids_from_batch` (doc ids from a
+training batch) and :func:`reference_attention` (float64 per-document causal attention).
+"""
+
+from .attention import reference_attention
+from .batch import doc_ids_from_4d_mask, doc_ids_from_batch
+from .layout import DocLayout, normalize_window
+
+__all__ = [
+    "DocLayout",
+    "doc_ids_from_4d_mask",
+    "doc_ids_from_batch",
+    "normalize_window",
+    "reference_attention",
+]

@@ -1,0 +1,92 @@
+"""The reference: per-document causal attention over packed rows, in float64.
+
+Shape legend:
+    B    batch rows      S    positions per row
+    Hq   query heads     Hkv  key/value heads (Hq is a multiple of Hkv)
+    D    head dim        Dv   value head dim
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .layout import DocLayout
+
+__all__ = ["reference_attention"]
+
+
+def reference_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    layout: DocLayout | Tensor,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window_size: Sequence[int] | None = None,
+) -> Tensor:
+    """Per-document causal attention, computed in float64 and returned in ``query``'s dtype.
+
+    Args:
+        query: ``[B, Hq, S, D]``.
+        key:   ``[B, Hkv, S, D]``.
+        value: ``[B, Hkv, S, Dv]``.
+        layout: a :class:`DocLayout` or doc ids ``[B, S]`` (0 = padding).
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        enable_gqa: allow ``Hq != Hkv`` (``Hq`` a multiple of ``Hkv``), as in
+            ``torch.nn.functional.scaled_dot_product_attention``.
+        window_size: ``(left, right)`` with flash-attn's meaning inside each document; ``right <= 0``.
+
+    Returns:
+        ``[B, Hq, S, Dv]``. Rows at padding positions are exactly 0, and no gradient reaches keys or values
+        at padding positions. Differentiable in ``query``, ``key`` and ``value``. Slow: it materializes the
+        ``[B, 1, S, S]`` mask and the scores.
+
+    Autocast is off inside; float64 matmuls never use TF32.
+
+    >>> q = k = v = torch.ones(1, 1, 3, 2)
+    >>> reference_attention(q, k, v, torch.tensor([[1, 1, 0]]))[0, 0]
+    tensor([[1., 1.],
+            [1., 1.],
+            [0., 0.]])
+    """
+    layout = layout if isinstance(layout, DocLayout) else DocLayout.from_doc_ids(layout)
+    _check_qkv(query, key, value, layout, enable_gqa)
+    allowed = layout.materialize_mask(window_size=window_size).to(query.device)  # [B, 1, S, S]
+    D = query.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    group = query.shape[1] // key.shape[1]
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        q = query.to(torch.float64)
+        k = key.to(torch.float64).repeat_interleave(group, dim=1)
+        v = value.to(torch.float64).repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+        has_key = allowed.any(dim=-1, keepdim=True)  # False on padding rows
+        # Rows with no visible key get finite scores (all 0) so that softmax stays NaN-free, then exactly 0.
+        scores = scores.masked_fill(~allowed & has_key, float("-inf")).masked_fill(~has_key, 0.0)
+        probs = torch.where(has_key, torch.softmax(scores, dim=-1), 0.0)
+        out = torch.matmul(probs, v)
+    return out.to(query.dtype)
+
+
+def _check_qkv(query: Tensor, key: Tensor, value: Tensor, layout: DocLayout, enable_gqa: bool) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims [B, H, S, D], got shape {tuple(t.shape)}")
+    B, S = layout.batch_size, layout.seq_len
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.shape[0] != B or t.shape[2] != S:
+            raise ValueError(f"{name}: expected B={B} and S={S} from the layout, got shape {tuple(t.shape)}")
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(f"key/value: expected the same [B, Hkv, S], got {tuple(key.shape)} and {tuple(value.shape)}")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query/key: expected the same head dim D, got {query.shape[-1]} and {key.shape[-1]}")
+    hq, hkv = query.shape[1], key.shape[1]
+    if hq % hkv != 0:
+        raise ValueError(f"heads: expected Hq a multiple of Hkv, got Hq={hq}, Hkv={hkv}")
+    if hq != hkv and not enable_gqa:
+        raise ValueError(f"heads: Hq={hq} != Hkv={hkv} needs enable_gqa=True (as in scaled_dot_product_attention)")

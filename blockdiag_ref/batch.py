@@ -1,0 +1,112 @@
+"""Resolve per-position document ids ``[B, S]`` (0 = padding) from a training batch.
+
+Precedence, as in the seed's ``_cp_blockdiag_doc_ids``:
+
+1. ``batch["_packed_seq_ids"]``  ``[B, S]`` document index per token (bool or integer);
+2. ``batch["attention_mask"]``   4-D ``[B, 1, S, S]`` block-causal mask, bool (True = attend) or additive
+   float (0 = attend, -inf or <= -1e4 = masked). Every document in it is recovered, not only the diagonal's
+   validity: reading the diagonal alone merges the documents of a pack;
+3. ``batch["attention_mask"]``   2-D ``[B, S]`` validity (0/1) or indexed ids (0 = padding);
+4. otherwise one document per row (all ones).
+
+Anything malformed raises ``ValueError`` naming what was expected and what was got.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .layout import DocLayout, _check_doc_ids
+
+__all__ = ["doc_ids_from_batch", "doc_ids_from_4d_mask"]
+
+ADDITIVE_MASKED_AT_MOST = -1e4
+
+
+def doc_ids_from_4d_mask(mask: Tensor) -> Tensor:
+    """Doc ids ``[B, S]`` from a 4-D block-causal mask ``[B, 1, S, S]``.
+
+    A position whose diagonal entry is masked is padding (its row is not read). Every other row must be
+    exactly block-causal: it sees the keys of its own document up to itself, and nothing else.
+
+    >>> m = DocLayout.from_seqlens([2, 3], pad=1).materialize_mask()
+    >>> doc_ids_from_4d_mask(m)
+    tensor([[1, 1, 2, 2, 2, 0]])
+    """
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
+        raise ValueError(f"attention_mask: expected a 4-D mask [B, 1, S, S], got shape {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        allowed = mask[:, 0]
+    elif mask.is_floating_point():
+        m = mask[:, 0]
+        attend = m == 0
+        masked = m <= ADDITIVE_MASKED_AT_MOST
+        if not bool((attend | masked).all()):
+            bad = m[~(attend | masked)][0].item()
+            raise ValueError(
+                f"attention_mask: an additive 4-D mask must hold 0 (attend) or -inf / <= {ADDITIVE_MASKED_AT_MOST:g} "
+                f"(masked), got the value {bad!r}"
+            )
+        allowed = attend
+    else:
+        raise ValueError(f"attention_mask: expected a bool or additive float 4-D mask, got dtype {mask.dtype}")
+    allowed = allowed.cpu()
+    B, S, _ = allowed.shape
+    real = allowed.diagonal(dim1=1, dim2=2)
+    sees_prev = torch.nn.functional.pad(allowed.diagonal(offset=-1, dim1=1, dim2=2), (1, 0), value=False)
+    new_doc = real & ~sees_prev
+    ids = torch.cumsum(new_doc.to(torch.int64), dim=1) * real
+    expected = DocLayout.from_doc_ids(ids).materialize_mask()[:, 0]
+    wrong = (expected != allowed) & real[:, :, None]
+    if bool(wrong.any()):
+        b, i, j = (int(x) for x in wrong.nonzero()[0])
+        raise ValueError(
+            "attention_mask: expected a block-causal 4-D mask (each real row sees exactly its own document "
+            f"up to itself); got row {b}, query {i}, key {j} = {bool(allowed[b, i, j])} where the documents "
+            f"read from the mask give {bool(expected[b, i, j])}"
+        )
+    return ids
+
+
+def doc_ids_from_batch(
+    batch: Mapping[str, Any],
+    seq_len: int,
+    batch_size: int,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Doc ids int64 ``[batch_size, seq_len]`` (0 = padding) for ``batch``, by the precedence above."""
+    expected = (batch_size, seq_len)
+    ids = batch.get("_packed_seq_ids")
+    if ids is not None:
+        ids = _check_doc_ids(ids, "_packed_seq_ids")
+        if tuple(ids.shape) != expected:
+            raise ValueError(f"_packed_seq_ids: expected shape [B, S] = {list(expected)}, got {list(ids.shape)}")
+        return ids.to(device) if device is not None else ids
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise ValueError(f"attention_mask: expected a torch.Tensor, got {type(mask).__name__}")
+        if mask.dim() == 4:
+            if tuple(mask.shape) != (batch_size, 1, seq_len, seq_len):
+                raise ValueError(
+                    f"attention_mask: expected a 4-D mask of shape [B, 1, S, S] = "
+                    f"{[batch_size, 1, seq_len, seq_len]}, got {list(mask.shape)}"
+                )
+            ids = doc_ids_from_4d_mask(mask)
+        elif mask.dim() == 2:
+            ids = _check_doc_ids(mask, "attention_mask")
+            if tuple(ids.shape) != expected:
+                raise ValueError(f"attention_mask: expected a 2-D mask of shape [B, S] = {list(expected)}, got {list(ids.shape)}")
+        else:
+            raise ValueError(
+                f"attention_mask: expected 2 dims [B, S] or 4 dims [B, 1, S, S], got {mask.dim()} dims "
+                f"with shape {tuple(mask.shape)}"
+            )
+        return ids.to(device) if device is not None else ids
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"batch: expected B >= 1 and S >= 1, got B={batch_size}, S={seq_len}")
+    return torch.ones(batch_size, seq_len, dtype=torch.int64, device=device)

@@ -1,0 +1,202 @@
+"""Document layouts of packed rows: which positions form which document.
+
+Shape legend:
+    B    batch rows                    S    positions per row
+    N    documents, all rows together  T    real (non-padding) tokens, all rows together
+    Lq   query positions               Lk   key positions
+
+A *document* is a maximal run of one non-zero id within a row. Id 0 is padding and may stand anywhere.
+An id seen again after a different id (padding included) starts a new document: ``1 1 2 1`` holds three
+documents, and so does ``1 0 1`` hold two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["DocLayout", "normalize_window"]
+
+
+def normalize_window(window_size: Sequence[int] | None) -> int:
+    """Return the left extent of a causal ``window_size=(left, right)``; ``-1`` means unbounded.
+
+    flash-attn's meaning: a query at position ``i`` sees keys ``j`` with ``i - left <= j <= i + right``; a
+    negative side is unbounded. Causal attention forces ``right = 0``, so only ``right <= 0`` is accepted.
+
+    >>> normalize_window(None), normalize_window((-1, -1)), normalize_window((4, 0))
+    (-1, -1, 4)
+    """
+    if window_size is None:
+        return -1
+    if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence) or len(window_size) != 2:
+        raise ValueError(f"window_size: expected None or a pair (left, right) of ints, got {window_size!r}")
+    left, right = window_size
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (left, right)):
+        raise ValueError(f"window_size: expected a pair of ints, got {window_size!r}")
+    if right > 0:
+        raise ValueError(
+            f"window_size: causal attention sees no future keys, so right must be <= 0 (0 or -1); "
+            f"got right={right} in {window_size!r}"
+        )
+    return -1 if left < 0 else left
+
+
+def _check_doc_ids(doc_ids: object, what: str = "doc_ids") -> Tensor:
+    """Validate a ``[B, S]`` doc-id tensor and return it as int64 (bool and any integer dtype accepted)."""
+    if not isinstance(doc_ids, Tensor):
+        raise ValueError(f"{what}: expected a torch.Tensor [B, S], got {type(doc_ids).__name__}")
+    if doc_ids.dim() != 2:
+        raise ValueError(f"{what}: expected 2 dims [B, S], got {doc_ids.dim()} dims with shape {tuple(doc_ids.shape)}")
+    if doc_ids.is_floating_point() or doc_ids.is_complex():
+        raise ValueError(f"{what}: expected bool or integer ids, got dtype {doc_ids.dtype}")
+    if doc_ids.shape[0] < 1 or doc_ids.shape[1] < 1:
+        raise ValueError(f"{what}: expected B >= 1 and S >= 1, got shape {tuple(doc_ids.shape)}")
+    ids = doc_ids.to(torch.int64)
+    if bool((ids < 0).any()):
+        bad = int(ids.min())
+        raise ValueError(f"{what}: expected ids >= 0 (0 = padding), got a negative id {bad}")
+    return ids
+
+
+class DocLayout:
+    """Block-diagonal causal layout of ``B`` packed rows (in the spirit of xformers' ``BlockDiagonalMask``).
+
+    Build it with :meth:`from_seqlens` or :meth:`from_doc_ids`. Everything else is derived:
+
+    - ``doc_ids``        int64 ``[B, S]``, 0 = padding, as given
+    - ``segment_ids``    int64 ``[B, S]``, documents numbered ``1..N`` over all rows (row-major), 0 = padding;
+                         unique across rows, so "same segment" implies "same row, same document"
+    - ``padding_mask``   bool ``[B, S]``, True = padding
+    - ``segments``       int64 ``[N, 3]``: ``(row, start, end)`` of each document, ``end`` exclusive
+    - ``seqlens``        per-row lists of document lengths
+    - ``cu_seqlens``     int32 ``[N + 1]`` document boundaries in the unpadded token stream (row-major);
+                         with ``unpad_indices`` (int64 ``[T]``, flat indices into ``B * S``) and ``max_seqlen``
+                         this is flash-attn's varlen vocabulary
+
+    >>> layout = DocLayout.from_seqlens([3, 2], pad=1)
+    >>> layout.doc_ids
+    tensor([[1, 1, 1, 2, 2, 0]])
+    >>> layout.seqlens, layout.max_seqlen
+    ([[3, 2]], 3)
+    >>> layout.cu_seqlens
+    tensor([0, 3, 5], dtype=torch.int32)
+    >>> layout.materialize_mask()[0, 0].int()
+    tensor([[1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0],
+            [0, 0, 0, 1, 0, 0],
+            [0, 0, 0, 1, 1, 0],
+            [0, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    >>> DocLayout.from_doc_ids(torch.tensor([[1, 1, 2, 1, 0, 1]])).seqlens   # a reused id starts a new document
+    [[2, 1, 1, 1]]
+    """
+
+    def __init__(self, doc_ids: Tensor):
+        ids = _check_doc_ids(doc_ids)
+        self.doc_ids: Tensor = ids
+        real = ids != 0
+        prev = torch.nn.functional.pad(ids[:, :-1], (1, 0), value=0)
+        starts = real & (ids != prev)
+        self.padding_mask: Tensor = ~real
+        self.segment_ids: Tensor = torch.cumsum(starts.flatten(), 0).view_as(ids) * real
+        start_rc = starts.nonzero()  # [N, 2] (row, start), row-major = segment order
+        counts = torch.bincount(self.segment_ids.flatten(), minlength=start_rc.shape[0] + 1)[1:]
+        self.segments: Tensor = torch.cat([start_rc, (start_rc[:, 1] + counts)[:, None]], dim=1)
+        self.unpad_indices: Tensor = real.flatten().nonzero().flatten()
+        self.cu_seqlens: Tensor = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+
+    @classmethod
+    def from_seqlens(
+        cls,
+        seqlens: Sequence[int] | Sequence[Sequence[int]],
+        *,
+        pad: int | Sequence[int] = 0,
+    ) -> DocLayout:
+        """Layout from document lengths, then ``pad`` trailing padding tokens per row.
+
+        ``seqlens`` is one row (``[300, 20, 700]``) or one list per row (``[[3, 2], [5]]``); rows may differ
+        and the shorter ones are padded to the longest. Documents of a row get ids ``1, 2, ...``.
+        """
+        if len(seqlens) > 0 and all(isinstance(x, int) and not isinstance(x, bool) for x in seqlens):
+            rows = [list(seqlens)]
+        else:
+            rows = [list(r) for r in seqlens]
+        if not rows:
+            raise ValueError("seqlens: expected at least one row, got an empty sequence")
+        pads = [pad] * len(rows) if isinstance(pad, int) else list(pad)
+        if len(pads) != len(rows):
+            raise ValueError(f"pad: expected an int or one value per row ({len(rows)} rows), got {len(pads)} values")
+        for b, (row, p) in enumerate(zip(rows, pads)):
+            if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in row):
+                raise ValueError(f"seqlens: expected document lengths >= 1 (ints), got row {b} = {row!r}")
+            if not isinstance(p, int) or p < 0:
+                raise ValueError(f"pad: expected a padding count >= 0, got {p!r} for row {b}")
+        seq_len = max(sum(row) + p for row, p in zip(rows, pads))
+        if seq_len < 1:
+            raise ValueError(f"seqlens/pad: expected a sequence length >= 1, got rows {rows} with pad {pads}")
+        ids = torch.zeros(len(rows), seq_len, dtype=torch.int64)
+        for b, row in enumerate(rows):
+            ids[b, : sum(row)] = torch.repeat_interleave(torch.arange(1, len(row) + 1), torch.tensor(row, dtype=torch.int64))
+        return cls(ids)
+
+    @classmethod
+    def from_doc_ids(cls, doc_ids: Tensor) -> DocLayout:
+        """Layout from a doc-id tensor ``[B, S]`` (bool or integer; 0 = padding, ids >= 0)."""
+        return cls(doc_ids)
+
+    @property
+    def batch_size(self) -> int:
+        return self.doc_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.doc_ids.shape[1]
+
+    @property
+    def num_docs(self) -> int:
+        return self.segments.shape[0]
+
+    @property
+    def seqlens(self) -> list[list[int]]:
+        rows: list[list[int]] = [[] for _ in range(self.batch_size)]
+        for row, start, end in self.segments.tolist():
+            rows[row].append(end - start)
+        return rows
+
+    @property
+    def max_seqlen(self) -> int:
+        return int((self.segments[:, 2] - self.segments[:, 1]).max()) if self.num_docs else 0
+
+    def materialize_mask(
+        self,
+        q_positions: Tensor | None = None,
+        k_positions: Tensor | None = None,
+        window_size: Sequence[int] | None = None,
+    ) -> Tensor:
+        """Bool mask ``[B, 1, Lq, Lk]``: True where the query may see the key. Slow, for tests and references.
+
+        Query at position ``i`` sees key ``j`` iff both lie in the same document, ``j <= i`` and, with a
+        window, ``i - left <= j``. ``q_positions`` / ``k_positions`` (int64 ``[Lq]`` / ``[Lk]``, default all
+        positions) select rows and columns, e.g. one rank's shard.
+        """
+        left = normalize_window(window_size)
+        qp = torch.arange(self.seq_len) if q_positions is None else torch.as_tensor(q_positions, dtype=torch.int64)
+        kp = torch.arange(self.seq_len) if k_positions is None else torch.as_tensor(k_positions, dtype=torch.int64)
+        for name, pos in (("q_positions", qp), ("k_positions", kp)):
+            if pos.dim() != 1 or (pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= self.seq_len)):
+                raise ValueError(
+                    f"{name}: expected a 1-D tensor of positions in [0, {self.seq_len}), got shape "
+                    f"{tuple(pos.shape)}" + (f" with range [{int(pos.min())}, {int(pos.max())}]" if pos.numel() else "")
+                )
+        seg_q = self.segment_ids[:, qp][:, :, None]
+        seg_k = self.segment_ids[:, kp][:, None, :]
+        allowed = (seg_q == seg_k) & (seg_q != 0) & (kp[None, None, :] <= qp[None, :, None])
+        if left >= 0:
+            allowed &= kp[None, None, :] >= qp[None, :, None] - left
+        return allowed[:, None]
+
+    def __repr__(self) -> str:
+        return f"DocLayout(B={self.batch_size}, S={self.seq_len}, seqlens={self.seqlens})"

@@ -1,0 +1,126 @@
+"""blockdiag_ref.doc_ids_from_batch: every input form, the seed's precedence, and every error."""
+
+import pytest
+import torch
+
+from blockdiag_ref import DocLayout, doc_ids_from_4d_mask, doc_ids_from_batch
+
+IDS = torch.tensor([[1, 1, 2, 2, 2, 0], [3, 3, 3, 0, 4, 4]])
+B, S = IDS.shape
+
+
+def canon(ids):
+    """Doc ids renumbered as runs, so that equal layouts compare equal whatever their id values."""
+    return DocLayout.from_doc_ids(ids).segment_ids
+
+
+def additive(mask_bool, dtype=torch.float32, masked=float("-inf")):
+    return torch.zeros(mask_bool.shape, dtype=dtype).masked_fill(~mask_bool, masked)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16])
+def test_packed_seq_ids_win(dtype):
+    batch = {"_packed_seq_ids": IDS.to(dtype), "attention_mask": torch.ones(B, S, dtype=torch.long)}
+    got = doc_ids_from_batch(batch, S, B)
+    assert got.dtype == torch.int64 and torch.equal(got, IDS)
+
+
+def test_bool_packed_ids_are_one_document_per_run():
+    got = doc_ids_from_batch({"_packed_seq_ids": torch.tensor([[True, True, False, True]])}, 4, 1)
+    assert got.tolist() == [[1, 1, 0, 1]]
+
+
+@pytest.mark.parametrize(
+    "make_mask",
+    [
+        pytest.param(lambda m: m, id="bool"),
+        pytest.param(lambda m: additive(m), id="additive-inf"),
+        pytest.param(lambda m: additive(m, torch.float16, torch.finfo(torch.float16).min), id="additive-fp16-min"),
+        pytest.param(lambda m: additive(m, torch.bfloat16, -1e9), id="additive-bf16-1e9"),
+    ],
+)
+def test_multi_document_4d_mask_keeps_documents_apart(make_mask):
+    mask = make_mask(DocLayout.from_doc_ids(IDS).materialize_mask())
+    got = doc_ids_from_batch({"attention_mask": mask}, S, B)
+    assert torch.equal(canon(got), canon(IDS))
+    # the diagonal alone (the seed's reading) would merge documents 1 and 2 of row 0
+    diagonal_only = mask.diagonal(dim1=2, dim2=3)[:, 0] if mask.dtype == torch.bool else None
+    if diagonal_only is not None:
+        assert not torch.equal(canon(diagonal_only.long()), canon(IDS))
+
+
+def test_4d_mask_with_reused_ids_and_middle_padding():
+    ids = torch.tensor([[1, 1, 0, 1, 2, 1, 1]])
+    got = doc_ids_from_4d_mask(DocLayout.from_doc_ids(ids).materialize_mask())
+    assert torch.equal(canon(got), canon(ids))
+
+
+def test_4d_mask_padding_rows_are_not_read():
+    mask = DocLayout.from_doc_ids(torch.tensor([[1, 1, 0]])).materialize_mask().clone()
+    mask[0, 0, 2, :2] = True  # a padding row (diagonal False) may hold anything
+    assert doc_ids_from_4d_mask(mask).tolist() == [[1, 1, 0]]
+
+
+@pytest.mark.parametrize(
+    "mask2d, expected",
+    [
+        pytest.param([[1, 1, 1, 0]], [[1, 1, 1, 0]], id="validity-int"),
+        pytest.param([[True, True, False, False]], [[1, 1, 0, 0]], id="validity-bool"),
+        pytest.param([[1, 1, 2, 0]], [[1, 1, 2, 0]], id="indexed"),
+    ],
+)
+def test_2d_attention_mask(mask2d, expected):
+    mask = torch.tensor(mask2d)
+    assert doc_ids_from_batch({"attention_mask": mask}, 4, 1).tolist() == expected
+
+
+def test_no_ids_no_mask_means_one_document_per_row():
+    got = doc_ids_from_batch({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, 3, 2, device="cpu")
+    assert got.tolist() == [[1, 1, 1], [1, 1, 1]]
+
+
+def bad_block_causal():
+    m = DocLayout.from_doc_ids(torch.tensor([[1, 1, 2, 2]])).materialize_mask().clone()
+    m[0, 0, 2, 1] = True  # document 2's first query sees the end of document 1: not block-causal
+    return m
+
+
+def future_key():
+    m = DocLayout.from_seqlens([3]).materialize_mask().clone()
+    m[0, 0, 0, 2] = True
+    return m
+
+
+@pytest.mark.parametrize(
+    "batch, match",
+    [
+        pytest.param({"_packed_seq_ids": torch.ones(B, S - 1, dtype=torch.long)}, r"expected shape \[B, S\] = \[2, 6\], got \[2, 5\]", id="ids-wrong-shape"),
+        pytest.param({"_packed_seq_ids": torch.ones(B, S)}, "expected bool or integer ids, got dtype torch.float32", id="ids-float"),
+        pytest.param({"_packed_seq_ids": -torch.ones(B, S, dtype=torch.long)}, "negative id", id="ids-negative"),
+        pytest.param({"_packed_seq_ids": torch.ones(B, S, 1, dtype=torch.long)}, "expected 2 dims", id="ids-3d"),
+        pytest.param({"attention_mask": torch.ones(B, 1, S, dtype=torch.bool)}, "expected 2 dims .* or 4 dims", id="mask-3d"),
+        pytest.param({"attention_mask": torch.ones(B, 2, S, S, dtype=torch.bool)}, r"\[B, 1, S, S\]", id="mask-4d-heads"),
+        pytest.param({"attention_mask": torch.ones(B, 1, S, S + 1, dtype=torch.bool)}, r"\[B, 1, S, S\]", id="mask-4d-not-square"),
+        pytest.param({"attention_mask": torch.ones(B, 1, S, S, dtype=torch.long)}, "bool or additive float", id="mask-4d-int"),
+        pytest.param({"attention_mask": torch.full((B, 1, S, S), -0.5)}, "got the value -0.5", id="mask-4d-additive-soft"),
+        pytest.param({"attention_mask": torch.ones(B, 1, S, S, dtype=torch.bool)}, "block-causal", id="mask-4d-all-true"),
+        pytest.param({"attention_mask": torch.ones(B, S)}, "bool or integer", id="mask-2d-float"),
+        pytest.param({"attention_mask": torch.ones(B + 1, S, dtype=torch.long)}, r"\[B, S\] = \[2, 6\]", id="mask-2d-wrong-B"),
+        pytest.param({"attention_mask": [[1] * S] * B}, "expected a torch.Tensor", id="mask-list"),
+    ],
+)
+def test_batch_errors_name_expected_and_got(batch, match):
+    with pytest.raises(ValueError, match=match):
+        doc_ids_from_batch(batch, S, B)
+
+
+@pytest.mark.parametrize(
+    "mask, match",
+    [
+        pytest.param(bad_block_causal(), "block-causal.*row 0, query 2, key 0 = False", id="cross-document"),
+        pytest.param(future_key(), "block-causal.*query 0, key 2", id="future-key"),
+    ],
+)
+def test_4d_mask_must_be_block_causal(mask, match):
+    with pytest.raises(ValueError, match=match):
+        doc_ids_from_4d_mask(mask)
