@@ -11,7 +11,7 @@ JOBS   ?= 2
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test]"
+	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test]" --config-settings editable_mode=compat
 	@touch $@
 
 install: $(STAMP)

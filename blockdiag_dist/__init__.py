@@ -1,0 +1,29 @@
+"""blockdiag_dist — block-diagonal context parallelism for packed sequences.
+
+Main entry: :func:`make_cp_blockdiag_batch_and_ctx` shards a packed batch over a CP mesh and returns
+``(train_ctx, batch)``; inside ``with train_ctx():`` route attention through :func:`cp_blockdiag_sdpa`
+(or wrap an unmodified model in :func:`sdpa_routing`). Same code on CPU/gloo and CUDA/NCCL.
+"""
+
+from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
+from .options import configure_cp_varlen
+from .plan import ExchangePlan, ShardPlan, StepPlan, plan_exchange, plan_shards, plan_step
+from .runtime import cp_blockdiag_sdpa, sdpa_routing
+from .state import PlanMismatchError, StepState, current_state
+
+__all__ = [
+    "ExchangePlan",
+    "PlanMismatchError",
+    "ShardPlan",
+    "StepPlan",
+    "StepState",
+    "_cp_blockdiag_doc_ids",
+    "configure_cp_varlen",
+    "cp_blockdiag_sdpa",
+    "current_state",
+    "make_cp_blockdiag_batch_and_ctx",
+    "plan_exchange",
+    "plan_shards",
+    "plan_step",
+    "sdpa_routing",
+]

@@ -1,0 +1,217 @@
+"""Batch padding, sharding and the block-diagonal CP context: the seed's API.
+
+``make_cp_blockdiag_batch_and_ctx`` validates the whole batch first, then (and only then) pads every
+sequence-aligned tensor to a multiple of the CP size, slices it to this rank's rows, and returns
+``(train_ctx, batch)``. Entering ``train_ctx()`` activates the step state that ``cp_blockdiag_sdpa`` reads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from blockdiag_ref import doc_ids_from_batch, normalize_window
+
+from .options import get_defaults, kernel_substitution, resolve_exchange, resolve_kernel, resolve_layout
+from .plan import ShardPlan, plan_step
+from .state import StepState, activate
+
+__all__ = ["_cp_blockdiag_doc_ids", "make_cp_blockdiag_batch_and_ctx"]
+
+# Pad value of each known sequence-aligned key ("padding_token_id" is filled in per call). Any other tensor
+# whose first two dims are [B, S] is sequence-aligned too and padded with 0.
+KNOWN_PADS: dict[str, object] = {
+    "inputs_embeds": 0.0,
+    "input_ids": "padding_token_id",
+    "labels": -100,
+    "position_ids": 0,
+    "_packed_seq_ids": 0,
+    "loss_mask": 0,
+    "padding_mask": True,
+}
+EXACT_BS_KEYS = ("input_ids", "labels", "_packed_seq_ids", "loss_mask", "padding_mask")
+
+
+def _cp_blockdiag_doc_ids(batch: dict, seq_len: int, device, batch_size: int) -> torch.Tensor:
+    """Resolve per-position document ids ``[B, S]`` (int64, 0 == padding) for the mask.
+
+    Prefers ``_packed_seq_ids``; else a 4-D block-causal ``attention_mask`` (every document in it is
+    recovered); else a 2-D validity / indexed ``attention_mask``; else one document per row.
+    Delegates to :func:`blockdiag_ref.doc_ids_from_batch`.
+    """
+    return doc_ids_from_batch(batch, seq_len, batch_size, device)
+
+
+def _mesh_info(cp_mesh: Any) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(group, world, rank) of a 1-D DeviceMesh, a ProcessGroup, or None (one-rank CP, no group)."""
+    if cp_mesh is None:
+        return None, 1, 0
+    if isinstance(cp_mesh, dist.ProcessGroup):
+        return cp_mesh, dist.get_world_size(cp_mesh), dist.get_rank(cp_mesh)
+    if not (hasattr(cp_mesh, "size") and hasattr(cp_mesh, "get_group")):
+        raise ValueError(f"cp_mesh: expected a 1-D DeviceMesh, a ProcessGroup or None, got {type(cp_mesh).__name__}")
+    ndim = getattr(cp_mesh, "ndim", 1)
+    if ndim != 1:
+        raise ValueError(f"cp_mesh: expected a 1-D (sub)mesh for context parallelism, got {ndim} dims")
+    size = int(cp_mesh.size())
+    group = cp_mesh.get_group()
+    group_size = dist.get_world_size(group)
+    if group_size != size:
+        raise ValueError(f"cp_mesh: expected its process group to hold cp_mesh.size() = {size} ranks, got {group_size}")
+    return group, size, dist.get_rank(group)
+
+
+def _validate_batch(batch: Any, loss_mask: Tensor | None) -> tuple[str, int, int, torch.device]:
+    """Check everything the batch function will rely on; return (primary key, B, S, device)."""
+    if not isinstance(batch, MutableMapping):
+        raise ValueError(f"batch: expected a dict of tensors, got {type(batch).__name__}")
+    present = [k for k in ("inputs_embeds", "input_ids") if batch.get(k) is not None]
+    if len(present) != 1:
+        raise ValueError(
+            f"batch: expected exactly one primary stream, 'inputs_embeds' [B, S, H] or 'input_ids' [B, S]; "
+            f"got {present or 'neither'}"
+        )
+    key = present[0]
+    x = batch[key]
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{key}: expected a torch.Tensor, got {type(x).__name__}")
+    if key == "inputs_embeds" and (x.dim() != 3 or not x.is_floating_point()):
+        raise ValueError(f"inputs_embeds: expected a float tensor [B, S, H], got {x.dtype} of shape {tuple(x.shape)}")
+    if key == "input_ids" and (x.dim() != 2 or x.is_floating_point() or x.is_complex()):
+        raise ValueError(f"input_ids: expected an integer tensor [B, S], got {x.dtype} of shape {tuple(x.shape)}")
+    B, S = x.shape[0], x.shape[1]
+    if B < 1 or S < 1:
+        raise ValueError(f"{key}: expected B >= 1 and S >= 1, got B={B}, S={S}")
+    for k in EXACT_BS_KEYS:
+        t = batch.get(k)
+        if t is not None and (not isinstance(t, Tensor) or tuple(t.shape) != (B, S)):
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{k}: expected shape [B, S] = {[B, S]} like {key}, got {got}")
+    pos = batch.get("position_ids")
+    if pos is not None:
+        if not isinstance(pos, Tensor) or not (
+            (pos.dim() == 2 and tuple(pos.shape) == (B, S)) or (pos.dim() == 3 and tuple(pos.shape[1:]) == (B, S))
+        ):
+            got = tuple(pos.shape) if isinstance(pos, Tensor) else type(pos).__name__
+            raise ValueError(f"position_ids: expected [B, S] = {[B, S]} or [n, B, S] (e.g. 3 for mRoPE), got {got}")
+    if loss_mask is not None and (not isinstance(loss_mask, Tensor) or tuple(loss_mask.shape) != (B, S)):
+        got = tuple(loss_mask.shape) if isinstance(loss_mask, Tensor) else type(loss_mask).__name__
+        raise ValueError(f"loss_mask: expected shape [B, S] = {[B, S]}, got {got}")
+    devices = {t.device for t in batch.values() if isinstance(t, Tensor)} | ({loss_mask.device} if loss_mask is not None else set())
+    if len(devices) > 1:
+        raise ValueError(f"batch: expected every tensor on one device, got {sorted(str(d) for d in devices)}")
+    return key, B, S, x.device
+
+
+def _shard(t: Tensor, dim: int, pad_value: object, shards: ShardPlan, rank: int) -> Tensor:
+    """Pad ``t`` along ``dim`` to ``W * L`` with ``pad_value`` and take this rank's rows (differentiable)."""
+    S, L = shards.seq_len, shards.local_len
+    if shards.layout == "contiguous":
+        start = rank * L
+        real = max(0, min(S, start + L) - start)
+        piece = t.narrow(dim, min(start, S), real)
+        if real == L:
+            return piece
+        pad_shape = list(t.shape)
+        pad_shape[dim] = L - real
+        return torch.cat([piece, torch.full(pad_shape, pad_value, dtype=t.dtype, device=t.device)], dim=dim)
+    pad_shape = list(t.shape)
+    pad_shape[dim] = shards.padded_len - S
+    padded = torch.cat([t, torch.full(pad_shape, pad_value, dtype=t.dtype, device=t.device)], dim=dim)
+    return padded.index_select(dim, shards.positions[rank].to(t.device))
+
+
+def make_cp_blockdiag_batch_and_ctx(
+    cp_mesh: Any,
+    tp_mesh: Any,
+    batch: dict[str, Any],
+    loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0,
+    *,
+    kv_exchange: str | None = None,
+    kernel: str | None = None,
+    layout: str = "contiguous",
+    window_sizes: Sequence[Sequence[int] | None] = (),
+    check_consensus: bool | None = None,
+) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
+    """Shard a packed batch for block-diagonal CP and build the step state.
+
+    Args:
+        cp_mesh: the 1-D context-parallel (sub)mesh (a ``DeviceMesh``); a ``ProcessGroup`` or ``None``
+            (one-rank CP, no communication) are accepted too.
+        tp_mesh: accepted for ``_cp_make_batch_fn`` signature compatibility; unused.
+        batch: exactly one of ``inputs_embeds [B, S, H]`` / ``input_ids [B, S]``, plus any of ``labels``,
+            ``position_ids [B, S]`` or ``[n, B, S]``, ``_packed_seq_ids``, ``attention_mask``, ``loss_mask``.
+            Mutated in place, after all validation: ``attention_mask`` is dropped, ``padding_mask [B, S]``
+            (True = pad) is added, every sequence-aligned tensor is padded to ``W * L`` and sliced to this
+            rank's ``L`` rows. ``inputs_embeds`` is sliced differentiably, so grads reach the full tensor.
+            Labels must already be aligned with positions (next-token targets), as for any sharded loss.
+        loss_mask: optional ``[B, S]``; padded with 0, sharded, stored into ``batch["loss_mask"]``.
+        padding_token_id: pad value of ``input_ids``.
+        kv_exchange: ``auto`` (default) | ``allgather`` | ``halo`` | ``a2a`` (and synonyms).
+        kernel: ``auto`` (default, = ``varlen``) | ``varlen`` | ``dense`` (and synonyms).
+        layout: how rows are assigned to ranks; ``contiguous`` (the seed's sequential sharding).
+        window_sizes: windows whose plans to build now (the unwindowed plan is always built here);
+            any other window is planned on its first use in the step.
+        check_consensus: all-gather a fingerprint of each plan and raise ``PlanMismatchError`` naming the
+            disagreeing ranks (debug switch; default from ``BLOCKDIAG_CHECK_CONSENSUS=1``).
+
+    Returns:
+        ``(train_ctx, batch)``: ``train_ctx()`` is a context manager activating the step state (run forward
+        and backward inside it); the state is also ``train_ctx.state``.
+
+    Raises:
+        ValueError: naming expected vs got, before the batch is touched.
+    """
+    defaults = get_defaults()
+    kv_exchange = resolve_exchange(defaults["kv_exchange"] if kv_exchange is None else kv_exchange)
+    kernel_requested = defaults.get("kernel_requested", defaults["kernel"]) if kernel is None else kernel
+    kernel_name = resolve_kernel(kernel_requested)
+    layout = resolve_layout(layout)
+    lefts = [normalize_window(w) for w in window_sizes]
+    if not isinstance(padding_token_id, int):
+        raise ValueError(f"padding_token_id: expected an int, got {type(padding_token_id).__name__}")
+    group, world, rank = _mesh_info(cp_mesh)
+    key, B, S, device = _validate_batch(batch, loss_mask)
+    doc_ids = _cp_blockdiag_doc_ids(batch, S, device, B)
+    if check_consensus is None:
+        check_consensus = os.environ.get("BLOCKDIAG_CHECK_CONSENSUS", "0") not in ("", "0")
+
+    plan = plan_step(doc_ids, world, layout)
+    state = StepState(
+        plan, rank=rank, group=group, device=device, kv_exchange=kv_exchange, kernel=kernel_name,
+        check_consensus=check_consensus,
+    )
+    substitution = kernel_substitution(kernel_requested)
+    if substitution:
+        state.note(f"kernel {kernel_requested!r}: {substitution}")
+    for left in [-1, *lefts]:
+        state.window_plan(left)
+
+    # ---- mutation starts here: everything above may raise, nothing below does ---------------------------
+    shards = plan.shards
+    batch.pop("attention_mask", None)
+    if loss_mask is not None:
+        batch["loss_mask"] = loss_mask
+    batch["padding_mask"] = doc_ids == 0
+    for k in list(batch):
+        t = batch[k]
+        if not isinstance(t, Tensor):
+            continue
+        pad = KNOWN_PADS.get(k, 0)
+        pad = padding_token_id if pad == "padding_token_id" else pad
+        if k == "position_ids" and t.dim() == 3:
+            batch[k] = _shard(t, 2, pad, shards, rank)
+        elif t.dim() >= 2 and tuple(t.shape[:2]) == (B, S):
+            batch[k] = _shard(t, 1, pad, shards, rank)
+
+    def train_ctx() -> ContextManager:
+        return activate(state)
+
+    train_ctx.state = state  # type: ignore[attr-defined]
+    return train_ctx, batch

@@ -1,0 +1,253 @@
+"""Varlen kernel: attention per document piece, with no ``[Tq, Tk]`` mask.
+
+A *piece* is a maximal run of a rank's query tokens that are consecutive positions of one document. Its keys
+are the positions ``[max(doc_start, first - left), last]`` of that document, gathered from the key buffer.
+
+Pieces are batched so that many small documents cost one SDPA call, not one Python call each:
+
+- a piece whose keys are exactly its own queries (no earlier part on another rank, no binding window) is
+  *square*: it is right-padded to a size class and run with ``is_causal=True``. Padding sits after every real
+  row, so causal attention never lets a real query see it, and no mask is needed;
+- every other piece (its document started on an earlier rank, or a window cuts it) gets an explicit
+  bottom-right-aligned causal mask, in buckets by (query size class, key size class).
+
+Padded slots index a real row of the same piece, so everything stays finite; their outputs are dropped and
+their gradients are exactly 0. On CUDA with flash-attn installed (fp16/bf16, D == Dv), pieces go to
+``flash_attn_varlen_func`` instead (bottom-right causal alignment, native GQA and windows).
+
+Shape legend: Tq local query tokens (B * L), Tk key-buffer tokens, P pieces, n pieces in a bucket,
+Lq / Lk a bucket's padded query / key length, Hq / Hkv heads, D / Dv head dims.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .._stock import stock_sdpa
+
+__all__ = ["VarlenMeta", "plan_varlen", "size_class", "varlen_attention"]
+
+EXACT_ABOVE = 1024  # pieces longer than this run at their exact length
+
+
+def size_class(n: Tensor) -> Tensor:
+    """Round lengths up to a size class: multiples of 16 up to 128, then 1/8 of the enclosing power of two,
+    exact above ``EXACT_ABOVE``. Padding wastes at most ~1/8 of a piece's length.
+
+    >>> size_class(torch.tensor([1, 16, 17, 130, 600, 1000, 1500]))
+    tensor([  16,   16,   32,  144,  640, 1024, 1500])
+    """
+    n = n.to(torch.int64)
+    step = (2 ** torch.floor(torch.log2(n.clamp_min(1).double())).to(torch.int64) // 8).clamp_min(16)
+    rounded = (n + step - 1) // step * step
+    return torch.where(n > EXACT_ABOVE, n, rounded)
+
+
+@dataclass(frozen=True, eq=False)
+class Bucket:
+    q_index: Tensor  # int64 [n, Lq] rows of q_tok
+    k_index: Tensor  # int64 [n, Lk] rows of the key buffer
+    mask: Tensor | None  # bool [n, 1, Lq, Lk]; None = square pieces, is_causal
+
+    def to(self, device: torch.device) -> Bucket:
+        return Bucket(self.q_index.to(device), self.k_index.to(device), None if self.mask is None else self.mask.to(device))
+
+
+@dataclass(frozen=True, eq=False)
+class VarlenMeta:
+    buckets: tuple[Bucket, ...]
+    out_index: Tensor  # int64 [Tq]: row of each query token in cat(bucket outputs, one zero row)
+    piece_q: Tensor  # int64 [P, 2] (first local query row, length), on the host
+    piece_k: Tensor  # int64 [P, 2] (first key flat id, length), on the host
+    key_lut: Tensor = field(repr=False)  # int64 [B * Sp] key-buffer row of each flat id (-1 = absent), host
+    num_queries: int = 0
+    window_left: int = -1
+    _flash_cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_pieces(self) -> int:
+        return self.piece_q.shape[0]
+
+    def to(self, device: torch.device) -> VarlenMeta:
+        return VarlenMeta(
+            buckets=tuple(b.to(device) for b in self.buckets),
+            out_index=self.out_index.to(device),
+            piece_q=self.piece_q,
+            piece_k=self.piece_k,
+            key_lut=self.key_lut,
+            num_queries=self.num_queries,
+            window_left=self.window_left,
+        )
+
+    def flash_meta(self, device: torch.device) -> dict:
+        """cu_seqlens-style metadata for flash-attn's varlen function, built once per device."""
+        cached = self._flash_cache.get(device)
+        if cached is None:
+            lens_q, lens_k = self.piece_q[:, 1], self.piece_k[:, 1]
+            q_rows = _ranges(self.piece_q[:, 0], lens_q)
+            k_rows = self.key_lut[_ranges(self.piece_k[:, 0], lens_k)]
+            out_index = torch.full((self.num_queries,), q_rows.numel(), dtype=torch.int64)
+            out_index[q_rows] = torch.arange(q_rows.numel())
+            cu_q = torch.nn.functional.pad(torch.cumsum(lens_q, 0), (1, 0)).to(torch.int32)
+            cu_k = torch.nn.functional.pad(torch.cumsum(lens_k, 0), (1, 0)).to(torch.int32)
+            tensors = {"q_rows": q_rows, "k_rows": k_rows, "out_index": out_index, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+            cached = {k: v.to(device) for k, v in tensors.items()}
+            cached["max_seqlen_q"] = int(lens_q.max()) if lens_q.numel() else 0
+            cached["max_seqlen_k"] = int(lens_k.max()) if lens_k.numel() else 0
+            cached = self._flash_cache.setdefault(device, cached)
+        return cached
+
+
+def _ranges(starts: Tensor, lens: Tensor) -> Tensor:
+    """Concatenation of ``arange(s, s + n)`` for each (s, n)."""
+    offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    return torch.repeat_interleave(starts, lens) + offsets
+
+
+def plan_varlen(
+    q_flat: Tensor, k_flat: Tensor, segments: Tensor, doc_starts: Tensor, padded_len: int, window_left: int
+) -> VarlenMeta:
+    """Pieces and buckets for local queries (flat ids ``[Tq]``) against a key buffer (flat ids ``[Tk]``)."""
+    Tq = q_flat.numel()
+    seg_q = segments[q_flat]
+    pos_q = q_flat % padded_len
+    real = seg_q != 0
+    prev_seg = torch.nn.functional.pad(seg_q[:-1], (1, 0), value=0)
+    prev_pos = torch.nn.functional.pad(pos_q[:-1], (1, 0), value=-2)
+    first = real & ((seg_q != prev_seg) | (pos_q != prev_pos + 1))
+    p_start = first.nonzero().flatten()  # [P] first local row of each piece
+    piece_of = torch.cumsum(first, 0) - 1
+    p_len = torch.bincount(piece_of[real], minlength=p_start.numel())
+    p_flat0 = q_flat[p_start]  # flat id of each piece's first query
+    p_qfirst = p_flat0 % padded_len
+    p_dstart = doc_starts[p_flat0]
+    p_kfirst = p_dstart if window_left < 0 else torch.maximum(p_dstart, p_qfirst - window_left)
+    p_klen = p_qfirst + p_len - p_kfirst
+    p_kflat0 = p_flat0 - p_qfirst + p_kfirst
+
+    key_lut = torch.full((segments.numel(),), -1, dtype=torch.int64)
+    key_lut[k_flat] = torch.arange(k_flat.numel())
+
+    masked = (p_klen != p_len) | ((window_left >= 0) & (window_left < p_len - 1))
+    cq, ck = size_class(p_len), size_class(p_klen)
+    ck = torch.where(masked, ck, cq)
+    group_key = (masked.long() << 62) | (cq << 31) | ck  # sizes < 2**31
+    keys, group_of = torch.unique(group_key, return_inverse=True)
+
+    buckets: list[Bucket] = []
+    out_index = torch.full((Tq,), -1, dtype=torch.int64)
+    base = 0
+    for g, key in enumerate(keys.tolist()):
+        is_masked, lq, lk = key >> 62, (key >> 31) & (2**31 - 1), key & (2**31 - 1)
+        idx = (group_of == g).nonzero().flatten()
+        n = idx.numel()
+        a = torch.arange(lq)[None, :]
+        c = torch.arange(lk)[None, :]
+        qlen, klen = p_len[idx, None], p_klen[idx, None]
+        q_index = p_start[idx, None] + torch.minimum(a, qlen - 1)
+        k_index = key_lut[p_kflat0[idx, None] + torch.minimum(c, klen - 1)]
+        assert bool((k_index >= 0).all()), "varlen plan: a piece's key is missing from the key buffer"
+        mask = None
+        if is_masked:
+            qpos = (p_qfirst[idx, None] + a)[:, :, None]
+            kpos = (p_kfirst[idx, None] + c)[:, None, :]
+            valid_q = (a < qlen)[:, :, None]
+            m = valid_q & (c < klen)[:, None, :] & (kpos <= qpos)
+            if window_left >= 0:
+                m &= kpos >= qpos - window_left
+            m |= ~valid_q & (c == 0)[:, None, :]  # padded query slots see one real key: finite, then dropped
+            mask = m[:, None]
+        valid = a < qlen
+        out_index[q_index[valid]] = base + (torch.arange(n)[:, None] * lq + a)[valid]
+        base += n * lq
+        buckets.append(Bucket(q_index=q_index, k_index=k_index, mask=mask))
+    assert bool((out_index[real] >= 0).all()) and bool((out_index[~real] == -1).all())
+    out_index[~real] = base  # the zero row
+    return VarlenMeta(
+        buckets=tuple(buckets),
+        out_index=out_index,
+        piece_q=torch.stack([p_start, p_len], 1),
+        piece_k=torch.stack([p_kflat0, p_klen], 1),
+        key_lut=key_lut,
+        num_queries=Tq,
+        window_left=window_left,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_varlen_fn():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    return flash_attn_varlen_func
+
+
+def flash_unusable_reason(q_tok: Tensor, v_buf: Tensor, dropout_p: float) -> str | None:
+    """Why flash-attn's varlen function cannot run these tensors (None when it can)."""
+    if q_tok.device.type != "cuda":
+        return f"device is {q_tok.device.type}, flash-attn needs cuda"
+    if q_tok.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype is {q_tok.dtype}, flash-attn needs float16 or bfloat16"
+    if q_tok.shape[-1] != v_buf.shape[-1]:
+        return f"D={q_tok.shape[-1]} != Dv={v_buf.shape[-1]}"
+    if _flash_varlen_fn() is None:
+        return "flash_attn is not importable"
+    return None
+
+
+def varlen_attention(
+    q_tok: Tensor,
+    k_buf: Tensor,
+    v_buf: Tensor,
+    meta: VarlenMeta,
+    *,
+    dropout_p: float,
+    scale: float | None,
+    use_flash: bool = False,
+) -> Tensor:
+    """``q_tok [Tq, Hq, D]``, ``k_buf [Tk, Hkv, D]``, ``v_buf [Tk, Hkv, Dv]`` -> ``[Tq, Hq, Dv]``; padding rows 0."""
+    if use_flash:
+        return _flash_varlen(q_tok, k_buf, v_buf, meta, dropout_p=dropout_p, scale=scale)
+    Hq, Hkv, Dv = q_tok.shape[1], k_buf.shape[1], v_buf.shape[-1]
+    gqa = Hq != Hkv
+    parts = []
+    for b in meta.buckets:
+        n, lq = b.q_index.shape
+        lk = b.k_index.shape[1]
+        q = q_tok.index_select(0, b.q_index.flatten()).view(n, lq, Hq, -1).transpose(1, 2)
+        k = k_buf.index_select(0, b.k_index.flatten()).view(n, lk, Hkv, -1).transpose(1, 2)
+        v = v_buf.index_select(0, b.k_index.flatten()).view(n, lk, Hkv, Dv).transpose(1, 2)
+        o = stock_sdpa(q, k, v, attn_mask=b.mask, dropout_p=dropout_p, is_causal=b.mask is None, scale=scale, enable_gqa=gqa)
+        parts.append(o.transpose(1, 2).reshape(n * lq, Hq, Dv))
+    parts.append(_zero_row(q_tok, k_buf, v_buf, Hq, Dv, parts[0].dtype if parts else q_tok.dtype))
+    return torch.cat(parts).index_select(0, meta.out_index)
+
+
+def _zero_row(q_tok: Tensor, k_buf: Tensor, v_buf: Tensor, Hq: int, Dv: int, dtype: torch.dtype) -> Tensor:
+    """Exact zeros ``[1, Hq, Dv]`` for padding queries that still reach q, k and v in the graph (with exactly
+    0 gradient), so that a rank holding only padding runs the exchange's backward like every other rank."""
+    anchor = q_tok[:1, :1, :1].sum() + k_buf[:1, :1, :1].sum() + v_buf[:1, :1, :1].sum()
+    return torch.where(torch.zeros((), dtype=torch.bool, device=q_tok.device), anchor, 0.0).to(dtype).expand(1, Hq, Dv)
+
+
+def _flash_varlen(q_tok, k_buf, v_buf, meta: VarlenMeta, *, dropout_p: float, scale: float | None) -> Tensor:
+    fm = meta.flash_meta(q_tok.device)
+    out = _flash_varlen_fn()(
+        q_tok.index_select(0, fm["q_rows"]),
+        k_buf.index_select(0, fm["k_rows"]),
+        v_buf.index_select(0, fm["k_rows"]),
+        fm["cu_seqlens_q"],
+        fm["cu_seqlens_k"],
+        fm["max_seqlen_q"],
+        fm["max_seqlen_k"],
+        dropout_p=dropout_p,
+        softmax_scale=scale,
+        causal=True,
+        window_size=(meta.window_left, 0),
+    )
+    return torch.cat([out, out.new_zeros((1,) + tuple(out.shape[1:]))]).index_select(0, fm["out_index"])

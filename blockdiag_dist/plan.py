@@ -1,0 +1,258 @@
+"""Pure plans for one training step: who holds which rows, and which keys each rank needs from the others.
+
+Everything here is a pure function of replicated data (the full doc ids, the CP world size, the options):
+no process group, no communication, and the same result on every rank. That is what makes the collectives
+safe (every rank issues the same ones with the same sizes) and what lets the tests loop over ranks in one
+process and compare with a brute-force computation from the reference mask.
+
+Shape legend:
+    B     batch rows                 S     sequence length given       Sp    padded length = W * L
+    W     CP world size              L     rows held by one rank       Tq    local query tokens = B * L
+    Tk    key tokens a rank holds after the exchange
+
+A *flat id* names one token of the padded batch: ``flat = b * Sp + p`` for row ``b`` and global position ``p``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+from blockdiag_ref import DocLayout
+
+__all__ = [
+    "ExchangePlan",
+    "ShardPlan",
+    "StepPlan",
+    "plan_exchange",
+    "plan_shards",
+    "plan_step",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class ShardPlan:
+    """Which global positions each rank holds. Row ``l`` of rank ``r`` is position ``positions[r, l]``.
+
+    Positions ``>= seq_len`` are CP padding (added so that every rank holds ``local_len`` rows).
+    """
+
+    world: int
+    seq_len: int
+    local_len: int
+    positions: Tensor  # int64 [W, L], a permutation of range(W * L)
+    layout: str = "contiguous"
+
+    @property
+    def padded_len(self) -> int:
+        return self.world * self.local_len
+
+    @cached_property
+    def owner(self) -> Tensor:
+        """int64 ``[Sp]``: the rank holding each position."""
+        out = torch.empty(self.padded_len, dtype=torch.int64)
+        out[self.positions.flatten()] = torch.arange(self.world).repeat_interleave(self.local_len)
+        return out
+
+    @cached_property
+    def owner_row(self) -> Tensor:
+        """int64 ``[Sp]``: the local row index of each position on its owner."""
+        out = torch.empty(self.padded_len, dtype=torch.int64)
+        out[self.positions.flatten()] = torch.arange(self.local_len).repeat(self.world)
+        return out
+
+
+def plan_shards(seq_len: int, world: int, layout: str = "contiguous") -> ShardPlan:
+    """Contiguous sharding, as in the seed: pad to a multiple of ``world``; rank ``r`` holds
+    ``[r * L, (r + 1) * L)`` with ``L = ceil(S / W)``.
+
+    >>> plan_shards(5, 2).positions
+    tensor([[0, 1, 2],
+            [3, 4, 5]])
+    """
+    if world < 1:
+        raise ValueError(f"world: expected a CP size >= 1, got {world}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len: expected S >= 1, got {seq_len}")
+    if layout != "contiguous":
+        raise ValueError(f"layout: expected 'contiguous', got {layout!r}")
+    local_len = -(-seq_len // world)
+    positions = torch.arange(world * local_len).view(world, local_len)
+    return ShardPlan(world=world, seq_len=seq_len, local_len=local_len, positions=positions, layout=layout)
+
+
+@dataclass(frozen=True, eq=False)
+class ExchangePlan:
+    """Needed sets for one window: which keys each rank's real queries may see that live on other ranks.
+
+    Stored as one list of (destination, key) pairs ordered by destination, then flat id: ``flat_ids[i]`` is
+    needed by rank ``dest[i]`` and held by rank ``src[i]``. ``counts[s, d]``: tokens ``s`` sends ``d``. Keys
+    at padding positions are never needed.
+    """
+
+    shards: ShardPlan
+    batch_size: int
+    window_left: int
+    flat_ids: Tensor  # int64 [N]
+    dest: Tensor  # int64 [N]
+    src: Tensor  # int64 [N]
+    counts: Tensor  # int64 [W (source), W (destination)]
+
+    @property
+    def world(self) -> int:
+        return self.shards.world
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return self.batch_size * self.shards.local_len
+
+    @cached_property
+    def needed(self) -> tuple[Tensor, ...]:
+        """Per rank: sorted flat ids of the tokens it needs from other ranks."""
+        return tuple(self.flat_ids.split(self.counts.sum(0).tolist()))
+
+    @cached_property
+    def halo_ok(self) -> bool:
+        """Every rank's needed keys lie on its left neighbour (so one point-to-point hop suffices)."""
+        return bool((self.src == self.dest - 1).all())
+
+    def needed_tokens(self) -> list[int]:
+        """Per rank: tokens received by a needed-only exchange (the minimum)."""
+        return self.counts.sum(0).tolist()
+
+    def sent_tokens(self) -> list[int]:
+        """Per rank: tokens sent by a needed-only exchange."""
+        return self.counts.sum(1).tolist()
+
+    def allgather_tokens(self) -> int:
+        """Per rank: tokens received (and sent) by an all-gather."""
+        return (self.world - 1) * self.tokens_per_rank
+
+    def recv_flat_ids(self, rank: int) -> Tensor:
+        """Flat ids ``rank`` receives, in arrival order of a needed-only exchange: by source rank, then flat id."""
+        mine = self.dest == rank
+        ids, src = self.flat_ids[mine], self.src[mine]
+        return ids[torch.sort(src, stable=True).indices]
+
+    def send_rows(self, rank: int, dest: int | None = None) -> Tensor:
+        """Local token indices (``b * L + l``) that ``rank`` sends, grouped by destination in rank order (or
+        only those for ``dest``), each group in the order its destination expects."""
+        sp, L = self.shards.padded_len, self.shards.local_len
+        mine = self.src == rank
+        if dest is not None:
+            mine &= self.dest == dest
+        ids = self.flat_ids[mine]
+        return (ids // sp) * L + self.shards.owner_row[ids % sp]
+
+    def fingerprint(self) -> bytes:
+        h = hashlib.sha256()
+        for t in (self.shards.positions, self.counts, self.flat_ids, self.dest):
+            h.update(t.numpy().tobytes())
+            h.update(b"|")
+        h.update(f"{self.window_left}".encode())
+        return h.digest()
+
+
+def needed_mask(layout: DocLayout, shards: ShardPlan, window_left: int) -> Tensor:
+    """bool ``[W, B * Sp]``: whether rank ``r`` needs the key with flat id ``f`` from another rank.
+
+    A key at ``p`` is needed by rank ``r`` iff some real query ``q`` of ``r`` lies in the same document with
+    ``p <= q`` (and ``q - p <= left`` under a window), and ``p`` lives on another rank. Documents are
+    contiguous runs, so it suffices to look at the nearest query ``q >= p`` of ``r``: if it lies in another
+    document, no query of ``p``'s document follows on ``r``. All ranks are computed at once, ``[W, B, Sp]``.
+    """
+    seg = padded_segments(layout, shards)  # [B, Sp]
+    W, sp = shards.world, shards.padded_len
+    pos = torch.arange(sp)
+    ranks = torch.arange(W)[:, None]
+    is_query = (shards.owner[None, :] == ranks)[:, None, :] & (seg != 0)[None]  # [W, B, Sp]
+    qpos = torch.where(is_query, pos, sp)
+    next_q = torch.flip(torch.cummin(torch.flip(qpos, [2]), dim=2).values, [2])
+    same_doc = seg[None].expand(W, -1, -1).gather(2, next_q.clamp(max=sp - 1)) == seg[None]
+    elsewhere = (shards.owner[None, :] != ranks)[:, None, :]  # [W, 1, Sp]
+    need = (next_q < sp) & same_doc & (seg != 0)[None] & elsewhere
+    if window_left >= 0:
+        need &= (next_q - pos) <= window_left
+    return need.flatten(1)
+
+
+def padded_segments(layout: DocLayout, shards: ShardPlan) -> Tensor:
+    """Segment ids ``[B, Sp]`` (unique across rows; 0 = padding), CP padding appended."""
+    return torch.nn.functional.pad(layout.segment_ids, (0, shards.padded_len - layout.seq_len))
+
+
+def padded_doc_starts(layout: DocLayout, shards: ShardPlan) -> Tensor:
+    """Start position of each token's document ``[B, Sp]`` (``-1`` on padding)."""
+    seg = padded_segments(layout, shards)
+    starts = torch.cat([torch.tensor([-1]), layout.segments[:, 1]])
+    return starts[seg]
+
+
+def plan_exchange(layout: DocLayout, shards: ShardPlan, window_left: int = -1) -> ExchangePlan:
+    """Needed sets and per-pair counts of every rank (pure; identical on every rank)."""
+    dest, flat = needed_mask(layout, shards, window_left).nonzero().unbind(1)
+    src = shards.owner[flat % shards.padded_len]
+    W = shards.world
+    counts = torch.bincount(src * W + dest, minlength=W * W).view(W, W)
+    return ExchangePlan(
+        shards=shards, batch_size=layout.batch_size, window_left=window_left, flat_ids=flat, dest=dest, src=src,
+        counts=counts,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """The pure part of a step's state: the layout, the sharding, and (per window) the needed sets."""
+
+    layout: DocLayout
+    shards: ShardPlan
+    _exchanges: dict[int, ExchangePlan] = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def segments(self) -> Tensor:
+        """int64 ``[B * Sp]`` segment id per flat id (0 = padding)."""
+        return padded_segments(self.layout, self.shards).flatten()
+
+    @cached_property
+    def doc_starts(self) -> Tensor:
+        """int64 ``[B * Sp]`` start position of the document of each flat id (-1 = padding)."""
+        return padded_doc_starts(self.layout, self.shards).flatten()
+
+    def exchange(self, window_left: int) -> ExchangePlan:
+        """Needed sets for a window (computed once per window per step, then cached)."""
+        plan = self._exchanges.get(window_left)
+        if plan is None:
+            plan = self._exchanges.setdefault(window_left, plan_exchange(self.layout, self.shards, window_left))
+        return plan
+
+    @cached_property
+    def _local_flat_ids(self) -> Tensor:
+        """int64 ``[W, B * L]``: flat ids of every rank's local tokens, in local order (row-major ``[B, L]``)."""
+        sp = self.shards.padded_len
+        b = torch.arange(self.layout.batch_size)[None, :, None]
+        return (b * sp + self.shards.positions[:, None, :]).flatten(1)
+
+    def local_flat_ids(self, rank: int) -> Tensor:
+        """Flat ids of ``rank``'s local tokens, ``[B * L]`` in local order (row-major over ``[B, L]``)."""
+        return self._local_flat_ids[rank]
+
+    def allgather_flat_ids(self) -> Tensor:
+        """Flat ids of an all-gathered buffer ``[W * B * L]``, ordered (rank, row, local row)."""
+        return self._local_flat_ids.flatten()
+
+    def fingerprint(self) -> bytes:
+        h = hashlib.sha256()
+        h.update(self.layout.doc_ids.numpy().tobytes())
+        h.update(f"|{tuple(self.layout.doc_ids.shape)}|{self.shards.world}|{self.shards.layout}|".encode())
+        h.update(self.shards.positions.numpy().tobytes())
+        return h.digest()
+
+
+def plan_step(doc_ids: Tensor, world: int, layout: str = "contiguous") -> StepPlan:
+    """The step plan for full doc ids ``[B, S]`` on ``world`` ranks (pure)."""
+    doc_layout = DocLayout.from_doc_ids(doc_ids.cpu())
+    return StepPlan(layout=doc_layout, shards=plan_shards(doc_layout.seq_len, world, layout))

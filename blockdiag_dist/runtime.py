@@ -1,0 +1,159 @@
+"""``cp_blockdiag_sdpa``: a drop-in for ``torch.nn.functional.scaled_dot_product_attention`` that, while a
+step context is active, computes per-document causal attention over the CP-sharded sequence.
+
+Shape legend: B batch rows, L rows held by this rank, Hq / Hkv heads, D / Dv head dims, Tq = B * L.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from blockdiag_ref import normalize_window
+
+from ._stock import stock_sdpa
+from .kernels.dense import dense_attention
+from .kernels.varlen import flash_unusable_reason, varlen_attention
+from .state import StepState, current_state, last_exited_state
+
+__all__ = ["cp_blockdiag_sdpa", "sdpa_routing"]
+
+
+def cp_blockdiag_sdpa(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window_size: Sequence[int] | None = None,
+) -> Tensor:
+    """Scaled dot-product attention, per document and across CP ranks while a step context is active.
+
+    With no active context this is exactly ``torch.nn.functional.scaled_dot_product_attention``; a
+    ``window_size`` there becomes a bottom-right-aligned causal band (in place of ``is_causal``) combined
+    with ``attn_mask``.
+
+    With an active context (``with train_ctx():``): ``query [B, Hq, L, D]``, ``key [B, Hkv, L, D]`` and
+    ``value [B, Hkv, L, Dv]`` are this rank's rows; the result ``[B, Hq, L, Dv]`` is causal attention inside
+    each document over the whole (sharded) sequence. ``attn_mask`` and ``is_causal`` are replaced by the
+    per-document mask rebuilt from the doc ids (the replacement is recorded in the state's notes); ``scale``,
+    ``enable_gqa`` and ``window_size=(left, right <= 0)`` are honoured. ``dropout_p > 0`` uses torch's RNG
+    inside the kernel: it trains as SDPA dropout does, but no reference can reproduce its draws. Padding rows
+    are exactly 0; keys and values at padding positions get exactly 0 gradient.
+    """
+    state = current_state()
+    if state is None:
+        _refuse_recompute_outside_context(query)
+        if window_size is not None:
+            attn_mask = _with_band(query, key, attn_mask, normalize_window(window_size))
+            is_causal = False
+        return stock_sdpa(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    left = normalize_window(window_size)
+    _check_inputs(state, query, key, value, enable_gqa, dropout_p)
+    if attn_mask is not None or is_causal:
+        state.note("cp_blockdiag_sdpa: attn_mask / is_causal replaced by the per-document causal mask")
+    wp = state.window_plan(left)
+    B, Hq, L, D = query.shape
+    Hkv, Dv = key.shape[1], value.shape[-1]
+    kv_tok = torch.cat(
+        [key.transpose(1, 2).reshape(B * L, Hkv * D), value.transpose(1, 2).reshape(B * L, Hkv * Dv)], dim=1
+    )
+    buf = state.exchange(kv_tok, wp)
+    k_buf = buf[:, : Hkv * D].unflatten(1, (Hkv, D))
+    v_buf = buf[:, Hkv * D :].unflatten(1, (Hkv, Dv))
+    q_tok = query.transpose(1, 2).reshape(B * L, Hq, D)
+    if state.kernel == "dense":
+        out = dense_attention(q_tok, k_buf, v_buf, wp.kernel_meta, dropout_p=dropout_p, scale=scale)
+    else:
+        why_not = flash_unusable_reason(q_tok, v_buf, dropout_p)
+        if why_not is not None and q_tok.device.type == "cuda":
+            state.note(f"varlen kernel: flash-attn not used ({why_not}); batched SDPA per size class instead")
+        out = varlen_attention(
+            q_tok, k_buf, v_buf, wp.kernel_meta, dropout_p=dropout_p, scale=scale, use_flash=why_not is None
+        )
+    return out.view(B, L, Hq, Dv).transpose(1, 2)
+
+
+def _check_inputs(state: StepState, q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, dropout_p: float) -> None:
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"cp_blockdiag_sdpa: {name} expected 4 dims [B, H, L, D], got {got}")
+    B, L = state.batch_size, state.local_len
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.shape[0] != B or t.shape[2] != L:
+            raise ValueError(
+                f"cp_blockdiag_sdpa: {name} expected this rank's shard [B={B}, H, L={L}, D] of the active step, "
+                f"got {tuple(t.shape)}"
+            )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"cp_blockdiag_sdpa: key and value expected the same Hkv, got {k.shape[1]} and {v.shape[1]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"cp_blockdiag_sdpa: query and key expected the same head dim D, got {q.shape[-1]} and {k.shape[-1]}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv != 0:
+        raise ValueError(f"cp_blockdiag_sdpa: expected Hq a multiple of Hkv, got Hq={hq}, Hkv={hkv}")
+    if hq != hkv and not enable_gqa:
+        raise ValueError(f"cp_blockdiag_sdpa: Hq={hq} != Hkv={hkv} needs enable_gqa=True (as in SDPA)")
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise ValueError(f"cp_blockdiag_sdpa: expected one dtype for query/key/value, got {q.dtype}, {k.dtype}, {v.dtype}")
+    devices = {q.device, k.device, v.device}
+    if len(devices) != 1:
+        raise ValueError(f"cp_blockdiag_sdpa: expected one device for query/key/value, got {sorted(map(str, devices))}")
+    if q.device != state.device:
+        raise ValueError(f"cp_blockdiag_sdpa: expected tensors on the batch's device {state.device}, got {q.device}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"cp_blockdiag_sdpa: expected 0 <= dropout_p <= 1, got {dropout_p}")
+
+
+def _refuse_recompute_outside_context(query: Tensor) -> None:
+    """Activation checkpointing recomputes the forward during backward. If that happens after the step
+    context exited, stock SDPA would silently attend across documents: refuse instead."""
+    state = last_exited_state()
+    if state is None or torch._C._current_graph_task_id() == -1:
+        return
+    if query.dim() == 4 and query.shape[0] == state.batch_size and query.shape[2] == state.local_len:
+        raise RuntimeError(
+            "cp_blockdiag_sdpa: called during backward (an activation-checkpoint recompute) after the step's "
+            "train_ctx() exited; expected backward to run inside `with train_ctx():`, got no active step state"
+        )
+
+
+def _with_band(query: Tensor, key: Tensor, attn_mask: Tensor | None, left: int) -> Tensor:
+    """Stock-SDPA mask with a causal window (it replaces ``is_causal``): query ``i``, bottom-right aligned,
+    sees keys ``i - left .. i``; combined with ``attn_mask`` if one is given."""
+    Lq, Lk = query.shape[-2], key.shape[-2]
+    i = torch.arange(Lq, device=query.device)[:, None] + (Lk - Lq)
+    j = torch.arange(Lk, device=query.device)[None, :]
+    band = (j <= i) & ((j >= i - left) if left >= 0 else True)
+    if attn_mask is None:
+        return band
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & band
+    return attn_mask.masked_fill(~band, float("-inf"))
+
+
+@contextlib.contextmanager
+def sdpa_routing() -> Iterator[None]:
+    """Rebind ``torch.nn.functional.scaled_dot_product_attention`` to :func:`cp_blockdiag_sdpa` for the block,
+    so that an unmodified model routes its attention through it; the original is restored on exit.
+
+    Only calls that look the function up on ``torch.nn.functional`` at call time are rerouted (a name bound
+    with ``from torch.nn.functional import scaled_dot_product_attention`` before entry is not).
+    """
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = cp_blockdiag_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original

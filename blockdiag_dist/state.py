@@ -1,0 +1,288 @@
+"""The per-step state: plans and kernel metadata computed once in the batch function, activated by
+``train_ctx()``, read by every ``cp_blockdiag_sdpa`` call of the step.
+
+The active state lives in a process-wide stack, not in a ``ContextVar`` or thread-local: autograd runs
+backward (and the recompute of activation checkpointing) on its own worker threads, which must see the same
+state as the forward did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .exchange import TrafficLog, a2a_kv, allgather_kv, halo_kv
+from .exchange.allgather import all_gather_tensor
+from .kernels.dense import DenseMeta, plan_dense
+from .kernels.varlen import VarlenMeta, plan_varlen
+from .plan import ExchangePlan, StepPlan
+
+__all__ = ["PlanMismatchError", "StepState", "WindowPlan", "activate", "current_state"]
+
+log = logging.getLogger("blockdiag_dist")
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks of one CP group derived different plans (they were given different batches or options)."""
+
+
+@dataclass(frozen=True, eq=False)
+class WindowPlan:
+    """What this rank does for one window: the exchange, its transport sizes, and the kernel metadata."""
+
+    window_left: int
+    exchange: ExchangePlan
+    mode: str  # "local" | "allgather" | "halo" | "a2a"
+    reason: str
+    key_flat_ids: Tensor  # int64 [Tk] (host): the flat id held by each row of the key buffer
+    send_rows: Tensor | None  # int64, on the device (halo / a2a)
+    send_splits: list[int]
+    recv_splits: list[int]
+    kernel_meta: DenseMeta | VarlenMeta  # on the device
+
+
+class StepState:
+    """Everything one rank needs for one step. Built by ``make_cp_blockdiag_batch_and_ctx``."""
+
+    def __init__(
+        self,
+        plan: StepPlan,
+        *,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        kv_exchange: str,
+        kernel: str,
+        check_consensus: bool = False,
+    ) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.world = plan.shards.world
+        self.group = group
+        self.device = device
+        self.kv_exchange = kv_exchange  # requested: auto | allgather | halo | a2a
+        self.kernel = "varlen" if kernel == "auto" else kernel
+        self.check_consensus = check_consensus
+        self.traffic = TrafficLog()
+        self.notes: list[str] = []  # fallbacks and substitutions that happened, with their reasons
+        self._windows: dict[int, WindowPlan] = {}
+        self._lock = threading.RLock()
+
+    # ---- shapes ---------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.plan.layout.batch_size
+
+    @property
+    def local_len(self) -> int:
+        return self.plan.shards.local_len
+
+    @property
+    def positions(self) -> Tensor:
+        """int64 ``[L]``: global positions of this rank's rows (``>= seq_len`` = CP padding)."""
+        return self.plan.shards.positions[self.rank]
+
+    # ---- notes ----------------------------------------------------------------------------------------
+    def note(self, message: str) -> None:
+        """Record a fallback or substitution once per step (and log it once per process)."""
+        with self._lock:
+            if message not in self.notes:
+                self.notes.append(message)
+                _log_once(message)
+
+    # ---- per-window plans -----------------------------------------------------------------------------
+    def window_plan(self, window_left: int) -> WindowPlan:
+        """The plan for a window, built on first use in the step (then cached; thread-safe)."""
+        wp = self._windows.get(window_left)
+        if wp is None:
+            with self._lock:
+                wp = self._windows.get(window_left)
+                if wp is None:
+                    wp = self._build_window_plan(window_left)
+                    self._windows[window_left] = wp
+        return wp
+
+    def _build_window_plan(self, window_left: int) -> WindowPlan:
+        xplan = self.plan.exchange(window_left)
+        mode, reason = choose_exchange(xplan, self.kv_exchange)
+        if self.check_consensus:
+            self._check_consensus(window_left, mode)
+        local = self.plan.local_flat_ids(self.rank)
+        send_rows, send_splits, recv_splits = None, [], []
+        if mode == "local":
+            key_flat = local
+        elif mode == "allgather":
+            key_flat = self.plan.allgather_flat_ids()
+        else:
+            key_flat = torch.cat([local, xplan.recv_flat_ids(self.rank)])
+            send_rows = xplan.send_rows(self.rank)  # halo: all of them go to rank + 1
+            if mode == "a2a":
+                send_splits = xplan.counts[self.rank].tolist()
+                recv_splits = xplan.counts[:, self.rank].tolist()
+            else:  # halo
+                send_splits = [send_rows.numel()]
+                recv_splits = [int(xplan.counts[self.rank - 1, self.rank]) if self.rank > 0 else 0]
+            send_rows = send_rows.to(self.device)
+        sp = self.plan.shards.padded_len
+        if self.kernel == "dense":
+            meta = plan_dense(local, key_flat, self.plan.segments, sp, window_left)
+        else:
+            meta = plan_varlen(local, key_flat, self.plan.segments, self.plan.doc_starts, sp, window_left)
+        _log_once(f"kv_exchange={mode} (window left={window_left}): {reason}")
+        return WindowPlan(
+            window_left=window_left,
+            exchange=xplan,
+            mode=mode,
+            reason=reason,
+            key_flat_ids=key_flat,
+            send_rows=send_rows,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            kernel_meta=meta.to(self.device),
+        )
+
+    def _check_consensus(self, window_left: int, mode: str) -> None:
+        """All-gather a fingerprint of the plan; raise naming the ranks that disagree (instead of hanging)."""
+        h = hashlib.sha256(self.plan.fingerprint())
+        h.update(f"|{window_left}|{mode}|{self.kernel}".encode())
+        mine = int.from_bytes(h.digest()[:8], "little", signed=True)
+        if self.group is None or self.world == 1:
+            return
+        tensor = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        gathered = torch.empty(self.world, dtype=torch.int64, device=self.device)
+        all_gather_tensor(gathered, tensor, group=self.group)
+        values = gathered.tolist()
+        if len(set(values)) > 1:
+            by_value: dict[int, list[int]] = {}
+            for r, v in enumerate(values):
+                by_value.setdefault(v, []).append(r)
+            groups = "; ".join(f"ranks {ranks} have {v & 0xFFFFFFFF:08x}" for v, ranks in by_value.items())
+            raise PlanMismatchError(
+                f"CP plan consensus failed (window left={window_left}): expected one plan fingerprint on all "
+                f"{self.world} ranks, got {groups}. The ranks were given different doc ids, sizes or options."
+            )
+
+    # ---- the exchange ---------------------------------------------------------------------------------
+    def exchange(self, kv_tok: Tensor, wp: WindowPlan) -> Tensor:
+        """Deliver the key buffer ``[Tk, F]`` for packed local K/V tokens ``kv_tok [B * L, F]``."""
+        if wp.mode == "local":
+            return kv_tok
+        if wp.mode == "allgather":
+            return allgather_kv(kv_tok, self.group, self.world, self.traffic)
+        if wp.mode == "a2a":
+            recv = a2a_kv(kv_tok, wp.send_rows, wp.send_splits, wp.recv_splits, self.group, self.traffic)
+        else:
+            recv = halo_kv(kv_tok, wp.send_rows, wp.recv_splits[0], self.rank, self.world, self.group, self.traffic)
+        return torch.cat([kv_tok, recv])
+
+    # ---- reports --------------------------------------------------------------------------------------
+    def comm_report(self, window_left: int = -1, *, bytes_per_token: int = 1) -> dict:
+        """Tokens (or bytes, with ``bytes_per_token = Hkv * (D + Dv) * element_size``) received and sent
+        per rank by the chosen exchange and by the minimum (needed-only), for one window."""
+        wp = self.window_plan(window_left)
+        x = wp.exchange
+        needed, sent = x.needed_tokens(), x.sent_tokens()
+        ag = [x.allgather_tokens()] * self.world
+        chosen_recv = {"local": [0] * self.world, "allgather": ag}.get(wp.mode, needed)
+        chosen_sent = {"local": [0] * self.world, "allgather": ag}.get(wp.mode, sent)
+        scale = bytes_per_token
+        return {
+            "mode": wp.mode,
+            "reason": wp.reason,
+            "recv": [n * scale for n in chosen_recv],
+            "sent": [n * scale for n in chosen_sent],
+            "min_recv": [n * scale for n in needed],
+            "min_sent": [n * scale for n in sent],
+            "allgather_recv": [n * scale for n in ag],
+        }
+
+
+def choose_exchange(xplan: ExchangePlan, requested: str) -> tuple[str, str]:
+    """The exchange for a window, identical on every rank (a function of the plan alone), with its reason."""
+    world = xplan.world
+    needed = int(xplan.counts.sum())
+    ag = world * xplan.allgather_tokens()
+    if world == 1:
+        return "local", "CP size 1: no other rank"
+    if requested == "allgather":
+        return "allgather", "requested"
+    if requested == "halo":
+        if not xplan.halo_ok:
+            s, d = _first_non_neighbour_pair(xplan)
+            raise ValueError(
+                f"kv_exchange='halo': expected every rank's needed keys on its left neighbour, got rank {d} "
+                f"needing {int(xplan.counts[s, d])} tokens from rank {s}; use 'a2a' or 'auto'"
+            )
+        return "halo", "requested"
+    if requested == "a2a":
+        return "a2a", "requested"
+    if needed == 0:
+        return "local", "no rank needs keys held by another rank"
+    if xplan.halo_ok:
+        return "halo", f"every rank's needed keys lie on its left neighbour ({needed} of {ag} all-gather tokens)"
+    if needed < ag:
+        return "a2a", f"needed-only all-to-all moves {needed} of {ag} all-gather tokens"
+    return "allgather", f"every rank needs every other rank's tokens ({needed} = {ag})"
+
+
+def _first_non_neighbour_pair(xplan: ExchangePlan) -> tuple[int, int]:
+    for s, d in xplan.counts.nonzero().tolist():
+        if s != d - 1:
+            return s, d
+    raise AssertionError("halo_ok is False but every pair is a neighbour pair")
+
+
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def _log_once(message: str) -> None:
+    with _logged_lock:
+        if message in _logged:
+            return
+        _logged.add(message)
+    log.info(message)
+
+
+# ---- activation ---------------------------------------------------------------------------------------
+_active: list[StepState] = []
+_active_lock = threading.Lock()
+_last_exited: weakref.ref | None = None
+
+
+def current_state() -> StepState | None:
+    """The innermost active step state (visible from every thread), or None."""
+    with _active_lock:
+        return _active[-1] if _active else None
+
+
+def last_exited_state() -> StepState | None:
+    """The most recently exited step state, while something still holds it (e.g. an autograd graph)."""
+    return _last_exited() if _last_exited is not None else None
+
+
+@contextlib.contextmanager
+def activate(state: StepState) -> Iterator[StepState]:
+    """Make ``state`` the active step state for the duration of the block."""
+    global _last_exited
+    with _active_lock:
+        _active.append(state)
+    try:
+        yield state
+    finally:
+        with _active_lock:
+            # remove this exact entry (contexts of different steps may interleave across threads)
+            for i in range(len(_active) - 1, -1, -1):
+                if _active[i] is state:
+                    del _active[i]
+                    break
+            _last_exited = weakref.ref(state)

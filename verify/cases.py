@@ -1,0 +1,263 @@
+"""Verification cases: what one check runs, how it is written as a replay command, and the default matrix.
+
+A case's document layout is written row by row as runs ``id x count``: ``1x5,2x2,3x6,0x3`` is five tokens of
+document 1, two of document 2, six of document 3 and three padding tokens; rows are separated by ``/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Case", "NAMED_LAYOUTS", "default_matrix", "format_rows", "parse_rows"]
+
+Rows = tuple[tuple[tuple[int, int], ...], ...]  # rows of (doc id, run length)
+
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+SOURCES = ("packed", "mask4d", "mask2d")
+
+
+def parse_rows(text: str) -> Rows:
+    """``"1x3,0x1/2x4"`` -> ``(((1, 3), (0, 1)), ((2, 4),))``; a bare id counts once (``"1,1,2"`` works too)."""
+    rows = []
+    for row_text in text.strip().split("/"):
+        runs = []
+        for item in row_text.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            ident, _, count = item.partition("x")
+            try:
+                run = (int(ident), int(count) if count else 1)
+            except ValueError:
+                raise ValueError(f"layout: expected runs like '1x5' or '0x3', got {item!r} in {text!r}") from None
+            if run[0] < 0 or run[1] < 1:
+                raise ValueError(f"layout: expected id >= 0 and count >= 1, got {item!r}")
+            runs.append(run)
+        if not runs:
+            raise ValueError(f"layout: expected at least one run per row, got an empty row in {text!r}")
+        rows.append(tuple(runs))
+    lengths = {sum(n for _, n in r) for r in rows}
+    if len(lengths) != 1:
+        raise ValueError(f"layout: expected rows of one length, got lengths {sorted(lengths)} in {text!r}")
+    return tuple(rows)
+
+
+def format_rows(rows: Rows) -> str:
+    """Inverse of :func:`parse_rows`, merging adjacent runs of one id."""
+    out = []
+    for row in rows:
+        merged: list[list[int]] = []
+        for ident, n in row:
+            if merged and merged[-1][0] == ident:
+                merged[-1][1] += n
+            else:
+                merged.append([ident, n])
+        out.append(",".join(f"{i}x{n}" for i, n in merged))
+    return "/".join(out)
+
+
+def rows_from_ids(ids: Sequence[Sequence[int]]) -> Rows:
+    return parse_rows("/".join(",".join(str(i) for i in row) for row in ids))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One verification case. ``None`` for kernel / exchange / layout means "the implementation's default"."""
+
+    rows: Rows
+    cp: int
+    name: str = "custom"
+    hq: int = 2
+    hkv: int = 2
+    dim: int = 4
+    window: int = -1  # left extent of a causal window; -1 = none
+    kernel: str | None = None
+    exchange: str | None = None
+    layout: str | None = None
+    dtype: str = "float64"
+    seed: int = 0
+    source: str = "packed"  # how doc ids reach the implementation: _packed_seq_ids, a 4-D or a 2-D mask
+    hidden: int = 6
+
+    def __post_init__(self) -> None:
+        if self.cp < 1:
+            raise ValueError(f"cp: expected >= 1, got {self.cp}")
+        if self.hq % self.hkv:
+            raise ValueError(f"heads: expected Hq a multiple of Hkv, got {self.hq}:{self.hkv}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
+        if self.source not in SOURCES:
+            raise ValueError(f"source: expected one of {SOURCES}, got {self.source!r}")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def seq_len(self) -> int:
+        return sum(n for _, n in self.rows[0])
+
+    def doc_ids(self) -> list[list[int]]:
+        return [[i for i, n in row for _ in range(n)] for row in self.rows]
+
+    def label(self) -> str:
+        opts = "/".join(x for x in (self.kernel, self.exchange, self.layout) if x)
+        win = f" w{self.window}" if self.window >= 0 else ""
+        return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win} {opts} {self.dtype} {self.source}".replace("  ", " ")
+
+    def args(self) -> list[str]:
+        """Command-line arguments of ``python -m verify case`` that replay exactly this case."""
+        a = ["--rows", format_rows(self.rows), "--cp", str(self.cp), "--heads", f"{self.hq}:{self.hkv}",
+             "--dim", str(self.dim), "--dtype", self.dtype, "--seed", str(self.seed), "--source", self.source,
+             "--hidden", str(self.hidden)]
+        if self.window >= 0:
+            a += ["--window", str(self.window)]
+        for flag, value in (("--kernel", self.kernel), ("--exchange", self.exchange), ("--layout", self.layout)):
+            if value:
+                a += [flag, value]
+        if self.name != "custom":
+            a += ["--name", self.name]
+        return a
+
+    def command(self, impl: str | None = None) -> str:
+        extra = ["--impl", impl] if impl and impl != "blockdiag_dist" else []
+        return "python -m verify case " + " ".join(shlex.quote(x) for x in self.args() + extra)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["rows"] = format_rows(self.rows)
+        return d
+
+
+def add_case_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", required=True, help="layout as runs, e.g. 1x5,2x2,0x3 (rows separated by /)")
+    p.add_argument("--cp", type=int, required=True)
+    p.add_argument("--heads", default="2:2", help="Hq:Hkv")
+    p.add_argument("--dim", type=int, default=4)
+    p.add_argument("--window", type=int, default=-1)
+    p.add_argument("--kernel")
+    p.add_argument("--exchange")
+    p.add_argument("--layout")
+    p.add_argument("--dtype", default="float64", choices=DTYPES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--source", default="packed", choices=SOURCES)
+    p.add_argument("--hidden", type=int, default=6)
+    p.add_argument("--name", default="custom")
+
+
+def case_from_args(ns: argparse.Namespace) -> Case:
+    hq, _, hkv = ns.heads.partition(":")
+    return Case(
+        rows=parse_rows(ns.rows), cp=ns.cp, name=ns.name, hq=int(hq), hkv=int(hkv or hq), dim=ns.dim,
+        window=ns.window, kernel=ns.kernel, exchange=ns.exchange, layout=ns.layout, dtype=ns.dtype, seed=ns.seed,
+        source=ns.source, hidden=ns.hidden,
+    )
+
+
+# ---- named layouts: functions of the CP size -> rows --------------------------------------------------
+def _row(*runs: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    return tuple(r for r in runs if r[1] > 0)
+
+
+def _one_long(cp: int) -> Rows:
+    return (_row((1, 3 * cp + 2)),)
+
+
+def _many_short(cp: int) -> Rows:
+    lengths = [2, 1, 3, 2, 1, 2, 3, 1] * cp
+    return (tuple((i + 1, n) for i, n in enumerate(lengths[: 2 * cp + 2])),)
+
+
+def _spans_every_rank(cp: int) -> Rows:
+    L = 4
+    return (_row((1, 2), (2, cp * L - 3), (3, 1)),)  # document 2 starts on rank 0 and ends on the last rank
+
+
+def _rank_edges(cp: int) -> Rows:
+    L = 3
+    return (tuple((i + 1, L) for i in range(cp)),)  # each document is exactly one rank's shard
+
+
+def _single_tokens(cp: int) -> Rows:
+    return (tuple((i % 3 + 1, 1) for i in range(2 * cp + 1)),)
+
+
+def _padding_rank(cp: int) -> Rows:
+    L = 3
+    real = max(1, (cp - 1) * L)
+    return (_row((1, real - real // 2), (2, real // 2), (0, L)),)  # the last rank holds only padding
+
+
+def _not_divisible(cp: int) -> Rows:
+    return (_row((1, 2 * cp + 1), (2, cp + (1 if cp > 1 else 0))),)
+
+
+def _s_lt_cp(cp: int) -> Rows:
+    return (_row((1, max(1, cp - 1) - max(0, (cp - 1) // 2)), (2, max(0, (cp - 1) // 2))),)
+
+
+def _middle_padding(cp: int) -> Rows:
+    return (_row((1, 2), (0, 2), (2, cp + 1), (0, 1), (3, 2)),)
+
+
+def _reused_ids(cp: int) -> Rows:
+    return (_row((1, 2), (2, cp), (1, 2), (2, 1), (1, cp)),)
+
+
+def _two_rows(cp: int) -> Rows:
+    S = 3 * cp + 1
+    return (_row((1, S - 2), (2, 2)), _row((0, 1), (1, 2), (2, S - 5), (0, 2)) if S > 5 else _row((1, S)))
+
+
+NAMED_LAYOUTS: dict[str, Callable[[int], Rows]] = {
+    "one-long": _one_long,
+    "many-short": _many_short,
+    "spans-every-rank": _spans_every_rank,
+    "rank-edges": _rank_edges,
+    "single-tokens": _single_tokens,
+    "padding-rank": _padding_rank,
+    "s-not-divisible": _not_divisible,
+    "s-lt-cp": _s_lt_cp,
+    "middle-padding": _middle_padding,
+    "reused-ids": _reused_ids,
+    "two-rows": _two_rows,
+}
+
+HEADS = ((2, 2), (4, 2), (3, 1))  # MHA, GQA, MQA
+DIMS = (4, 3, 5)  # odd head dims included
+WINDOWS = (-1, 2, -1, 0)
+
+
+def default_matrix(
+    cps: Sequence[int] = (1, 2, 3, 4, 8),
+    dtypes: Sequence[str] = ("float64", "float32"),
+    kernels: Sequence[str | None] = ("varlen", "dense"),
+    exchanges: Sequence[str | None] = ("auto", "allgather", "halo", "a2a"),
+    layouts: Sequence[str | None] = (None,),
+    applicable: Callable[[Case], bool] | None = None,
+) -> Iterator[Case]:
+    """Every named layout at every CP size, for every kernel x exchange x layout x dtype; heads, head dims,
+    windows and doc-id sources rotate across the cases so that each value meets every layout."""
+    k = 0
+    for cp in cps:
+        for name, make in NAMED_LAYOUTS.items():
+            if name == "s-lt-cp" and cp == 1:
+                continue  # S < CP needs CP >= 2
+            rows = make(cp)
+            for kernel in kernels:
+                for exchange in exchanges:
+                    for layout in layouts:
+                        for dtype in dtypes:
+                            hq, hkv = HEADS[k % len(HEADS)]
+                            case = Case(
+                                rows=rows, cp=cp, name=name, hq=hq, hkv=hkv, dim=DIMS[(k // 3) % len(DIMS)],
+                                window=WINDOWS[(k // 2) % len(WINDOWS)], kernel=kernel, exchange=exchange,
+                                layout=layout, dtype=dtype, seed=k, source=SOURCES[(k // 5) % len(SOURCES)],
+                            )
+                            k += 1
+                            if applicable is None or applicable(case):
+                                yield case

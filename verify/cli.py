@@ -1,0 +1,258 @@
+"""``python -m verify`` — the command line.
+
+    python -m verify [run] [--impl MODULE] [--cp 1,2,3,4,8] [--dtypes float64,float32] [--json PATH] ...
+    python -m verify case --rows 1x5,2x2,0x3 --cp 4 [--heads 4:2 --dim 5 --window 2 ...]
+    python -m verify fuzz --examples 200 --seed 0
+    python -m verify plan --seqlens 300,20,700 --pad 4 --cp 4
+
+Exit status: 0 iff every case passed (2 for a usage error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from .cases import Case, add_case_arguments, case_from_args, default_matrix
+from .launch import under_torchrun
+from .report import Reporter, write_json
+from .runner import impl_info
+from .session import CaseResult, Session
+
+__all__ = ["main"]
+
+QUICK = {"cps": (1, 2, 4), "dtypes": ("float64", "float32")}
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command")
+
+    def common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--impl", default="blockdiag_dist", help="module under test (default: blockdiag_dist)")
+        q.add_argument("--case-timeout", type=float, default=60.0, help="deadline of one case, seconds")
+        q.add_argument("--backend", default=None, help="gloo (default on CPU) or nccl (under torchrun on GPUs)")
+        q.add_argument("--json", metavar="PATH", help="write per-case results, wall time and cases/s ('-' = stdout)")
+
+    run = sub.add_parser("run", help="the case matrix (default command)")
+    common(run)
+    run.add_argument("--cp", default="1,2,3,4,8", help="CP sizes (comma-separated)")
+    run.add_argument("--dtypes", default=None, help="default: float64,float32 (plus bfloat16,float16 on CUDA)")
+    run.add_argument("--kernels", default=None, help="default: every kernel the implementation offers")
+    run.add_argument("--exchanges", default=None, help="default: every K/V exchange the implementation offers")
+    run.add_argument("--layouts", default=None, help="default: every sharding layout the implementation offers")
+    run.add_argument("-k", "--filter", default=None, help="only cases whose label contains this text")
+    run.add_argument("--quick", action="store_true", help="CP 1, 2, 4 only")
+    run.add_argument("--full-table", action="store_true", help="print every case, not only the summary")
+
+    case = sub.add_parser("case", help="replay one case")
+    common(case)
+    add_case_arguments(case)
+
+    fuzz = sub.add_parser("fuzz", help="hypothesis-drawn cases; a failure is shrunk and printed as a replay command")
+    common(fuzz)
+    fuzz.add_argument("--examples", type=int, default=200)
+    fuzz.add_argument("--seed", type=int, default=0)
+    fuzz.add_argument("--max-cp", type=int, default=8)
+    fuzz.add_argument("--max-len", type=int, default=40, help="longest sequence drawn")
+
+    plan = sub.add_parser("plan", help="inspect the exchange plan of a layout: needed tokens, bytes per mode, work per rank")
+    plan.add_argument("--seqlens", help="document lengths of one row, e.g. 300,20,700 (rows separated by /)")
+    plan.add_argument("--pad", type=int, default=0, help="trailing padding tokens per row")
+    plan.add_argument("--rows", help="layout as runs instead, e.g. 1x300,2x20,0x4")
+    plan.add_argument("--cp", type=int, required=True)
+    plan.add_argument("--window", type=int, default=-1)
+    plan.add_argument("--layout", default="contiguous")
+    plan.add_argument("--heads", default="8:2", help="Hq:Hkv, for byte counts")
+    plan.add_argument("--dim", type=int, default=64)
+    plan.add_argument("--dtype", default="bfloat16")
+    plan.add_argument("--json", metavar="PATH")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        argv = ["run", *argv]
+    args = _parser().parse_args(argv)
+    if args.command == "plan":
+        from .inspect_plan import main as plan_main
+
+        return plan_main(args)
+    if args.command == "fuzz":
+        from .fuzz import main as fuzz_main
+
+        return fuzz_main(args)
+    console = Console()
+    try:
+        info = impl_info(args.impl)
+    except (ImportError, ValueError) as exc:
+        console.print(f"verify: cannot use --impl {args.impl}: {exc}", markup=False)
+        return 2
+    if args.command == "case":
+        return _run_case(args, console)
+    return _run_matrix(args, info, console)
+
+
+def applicable(info, case: Case) -> bool:
+    """Whether the implementation offers what the case asks for (halo only where every rank's needed set
+    lies on its left neighbour)."""
+    if not info.supports(case):
+        return False
+    if case.exchange == "halo":
+        import torch
+
+        from blockdiag_dist.plan import plan_step
+
+        plan = plan_step(torch.tensor(case.doc_ids()), case.cp, case.layout or "contiguous")
+        return plan.exchange(case.window).halo_ok
+    return True
+
+
+def _offered(info, option: str, values: tuple[str, ...]) -> tuple[str | None, ...]:
+    return values if option in info.options else (None,)
+
+
+def build_matrix(info, args) -> list[Case]:
+    import torch
+
+    cuda = under_torchrun() and torch.cuda.is_available() and (args.backend in (None, "nccl"))
+    cps = tuple(int(c) for c in _csv(args.cp))
+    if args.quick:
+        cps = tuple(c for c in cps if c in QUICK["cps"])
+    dtypes = tuple(_csv(args.dtypes)) if args.dtypes else (("float32", "bfloat16", "float16") if cuda else QUICK["dtypes"])
+    kernels = tuple(_csv(args.kernels)) if args.kernels else _offered(info, "kernel", ("varlen", "dense"))
+    exchanges = tuple(_csv(args.exchanges)) if args.exchanges else _offered(info, "kv_exchange", ("auto", "allgather", "halo", "a2a"))
+    layouts = tuple(_csv(args.layouts)) if args.layouts else _offered(info, "layout", _layouts_offered(info))
+    cases = [
+        c for c in default_matrix(cps=cps, dtypes=dtypes, kernels=kernels, exchanges=exchanges, layouts=layouts)
+        if applicable(info, c)
+    ]
+    if args.filter:
+        cases = [c for c in cases if args.filter in c.label()]
+    return cases
+
+
+def _layouts_offered(info) -> tuple[str, ...]:
+    names = getattr(getattr(info.module, "options", None), "LAYOUTS", None)
+    return tuple(names) if names else ("contiguous",)
+
+
+def _run_matrix(args, info, console: Console) -> int:
+    if under_torchrun():
+        return _run_torchrun(args, info, console)
+    import torch
+
+    torch.set_num_threads(1)  # the parent computes references beside busy workers: no intra-op thread pool
+    cases = build_matrix(info, args)
+    if not cases:
+        console.print("verify: no case matches the options given")
+        return 2
+    reporter = Reporter(console, full_table=args.full_table)
+    t0 = time.perf_counter()
+    with Session(args.impl, case_timeout=args.case_timeout, backend=args.backend or "gloo") as session:
+        with reporter.progress(len(cases)) as advance:
+            results = session.run(cases, on_result=advance)
+        per_cp = session.throughput()
+    wall = time.perf_counter() - t0
+    reporter.summary(results, wall, args.impl, per_cp)
+    if args.json:
+        write_json(args.json, results, wall, args.impl, {"cases_per_second_by_cp": per_cp})
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _run_case(args, console: Console) -> int:
+    case = case_from_args(args)
+    if under_torchrun():
+        args.cp = str(case.cp)
+        return _run_torchrun(args, impl_info(args.impl), console, cases=[case])
+    t0 = time.perf_counter()
+    with Session(args.impl, case_timeout=args.case_timeout, backend=args.backend or "gloo") as session:
+        result = session.run_one(case)
+    print_case(result, console)
+    if args.json:
+        write_json(args.json, [result], time.perf_counter() - t0, args.impl)
+    return 0 if result.ok else 1
+
+
+def print_case(result: CaseResult, console: Console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{result.case.label()}: {result.status.upper()}" + (f" (exchange {result.mode})" if result.mode else ""))
+    for col in ("quantity", "error", "limit", "ref scale", "baseline err", "rank", "ok"):
+        table.add_column(col)
+    for name, row in result.metrics.items():
+        base = row.get("base")
+        table.add_row(name, f"{row['err']:.3e}", f"{row['limit']:.3e}", f"{row.get('scale', 0):.3e}",
+                      "-" if base is None else f"{base:.3e}", str(row.get("rank", "")), "yes" if row["ok"] else "NO")
+    console.print(table)
+    if result.details and result.status != "pass":
+        console.print(result.details, markup=False, highlight=False)
+    console.print(f"reproduce: {result.case.command(result.impl)}", markup=False, soft_wrap=True)
+
+
+# ---- torchrun ------------------------------------------------------------------------------------------
+def _run_torchrun(args, info, console: Console, cases: list[Case] | None = None) -> int:
+    """Every rank runs the cases whose CP size equals the launched world, on the launched group. A case that
+    raises or passes its deadline ends this process with a message naming case and rank (torchrun then
+    stops the others): a stuck collective can never hang the job."""
+    import torch.distributed as dist
+
+    from .launch import torchrun_env
+    from .runner import check_case, expected_results, pack_expected
+
+    mesh, rank, world, device = torchrun_env(args.backend)
+    if cases is None:
+        args.cp = str(world)
+        cases = build_matrix(info, args)
+    cases = [c for c in cases if c.cp == world]
+    quiet = Console(file=open(os.devnull, "w")) if rank != 0 else console
+
+    def in_process(case: Case) -> list[dict]:
+        done = threading.Event()
+
+        def watchdog() -> None:
+            if not done.wait(args.case_timeout):
+                sys.stderr.write(f"verify: rank {rank}: case did not finish within {args.case_timeout:.0f} s: {case.command(args.impl)}\n")
+                sys.stderr.flush()
+                os._exit(1)
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        try:
+            expected = expected_results(case, device)
+            mine = check_case(case, info, mesh, rank, world, device, pack_expected(expected))
+        except BaseException:
+            sys.stderr.write(f"verify: rank {rank}: case raised: {case.command(args.impl)}\n{traceback.format_exc()}")
+            sys.stderr.flush()
+            os._exit(1)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        done.set()
+        return gathered, {k: None if v is None else {n: t.cpu() for n, t in v.items()} for k, v in expected.items()}
+
+    reporter = Reporter(quiet, full_table=getattr(args, "full_table", False))
+    t0 = time.perf_counter()
+    session = Session(args.impl, in_process=in_process)
+    with reporter.progress(len(cases), label=f"verifying (torchrun, {world} ranks, {device.type})") as advance:
+        results = session.run(cases, on_result=advance)
+    wall = time.perf_counter() - t0
+    if rank == 0:
+        if len(results) == 1 and getattr(args, "command", "") == "case":
+            print_case(results[0], console)
+        else:
+            reporter.summary(results, wall, args.impl)
+        if args.json:
+            write_json(args.json, results, wall, args.impl, {"backend": dist.get_backend(), "world": world})
+    dist.barrier()
+    return 0 if all(r.ok for r in results) else 1

@@ -1,0 +1,328 @@
+"""A persistent pool of ranks: spawn a process group once, feed it many tasks, never hang.
+
+Each worker joins a gloo (or NCCL) group through a ``FileStore`` in a private temporary directory, then runs
+tasks sent by the parent: a task is a picklable top-level callable plus arguments, run on every rank. Workers
+assert; the parent reports. Every task has a deadline. A task that raises on any rank, a rank that dies, or
+a deadline that passes ends with the whole group killed (so no rank stays stuck in a collective), an error
+naming the task and the ranks, with every worker's traceback, and a fresh group on the next task.
+
+    with WorkerPool(world=2) as pool:
+        results = pool.run(some_module.fn, args=(1, 2), timeout=30, name="case 7")   # one result per rank
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+__all__ = ["PoolError", "TaskFailure", "WorkerPool"]
+
+_GRACE_S = 2.0  # after one rank fails, how long the others get to report before the group is killed
+
+
+@dataclass
+class TaskFailure:
+    """What went wrong with one task, per rank."""
+
+    name: str
+    kind: str  # "error" | "timeout" | "crash"
+    ranks: list[int]  # the ranks that raised, hung or died
+    details: dict[int, str]  # rank -> traceback or description
+
+    def summary(self) -> str:
+        what = {"error": "raised", "timeout": "did not finish before the deadline", "crash": "died"}[self.kind]
+        return f"{self.name}: rank(s) {self.ranks} {what}"
+
+    def __str__(self) -> str:
+        parts = [self.summary()]
+        for r in sorted(self.details):
+            parts.append(f"--- rank {r} ---\n{self.details[r].rstrip()}")
+        return "\n".join(parts)
+
+
+class PoolError(RuntimeError):
+    def __init__(self, failure: TaskFailure):
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+# ---- worker side ----------------------------------------------------------------------------------------
+_worker_env: dict[str, Any] = {}
+
+
+def worker_info() -> dict[str, Any]:
+    """Inside a pool worker: ``rank``, ``world``, ``backend``, ``device`` and a lazily built ``cp_mesh``."""
+    if "cp_mesh" not in _worker_env and _worker_env:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _worker_env["cp_mesh"] = init_device_mesh(_worker_env["device_type"], (_worker_env["world"],))
+    return _worker_env
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the parent is gone, so that no worker outlives its run."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def _worker_main(rank: int, world: int, store_path: str, backend: str, conn: Connection, progress, threads: int,
+                 parent_pid: int, timeout_s: float) -> None:
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    _worker_env.update(rank=rank, world=world, backend=backend, device_type=device_type)
+    conn.send(("ready", rank))
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            task_id, fn, args, kwargs = msg
+            progress[rank] = task_id
+            try:
+                result = ("ok", fn(*args, **kwargs))
+            except BaseException:  # noqa: BLE001 - everything travels back to the parent
+                result = ("error", traceback.format_exc())
+            progress[rank] = -1
+            conn.send((task_id, result))
+            if result[0] == "error":
+                break  # peers may be stuck in a collective; the parent kills and respawns the group
+    finally:
+        conn.close()
+    os._exit(0)  # skip interpreter teardown (and process-group destruction, which can block on dead peers)
+
+
+# ---- parent side ----------------------------------------------------------------------------------------
+_STOP = object()
+
+
+def _feeder(feed: queue.SimpleQueue, conn: Connection) -> None:
+    """Send queued messages to one worker until told to stop (or the worker is gone)."""
+    while True:
+        msg = feed.get()
+        if msg is _STOP:
+            return
+        try:
+            conn.send(msg)
+        except (OSError, BrokenPipeError, ValueError):
+            return
+        if msg is None:
+            return
+
+class WorkerPool:
+    """``world`` ranks in one process group, reused for many tasks; see the module docstring."""
+
+    def __init__(
+        self,
+        world: int,
+        *,
+        backend: str = "gloo",
+        threads_per_worker: int | None = None,
+        start_timeout: float = 120.0,
+        collective_timeout: float = 300.0,
+    ) -> None:
+        self.world = world
+        self.backend = backend
+        self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world)
+        self.start_timeout = start_timeout
+        self.collective_timeout = collective_timeout
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[mp.Process] = []
+        self._conns: list[Connection] = []
+        self._feeds: list[queue.SimpleQueue] = []
+        self._dir: str | None = None
+        self._next_task = 0
+        self.spawns = 0
+
+    # -- lifecycle --
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def start(self) -> None:
+        """Spawn the group (if not running) and wait until every rank has joined it."""
+        if self._procs:
+            return
+        self._dir = tempfile.mkdtemp(prefix="blockdiag-pool-")  # private (0700): the rendezvous file lives here
+        store = os.path.join(self._dir, "store")
+        self._progress = self._ctx.Array("q", [-1] * self.world, lock=False)
+        for rank in range(self.world):
+            parent_conn, child_conn = self._ctx.Pipe()
+            p = self._ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world, store, self.backend, child_conn, self._progress, self.threads, os.getpid(),
+                      self.collective_timeout),
+                daemon=True,
+                name=f"blockdiag-rank{rank}",
+            )
+            p.start()
+            child_conn.close()
+            self._procs.append(p)
+            self._conns.append(parent_conn)
+            # a feeder thread per worker sends tasks, so that the parent never blocks on a full pipe while the
+            # worker blocks sending results back
+            feed: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_feeder, args=(feed, parent_conn), daemon=True).start()
+            self._feeds.append(feed)
+        self.spawns += 1
+        ready = self._collect(lambda msg: msg[0] == "ready", time.monotonic() + self.start_timeout, "pool start")
+        if isinstance(ready, TaskFailure):
+            self.kill()
+            raise PoolError(ready)
+
+    def kill(self) -> None:
+        """Kill every worker now and wait for them (no stray processes)."""
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        for feed in self._feeds:
+            feed.put(_STOP)
+        for c in self._conns:
+            c.close()
+        self._procs, self._conns, self._feeds = [], [], []
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def close(self) -> None:
+        """Stop the workers politely, then make sure they are gone."""
+        for feed in self._feeds:
+            feed.put(None)
+        deadline = time.monotonic() + 5
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    # -- tasks --
+    def run(
+        self,
+        fn: Callable,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float,
+        name: str = "task",
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results, or raise :class:`PoolError`
+        (the group is then killed; the next call respawns it)."""
+        out = self.run_many(fn, [(args, kwargs or {})], timeout=timeout, names=[name])
+        item = next(out)
+        if isinstance(item, TaskFailure):
+            raise PoolError(item)
+        return item
+
+    def run_many(
+        self,
+        fn: Callable,
+        calls: Sequence[tuple[Sequence[Any], dict[str, Any]]],
+        *,
+        timeout: float,
+        names: Sequence[str],
+    ) -> Iterator[list[Any] | TaskFailure]:
+        """Send several calls at once (they run back to back on every rank) and yield, in order, each call's
+        per-rank results or its :class:`TaskFailure`. ``timeout`` is per call. After a failure the group is
+        killed and the remaining calls are not run (the generator stops)."""
+        ids = self.submit(fn, calls)
+        for task_id, name in zip(ids, names):
+            item = self.collect(task_id, timeout=timeout, name=name)
+            yield item
+            if isinstance(item, TaskFailure):
+                return
+
+    def submit(self, fn: Callable, calls: Sequence[tuple[Sequence[Any], dict[str, Any]]]) -> list[int]:
+        """Queue calls on every rank without waiting; returns their task ids for :meth:`collect`."""
+        self.start()
+        ids = list(range(self._next_task, self._next_task + len(calls)))
+        self._next_task += len(calls)
+        for feed in self._feeds:
+            for task_id, (args, kwargs) in zip(ids, calls):
+                feed.put((task_id, fn, tuple(args), dict(kwargs)))
+        return ids
+
+    def collect(self, task_id: int, *, timeout: float, name: str) -> list[Any] | TaskFailure:
+        """Wait (at most ``timeout`` seconds from now) for one submitted call's per-rank results. On a failure
+        the group is killed (every later submitted call is lost) and the :class:`TaskFailure` is returned."""
+        if not self._procs:
+            return TaskFailure(name, "crash", [], {-1: "the group was killed by an earlier failure"})
+        results = self._collect(lambda msg: msg[0] == task_id, time.monotonic() + timeout, name)
+        if isinstance(results, TaskFailure):
+            self.kill()
+        return results
+
+    def _collect(self, match: Callable[[tuple], bool], deadline: float, name: str) -> list[Any] | TaskFailure:
+        """Wait for one matching message from every rank (the message's payload is msg[1])."""
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        pending = set(range(self.world))
+        by_conn = {c: r for r, c in enumerate(self._conns)}
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
+        while pending:
+            if errors:
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if errors:
+                    return TaskFailure(name, "error", sorted(errors), {**errors, **self._stuck(pending)})
+                return TaskFailure(name, "timeout", sorted(pending), self._stuck(pending))
+            ready = wait([self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending], timeout=left)
+            for obj in ready:
+                if obj in by_sentinel:
+                    r = by_sentinel[obj]
+                    if r in pending and not self._conns[r].poll():
+                        self._procs[r].join(timeout=1)
+                        code = self._procs[r].exitcode
+                        detail = f"process exited with code {code}" + (" (killed by a signal)" if code and code < 0 else "")
+                        return TaskFailure(name, "crash", [r], {r: detail, **errors})
+                    continue
+                r = by_conn[obj]
+                try:
+                    msg = obj.recv()
+                except (EOFError, OSError):
+                    return TaskFailure(name, "crash", [r], {r: "connection to the worker closed", **errors})
+                if not match(msg):
+                    continue
+                payload = msg[1]
+                pending.discard(r)
+                if isinstance(payload, tuple) and len(payload) == 2 and payload[0] == "error":
+                    errors[r] = payload[1]
+                else:
+                    results[r] = payload[1] if isinstance(payload, tuple) and payload[0] == "ok" else payload
+        if errors:
+            return TaskFailure(name, "error", sorted(errors), errors)
+        return [results[r] for r in range(self.world)]
+
+    def _stuck(self, ranks: set[int]) -> dict[int, str]:
+        return {r: f"still running task {self._progress[r]} at the deadline" for r in sorted(ranks)}

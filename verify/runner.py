@@ -1,0 +1,348 @@
+"""One case on one rank: a small attention block run three ways, then compared.
+
+The block: ``inputs_embeds [B, S, E]`` -> projections ``q, k, v`` -> attention -> output projection to a
+small vocabulary -> summed cross-entropy against labels with ``-100`` on padding and at random positions.
+
+1. reference: float64, single device, ``blockdiag_ref.reference_attention``;
+2. baseline (dtypes below float64): the case's dtype, single device, stock SDPA with the dense
+   per-document mask; its error against the reference sets the tolerance (see ``tolerances.py``);
+3. implementation: the case's dtype, CP-sharded through ``make_cp_blockdiag_batch_and_ctx`` and
+   ``cp_blockdiag_sdpa`` of the module under test.
+
+Every rank builds the same inputs from one seeded generator (nothing is broadcast) and checks its own rows:
+outputs of real rows; padding rows exactly 0; grads of q, k, v (padding rows exactly 0); and, summed over
+ranks, grads of ``inputs_embeds`` through the differentiable slice, grads of the projection weights and the
+loss. When the module reports its exchange (a step state with ``traffic`` and ``comm_report``), the bytes it
+moved are checked against its plan too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from blockdiag_ref import DocLayout, reference_attention
+
+from .cases import Case
+from .tolerances import judge
+
+__all__ = ["ImplInfo", "check_case", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
+
+VOCAB = 11
+
+
+class ImplInfo:
+    """What a module under test offers: the two seed functions, plus optional keyword options."""
+
+    def __init__(self, module_name: str):
+        self.name = module_name
+        self.module = importlib.import_module(module_name)
+        for fn in ("make_cp_blockdiag_batch_and_ctx", "cp_blockdiag_sdpa"):
+            if not callable(getattr(self.module, fn, None)):
+                raise ValueError(f"--impl {module_name}: expected a module exposing {fn}(), it has none")
+        self.make = self.module.make_cp_blockdiag_batch_and_ctx
+        self.sdpa = self.module.cp_blockdiag_sdpa
+        make_params = inspect.signature(self.make).parameters
+        self.options = {o for o in ("kernel", "kv_exchange", "layout") if o in make_params}
+        self.windows = "window_size" in inspect.signature(self.sdpa).parameters
+
+    def supports(self, case: Case) -> bool:
+        wanted = {"kernel": case.kernel, "kv_exchange": case.exchange, "layout": case.layout}
+        if any(v is not None and k not in self.options for k, v in wanted.items()):
+            return False
+        return case.window < 0 or self.windows
+
+
+_impls: dict[str, ImplInfo] = {}
+
+
+def impl_info(module_name: str) -> ImplInfo:
+    if module_name not in _impls:
+        _impls[module_name] = ImplInfo(module_name)
+    return _impls[module_name]
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------
+def make_inputs(case: Case) -> dict[str, Tensor]:
+    """float64 master inputs, identical on every rank (one seeded generator)."""
+    g = torch.Generator().manual_seed(1000 + case.seed)
+    B, S, E = case.batch_size, case.seq_len, case.hidden
+    ids = torch.tensor(case.doc_ids(), dtype=torch.int64)
+    f64 = torch.float64
+
+    def w(*shape: int, gain: float = 1.0) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=f64) * (gain / math.sqrt(shape[0]))
+
+    labels = torch.randint(0, VOCAB, (B, S), generator=g)
+    labels[(torch.rand(B, S, generator=g) < 0.2) | (ids == 0)] = -100
+    return {
+        "doc_ids": ids,
+        "x": torch.randn(B, S, E, generator=g, dtype=f64),
+        "wq": w(E, case.hq * case.dim, gain=2.0),
+        "wk": w(E, case.hkv * case.dim, gain=2.0),
+        "wv": w(E, case.hkv * case.dim),
+        "wo": w(case.hq * case.dim, VOCAB),
+        "labels": labels,
+    }
+
+
+def _block(case: Case, x: Tensor, ws: dict[str, Tensor], labels: Tensor, attend) -> dict[str, Tensor]:
+    """Run the block; returns q, k, v (grads retained), out and loss."""
+    B, L, _ = x.shape
+    q = (x @ ws["wq"]).view(B, L, case.hq, case.dim).transpose(1, 2)
+    k = (x @ ws["wk"]).view(B, L, case.hkv, case.dim).transpose(1, 2)
+    v = (x @ ws["wv"]).view(B, L, case.hkv, case.dim).transpose(1, 2)
+    for t in (q, k, v):
+        t.retain_grad()
+    out = attend(q, k, v)
+    logits = out.transpose(1, 2).reshape(B, L, case.hq * case.dim) @ ws["wo"]
+    loss_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB).to(loss_dtype), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return {"q": q, "k": k, "v": v, "out": out, "loss": loss}
+
+
+def _leaves(inputs: dict[str, Tensor], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, dict[str, Tensor]]:
+    """Fresh leaves for one run (never the master tensors: runs must not share gradients)."""
+
+    def leaf(t: Tensor) -> Tensor:
+        return t.detach().to(device=device, dtype=dtype, copy=True).requires_grad_()
+
+    return leaf(inputs["x"]), {k: leaf(inputs[k]) for k in ("wq", "wk", "wv", "wo")}
+
+
+def _single_device(case: Case, inputs: dict[str, Tensor], dtype: torch.dtype, device: torch.device, reference: bool) -> dict:
+    layout = DocLayout.from_doc_ids(inputs["doc_ids"])
+    window = (case.window, 0) if case.window >= 0 else None
+    x, ws = _leaves(inputs, dtype, device)
+    if reference:
+        def attend(q, k, v):
+            return reference_attention(q, k, v, layout, enable_gqa=True, window_size=window)
+    else:
+        mask = layout.materialize_mask(window_size=window).to(device)
+        pad = layout.padding_mask.to(device)[:, None, :, None]
+
+        def attend(q, k, v):
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            return torch.where(pad, 0.0, o)
+
+    res = _block(case, x, ws, inputs["labels"].to(device), attend)
+    res["loss"].backward()
+    return {
+        "out": res["out"].detach(), "loss": res["loss"].detach(), "x": x.grad,
+        **{f"d{n}": res[n].grad for n in ("q", "k", "v")}, **{f"d{n}": ws[n].grad for n in ws},
+    }
+
+
+# ---- the implementation under CP ----------------------------------------------------------------------
+def _impl_batch(case: Case, inputs: dict[str, Tensor], x: Tensor, device: torch.device) -> dict[str, Any]:
+    B, S = case.batch_size, case.seq_len
+    ids = inputs["doc_ids"].to(device)
+    batch: dict[str, Any] = {
+        "inputs_embeds": x,
+        "labels": inputs["labels"].to(device),
+        "position_ids": torch.arange(S, device=device).expand(B, S).clone(),
+    }
+    if case.source == "packed":
+        batch["_packed_seq_ids"] = ids
+    elif case.source == "mask2d":
+        batch["attention_mask"] = ids
+    else:
+        batch["attention_mask"] = DocLayout.from_doc_ids(ids.cpu()).materialize_mask().to(device)
+    return batch
+
+
+def _run_impl(case: Case, impl: ImplInfo, inputs: dict[str, Tensor], dtype, device, cp_mesh) -> dict:
+    x, ws = _leaves(inputs, dtype, device)
+    batch = _impl_batch(case, inputs, x, device)
+    opts = {k: v for k, v in (("kernel", case.kernel), ("kv_exchange", case.exchange), ("layout", case.layout)) if v}
+    train_ctx, batch = impl.make(cp_mesh, None, batch, **opts)
+    sdpa_kwargs: dict[str, Any] = {"enable_gqa": case.hq != case.hkv}
+    if case.window >= 0:
+        sdpa_kwargs["window_size"] = (case.window, 0)
+    with train_ctx():
+        res = _block(case, batch["inputs_embeds"], ws, batch["labels"], lambda q, k, v: impl.sdpa(q, k, v, **sdpa_kwargs))
+        res["loss"].backward()
+    state = getattr(train_ctx, "state", None)
+    return {
+        "res": res, "x": x, "ws": ws, "positions": batch["position_ids"], "padding": batch["padding_mask"],
+        "state": state,
+    }
+
+
+# ---- comparison -----------------------------------------------------------------------------------------
+class _Metrics:
+    """Per-quantity errors and verdicts. ``scale`` is the largest reference magnitude of the quantity, or of
+    its group when larger: grads of q and k are exactly 0 under a window of 0 (a softmax over one key), so
+    their own magnitude cannot scale rounding noise; the group's (q, k, v) can."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+        self.rows: dict[str, dict[str, Any]] = {}
+
+    def close(self, name: str, got: Tensor | None, ref: Tensor, base: Tensor | None, group_scale: float = 0.0) -> None:
+        if got is None:
+            self.rows[name] = {"err": math.inf, "scale": 0.0, "limit": 0.0, "ok": False, "why": "no gradient reached it"}
+            return
+        got64, ref64 = got.detach().double().cpu(), ref.detach().double().cpu()
+        if got64.shape != ref64.shape:
+            self.rows[name] = {"err": math.inf, "scale": 0.0, "limit": 0.0, "ok": False,
+                               "why": f"shape {tuple(got64.shape)} != reference {tuple(ref64.shape)}"}
+            return
+        err = (got64 - ref64).abs().max().item() if ref64.numel() else 0.0
+        if math.isnan(err):
+            err = math.inf
+        scale = max(ref64.abs().max().item() if ref64.numel() else 0.0, group_scale)
+        base_err = None if base is None else ((base.detach().double().cpu() - ref64).abs().max().item() if ref64.numel() else 0.0)
+        limit, ok = judge(self.dtype, err, scale, base_err)
+        self.rows[name] = {"err": err, "scale": scale, "limit": limit, "ok": ok, "base": base_err}
+
+    def exact_zero(self, name: str, got: Tensor | None) -> None:
+        if got is None:
+            self.rows[name] = {"err": math.inf, "scale": 0.0, "limit": 0.0, "ok": False, "why": "no gradient reached it"}
+            return
+        vals = got.detach().double().cpu()
+        err = vals.abs().max().item() if vals.numel() else 0.0
+        err = math.inf if math.isnan(err) else err
+        self.rows[name] = {"err": err, "scale": 0.0, "limit": 0.0, "ok": err == 0.0, "exact": True}
+
+    def equal(self, name: str, got: int, expected: int) -> None:
+        self.rows[name] = {"err": float(abs(got - expected)), "scale": float(expected), "limit": 0.0,
+                           "ok": got == expected, "got": got, "expected": expected}
+
+
+def _heads_view(t: Tensor) -> Tensor:
+    """[B, H, L, D] -> [B, L, H, D] so that row selection by (b, l) keeps heads and dims together."""
+    return t.transpose(1, 2)
+
+
+def expected_results(case: Case, device: torch.device | str = "cpu") -> dict[str, dict[str, Tensor] | None]:
+    """The reference (float64) and, below float64, the single-device baseline of a case."""
+    device = torch.device(device)
+    inputs = make_inputs(case)
+    ref = _single_device(case, inputs, torch.float64, device, reference=True)
+    base = None if case.dtype == "float64" else _single_device(case, inputs, getattr(torch, case.dtype), device, reference=False)
+    return {"ref": ref, "base": base}
+
+
+def pack_expected(expected: dict) -> dict:
+    """Plain numpy arrays, to travel to the workers by value (no shared-memory tensors)."""
+    return {k: None if v is None else {n: t.detach().cpu().numpy() for n, t in v.items()} for k, v in expected.items()}
+
+
+def unpack_expected(packed: dict) -> dict:
+    return {k: None if v is None else {n: torch.from_numpy(a) for n, a in v.items()} for k, v in packed.items()}
+
+
+def check_case(
+    case: Case, impl: ImplInfo, cp_mesh, rank: int, world: int, device: torch.device, expected: dict | None = None
+) -> dict:
+    """Run the implementation on this rank and compare with ``expected`` (computed here when not given)."""
+    dtype = getattr(torch, case.dtype)
+    inputs = make_inputs(case)
+    expected = expected_results(case, device) if expected is None else unpack_expected(expected)
+    ref, base = expected["ref"], expected["base"]
+    run = _run_impl(case, impl, inputs, dtype, device, cp_mesh)
+    res = run["res"]
+    m = _Metrics(case.dtype)
+
+    pos = run["positions"].to(torch.int64)
+    pos = pos[0] if pos.dim() == 3 else pos  # [B, L]
+    padding = run["padding"].to(torch.bool)
+    B = case.batch_size
+    b_idx = torch.arange(B, device=pos.device)[:, None].expand_as(pos)
+    real = ~padding
+    rb, rp = b_idx[real], pos[real]  # global (row, position) of this rank's real rows
+
+    def rows_of(full: Tensor | None) -> Tensor | None:
+        return None if full is None else _heads_view(full)[rb, rp]
+
+    def base_rows(name: str) -> Tensor | None:
+        return None if base is None else rows_of(base[name])
+
+    out_local = _heads_view(res["out"].detach())
+    m.close("out", out_local[real], rows_of(ref["out"]), base_rows("out"))
+    m.exact_zero("out_padding_rows", out_local[padding])
+    qkv_scale = max(ref[f"d{n}"].abs().max().item() for n in ("q", "k", "v"))
+    for n in ("q", "k", "v"):
+        g = res[n].grad
+        m.close(f"d{n}", None if g is None else _heads_view(g)[real], rows_of(ref[f"d{n}"]), base_rows(f"d{n}"), qkv_scale)
+        m.exact_zero(f"d{n}_padding_rows", None if g is None else _heads_view(g)[padding])
+
+    # this rank's contributions to quantities summed over ranks; whoever merges the ranks adds them up
+    partials = {"dinputs_embeds": run["x"].grad, "loss": res["loss"].detach()}
+    partials.update({f"dW{n[1]}": run["ws"][n].grad for n in ("wq", "wk", "wv", "wo")})
+
+    state = run["state"]
+    info: dict[str, Any] = {"rank": rank}
+    if state is not None and hasattr(state, "traffic") and hasattr(state, "comm_report"):
+        bytes_per_token = case.hkv * 2 * case.dim * torch.empty((), dtype=dtype).element_size()
+        report = state.comm_report(case.window, bytes_per_token=bytes_per_token)
+        fwd = state.traffic.totals("forward")
+        bwd = state.traffic.totals("backward")
+        m.equal("recv_bytes_fwd", fwd["recv_bytes"], report["recv"][rank])
+        m.equal("sent_bytes_fwd", fwd["sent_bytes"], report["sent"][rank])
+        m.equal("recv_bytes_bwd", bwd["recv_bytes"], report["sent"][rank])
+        if report["mode"] in ("halo", "a2a", "local"):
+            m.equal("recv_bytes_vs_min", fwd["recv_bytes"], report["min_recv"][rank])
+        info.update(mode=report["mode"], reason=report["reason"], notes=list(getattr(state, "notes", [])))
+    info["metrics"] = m.rows
+    info["partials"] = {k: None if t is None else t.detach().double().cpu().numpy() for k, t in partials.items()}
+    return info
+
+
+SUMMED = (("dinputs_embeds", "x"), ("dWq", "dwq"), ("dWk", "dwk"), ("dWv", "dwv"), ("dWo", "dwo"), ("loss", "loss"))
+
+
+def summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> dict[str, dict[str, Any]]:
+    """Check the quantities summed over ranks (grads of inputs_embeds and of the weights, the loss): the sum
+    of every rank's contribution, in float64 and rank order, against the reference. A rank whose part never
+    received a gradient contributes nothing; no gradient on any rank fails."""
+    ref, base = expected["ref"], expected["base"]
+    m = _Metrics(case.dtype)
+    w_scale = max(ref[k].abs().max().item() for k in ("dwq", "dwk", "dwv", "dwo"))
+    for label, key in SUMMED:
+        parts = [info["partials"][label] for info in per_rank if info["partials"].get(label) is not None]
+        got = None
+        if parts:
+            total = parts[0].copy()
+            for p in parts[1:]:
+                total += p
+            got = torch.from_numpy(total).view_as(ref[key])
+        m.close(label, got, ref[key], None if base is None else base[key], w_scale if key.startswith("dw") else 0.0)
+    return m.rows
+
+
+# ---- entry points for pool workers and torchrun ----------------------------------------------------------
+def _env():
+    from .pool import worker_info
+
+    env = worker_info()
+    if env:
+        return env["cp_mesh"], env["rank"], env["world"], torch.device(env["device_type"])
+    from .launch import torchrun_env
+
+    return torchrun_env()
+
+
+def run_case(case_dict: dict, impl_name: str, expected: dict | None = None) -> dict:
+    """Run one case on this rank (inside a pool worker or a torchrun process); ``expected`` is
+    :func:`pack_expected` output computed by the parent, or None to compute it here."""
+    cp_mesh, rank, world, device = _env()
+    case = case_from_dict(case_dict)
+    if case.cp != world:
+        raise ValueError(f"case needs CP {case.cp}, this group has {world} ranks")
+    return check_case(case, impl_info(impl_name), cp_mesh, rank, world, device, expected)
+
+
+def case_from_dict(d: dict) -> Case:
+    from .cases import parse_rows
+
+    d = dict(d)
+    d["rows"] = parse_rows(d["rows"]) if isinstance(d["rows"], str) else d["rows"]
+    return Case(**d)
