@@ -136,7 +136,7 @@ def make_cp_blockdiag_batch_and_ctx(
     kv_exchange: str | None = None,
     kernel: str | None = None,
     layout: str = "contiguous",
-    window_sizes: Sequence[Sequence[int] | None] = (),
+    window_sizes: Sequence[Sequence[int] | None] | None = None,
     check_consensus: bool | None = None,
 ) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
     """Shard a packed batch for block-diagonal CP and build the step state.
@@ -156,8 +156,8 @@ def make_cp_blockdiag_batch_and_ctx(
         kv_exchange: ``auto`` (default) | ``allgather`` | ``halo`` | ``a2a`` (and synonyms).
         kernel: ``auto`` (default, = ``varlen``) | ``varlen`` | ``dense`` (and synonyms).
         layout: how rows are assigned to ranks; ``contiguous`` (the seed's sequential sharding).
-        window_sizes: windows whose plans to build now (the unwindowed plan is always built here);
-            any other window is planned on its first use in the step.
+        window_sizes: the windows the model's attention calls use; their plans are built here (default:
+            the unwindowed one). A window not listed is planned on its first use in the step.
         check_consensus: all-gather a fingerprint of each plan and raise ``PlanMismatchError`` naming the
             disagreeing ranks (debug switch; default from ``BLOCKDIAG_CHECK_CONSENSUS=1``).
 
@@ -173,7 +173,7 @@ def make_cp_blockdiag_batch_and_ctx(
     kernel_requested = defaults.get("kernel_requested", defaults["kernel"]) if kernel is None else kernel
     kernel_name = resolve_kernel(kernel_requested)
     layout = resolve_layout(layout)
-    lefts = [normalize_window(w) for w in window_sizes]
+    lefts = [-1] if window_sizes is None else sorted({normalize_window(w) for w in window_sizes})
     if not isinstance(padding_token_id, int):
         raise ValueError(f"padding_token_id: expected an int, got {type(padding_token_id).__name__}")
     group, world, rank = _mesh_info(cp_mesh)
@@ -190,7 +190,7 @@ def make_cp_blockdiag_batch_and_ctx(
     substitution = kernel_substitution(kernel_requested)
     if substitution:
         state.note(f"kernel {kernel_requested!r}: {substitution}")
-    for left in [-1, *lefts]:
+    for left in lefts:
         state.window_plan(left)
 
     # ---- mutation starts here: everything above may raise, nothing below does ---------------------------

@@ -48,8 +48,8 @@ class ImplInfo:
                 raise ValueError(f"--impl {module_name}: expected a module exposing {fn}(), it has none")
         self.make = self.module.make_cp_blockdiag_batch_and_ctx
         self.sdpa = self.module.cp_blockdiag_sdpa
-        make_params = inspect.signature(self.make).parameters
-        self.options = {o for o in ("kernel", "kv_exchange", "layout") if o in make_params}
+        self.make_params = set(inspect.signature(self.make).parameters)
+        self.options = {o for o in ("kernel", "kv_exchange", "layout") if o in self.make_params}
         self.windows = "window_size" in inspect.signature(self.sdpa).parameters
 
     def supports(self, case: Case) -> bool:
@@ -161,6 +161,8 @@ def _run_impl(case: Case, impl: ImplInfo, inputs: dict[str, Tensor], dtype, devi
     x, ws = _leaves(inputs, dtype, device)
     batch = _impl_batch(case, inputs, x, device)
     opts = {k: v for k, v in (("kernel", case.kernel), ("kv_exchange", case.exchange), ("layout", case.layout)) if v}
+    if "window_sizes" in impl.make_params:
+        opts["window_sizes"] = [(case.window, 0) if case.window >= 0 else None]
     train_ctx, batch = impl.make(cp_mesh, None, batch, **opts)
     sdpa_kwargs: dict[str, Any] = {"enable_gqa": case.hq != case.hkv}
     if case.window >= 0:
