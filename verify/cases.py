@@ -18,6 +18,7 @@ Rows = tuple[tuple[tuple[int, int], ...], ...]  # rows of (doc id, run length)
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 SOURCES = ("packed", "mask4d", "mask2d")
+CHECKPOINTS = ("none", "reentrant", "nonreentrant")
 
 
 def parse_rows(text: str) -> Rows:
@@ -82,6 +83,7 @@ class Case:
     seed: int = 0
     source: str = "packed"  # how doc ids reach the implementation: _packed_seq_ids, a 4-D or a 2-D mask
     hidden: int = 6
+    checkpoint: str = "none"  # activation checkpointing around the attention call: none | reentrant | nonreentrant
 
     def __post_init__(self) -> None:
         if self.cp < 1:
@@ -92,6 +94,8 @@ class Case:
             raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
         if self.source not in SOURCES:
             raise ValueError(f"source: expected one of {SOURCES}, got {self.source!r}")
+        if self.checkpoint not in CHECKPOINTS:
+            raise ValueError(f"checkpoint: expected one of {CHECKPOINTS}, got {self.checkpoint!r}")
 
     @property
     def batch_size(self) -> int:
@@ -107,7 +111,8 @@ class Case:
     def label(self) -> str:
         opts = "/".join(x for x in (self.kernel, self.exchange, self.layout) if x)
         win = f" w{self.window}" if self.window >= 0 else ""
-        return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win} {opts} {self.dtype} {self.source}".replace("  ", " ")
+        ckpt = f" ckpt-{self.checkpoint}" if self.checkpoint != "none" else ""
+        return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win} {opts} {self.dtype} {self.source}{ckpt}".replace("  ", " ")
 
     def args(self) -> list[str]:
         """Command-line arguments of ``python -m verify case`` that replay exactly this case."""
@@ -116,6 +121,8 @@ class Case:
              "--hidden", str(self.hidden)]
         if self.window >= 0:
             a += ["--window", str(self.window)]
+        if self.checkpoint != "none":
+            a += ["--checkpoint", self.checkpoint]
         for flag, value in (("--kernel", self.kernel), ("--exchange", self.exchange), ("--layout", self.layout)):
             if value:
                 a += [flag, value]
@@ -147,6 +154,7 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", default="packed", choices=SOURCES)
     p.add_argument("--hidden", type=int, default=6)
     p.add_argument("--name", default="custom")
+    p.add_argument("--checkpoint", default="none", choices=CHECKPOINTS)
 
 
 def case_from_args(ns: argparse.Namespace) -> Case:
@@ -154,7 +162,7 @@ def case_from_args(ns: argparse.Namespace) -> Case:
     return Case(
         rows=parse_rows(ns.rows), cp=ns.cp, name=ns.name, hq=int(hq), hkv=int(hkv or hq), dim=ns.dim,
         window=ns.window, kernel=ns.kernel, exchange=ns.exchange, layout=ns.layout, dtype=ns.dtype, seed=ns.seed,
-        source=ns.source, hidden=ns.hidden,
+        source=ns.source, hidden=ns.hidden, checkpoint=ns.checkpoint,
     )
 
 
@@ -241,7 +249,8 @@ def default_matrix(
     applicable: Callable[[Case], bool] | None = None,
 ) -> Iterator[Case]:
     """Every named layout at every CP size, for every kernel x exchange x layout x dtype; heads, head dims,
-    windows and doc-id sources rotate across the cases so that each value meets every layout."""
+    windows, doc-id sources and activation checkpointing rotate across the cases so that each value meets
+    every layout."""
     k = 0
     for cp in cps:
         for name, make in NAMED_LAYOUTS.items():
@@ -257,6 +266,7 @@ def default_matrix(
                                 rows=rows, cp=cp, name=name, hq=hq, hkv=hkv, dim=DIMS[(k // 3) % len(DIMS)],
                                 window=WINDOWS[(k // 2) % len(WINDOWS)], kernel=kernel, exchange=exchange,
                                 layout=layout, dtype=dtype, seed=k, source=SOURCES[(k // 5) % len(SOURCES)],
+                                checkpoint=CHECKPOINTS[(k // 7) % len(CHECKPOINTS)],
                             )
                             k += 1
                             if applicable is None or applicable(case):

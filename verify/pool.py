@@ -42,7 +42,8 @@ class TaskFailure:
 
     def summary(self) -> str:
         what = {"error": "raised", "timeout": "did not finish before the deadline", "crash": "died"}[self.kind]
-        return f"{self.name}: rank(s) {self.ranks} {what}"
+        first = f" (rank {self.ranks[0]} first)" if self.kind == "error" and len(self.ranks) > 1 else ""
+        return f"{self.name}: rank(s) {self.ranks} {what}{first}"
 
     def __str__(self) -> str:
         parts = [self.summary()]
@@ -294,24 +295,21 @@ class WorkerPool:
                 deadline = min(deadline, time.monotonic() + _GRACE_S)
             left = deadline - time.monotonic()
             if left <= 0:
-                if errors:
-                    return TaskFailure(name, "error", sorted(errors), {**errors, **self._stuck(pending)})
+                if errors:  # ranks in the order their errors arrived: the first is the likely cause
+                    return TaskFailure(name, "error", list(errors), {**errors, **self._stuck(pending)})
                 return TaskFailure(name, "timeout", sorted(pending), self._stuck(pending))
             ready = wait([self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending], timeout=left)
             for obj in ready:
                 if obj in by_sentinel:
                     r = by_sentinel[obj]
                     if r in pending and not self._conns[r].poll():
-                        self._procs[r].join(timeout=1)
-                        code = self._procs[r].exitcode
-                        detail = f"process exited with code {code}" + (" (killed by a signal)" if code and code < 0 else "")
-                        return TaskFailure(name, "crash", [r], {r: detail, **errors})
+                        return TaskFailure(name, "crash", [r], {r: self._exit_detail(r), **errors})
                     continue
                 r = by_conn[obj]
                 try:
                     msg = obj.recv()
                 except (EOFError, OSError):
-                    return TaskFailure(name, "crash", [r], {r: "connection to the worker closed", **errors})
+                    return TaskFailure(name, "crash", [r], {r: self._exit_detail(r), **errors})
                 if not match(msg):
                     continue
                 payload = msg[1]
@@ -321,8 +319,19 @@ class WorkerPool:
                 else:
                     results[r] = payload[1] if isinstance(payload, tuple) and payload[0] == "ok" else payload
         if errors:
-            return TaskFailure(name, "error", sorted(errors), errors)
+            return TaskFailure(name, "error", list(errors), errors)
         return [results[r] for r in range(self.world)]
 
+    def _exit_detail(self, rank: int) -> str:
+        p = self._procs[rank]
+        p.join(timeout=2)
+        code = p.exitcode
+        if code is None:
+            return "the connection to the worker closed while it was still running"
+        return f"the process exited with code {code}" + (f" (killed by signal {-code})" if code < 0 else "")
+
     def _stuck(self, ranks: set[int]) -> dict[int, str]:
-        return {r: f"still running task {self._progress[r]} at the deadline" for r in sorted(ranks)}
+        return {
+            r: "still inside this task at the deadline (computing, or waiting in a collective for another rank)"
+            for r in sorted(ranks)
+        }

@@ -1,0 +1,22 @@
+"""Implementations with planted bugs, for proving that the verifier catches them.
+
+``verify.mutants.toy`` is a small, correct CP attention with the seed's API (contiguous shards, all-gather,
+dense per-document mask): ``python -m verify --impl verify.mutants.toy`` passes. Each other module is the
+same code with one bug that CP systems are known to ship:
+
+| module             | bug                                                                     | verifier reports |
+| ------------------ | ----------------------------------------------------------------------- | ---------------- |
+| `off_by_one`       | the causal mask lets each query see one future key                      | fail             |
+| `no_grad_reduce`   | backward of the all-gather keeps the local slice, no sum over ranks     | fail             |
+| `leak_across_docs` | causal over the whole row: packed documents see each other              | fail             |
+| `nonzero_padding`  | padding rows are not zeroed                                             | fail             |
+| `short_straddle`   | the previous rank's last key never arrives                              | fail             |
+| `skip_collective`  | rank 1 never enters the all-gather                                      | timeout          |
+| `raise_forward`    | rank 1 raises inside the forward                                        | error            |
+| `raise_backward`   | rank 1 raises inside the backward                                       | error            |
+| `kill_rank`        | rank 1 is killed (SIGKILL) inside the forward                           | crash            |
+"""
+
+from ._toy import BUGS
+
+__all__ = ["BUGS"]

@@ -1,0 +1,133 @@
+"""A deliberately small CP attention with the seed's API, and the bugs that CP systems get wrong.
+
+``make_toy(bug)`` returns ``(make_cp_blockdiag_batch_and_ctx, cp_blockdiag_sdpa)``. With ``bug=None`` it is
+correct (contiguous shards, all-gather of K and V, a dense per-document mask) and passes the verifier; each
+bug is one realistic mistake. The verifier must report every one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from blockdiag_ref import DocLayout, doc_ids_from_batch
+
+BUGS = (
+    "off_by_one",  # the causal mask lets each query see one future key
+    "no_grad_reduce",  # backward of the all-gather keeps the local slice instead of summing over ranks
+    "leak_across_docs",  # the mask is causal over the whole row: packed documents see each other
+    "nonzero_padding",  # padding rows are not zeroed (they attend to their own row's keys)
+    "short_straddle",  # keys of the previous rank are cut one token short for a straddling document
+    "skip_collective",  # rank 1 never enters the all-gather: the others wait for it
+    "raise_forward",  # rank 1 raises inside the forward
+    "raise_backward",  # rank 1 raises inside the backward
+    "kill_rank",  # rank 1 dies (SIGKILL) inside the forward
+)
+
+_state: dict[str, Any] = {}
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, world, bug):
+        ctx.group, ctx.world, ctx.bug = group, world, bug
+        out = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(out, x.contiguous(), group=group)
+        return torch.cat(out, dim=2)  # [B, H, W * L, D]
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.bug == "raise_backward" and dist.get_rank(ctx.group) == 1:
+            raise RuntimeError("planted bug: rank 1 raises in backward")
+        chunks = list(grad.contiguous().chunk(ctx.world, dim=2))
+        rank = dist.get_rank(ctx.group)
+        if ctx.bug == "no_grad_reduce":
+            return chunks[rank].contiguous(), None, None, None
+        out = torch.empty_like(chunks[rank])
+        dist.reduce_scatter(out, [c.contiguous() for c in chunks], group=ctx.group)
+        return out, None, None, None
+
+
+def make_toy(bug: str | None) -> tuple[Callable, Callable]:
+    assert bug is None or bug in BUGS, bug
+
+    def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask=None, padding_token_id=0):
+        group = None if cp_mesh is None else cp_mesh.get_group()
+        world = 1 if group is None else dist.get_world_size(group)
+        rank = 0 if group is None else dist.get_rank(group)
+        x = batch["inputs_embeds"]
+        B, S = x.shape[:2]
+        ids = doc_ids_from_batch(batch, S, B, x.device)
+        L = math.ceil(S / world)
+        pad = L * world - S
+        batch.pop("attention_mask", None)
+        batch["padding_mask"] = ids == 0
+        for key in list(batch):
+            t = batch[key]
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == (B, S):
+                value = {"labels": -100, "padding_mask": True}.get(key, 0)
+                t = torch.cat([t, torch.full((B, pad, *t.shape[2:]), value, dtype=t.dtype, device=t.device)], 1)
+                batch[key] = t[:, rank * L : (rank + 1) * L]
+        full_ids = F.pad(ids, (0, pad))
+        seg = DocLayout.from_doc_ids(full_ids.cpu()).segment_ids.to(x.device)
+        state = {"group": group, "world": world, "rank": rank, "L": L, "seg": seg}
+
+        @contextlib.contextmanager
+        def ctx():
+            _state["active"] = state
+            try:
+                yield
+            finally:
+                _state.pop("active", None)
+
+        return ctx, batch
+
+    def cp_blockdiag_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, window_size=None):
+        st = _state.get("active")
+        if st is None:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        rank, world, L = st["rank"], st["world"], st["L"]
+        if bug == "raise_forward" and rank == 1:
+            raise RuntimeError("planted bug: rank 1 raises in forward")
+        if bug == "kill_rank" and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if world > 1 and not (bug == "skip_collective" and rank == 1):
+            k = _AllGather.apply(key, st["group"], world, bug)
+            v = _AllGather.apply(value, st["group"], world, bug)
+        else:
+            k, v = key, value
+            if world > 1:  # the skipping rank attends locally and moves on
+                k = torch.cat([torch.zeros_like(key)] * rank + [key] + [torch.zeros_like(key)] * (world - rank - 1), 2)
+                v = torch.cat([torch.zeros_like(value)] * rank + [value] + [torch.zeros_like(value)] * (world - rank - 1), 2)
+        seg = st["seg"]  # [B, W * L]
+        qpos = torch.arange(rank * L, (rank + 1) * L, device=query.device)
+        kpos = torch.arange(world * L, device=query.device)
+        seg_q = seg[:, qpos][:, :, None]
+        seg_k = seg[:, None, :]
+        if bug == "leak_across_docs":
+            same = (seg_q != 0) & (seg_k != 0)
+        else:
+            same = (seg_q == seg_k) & (seg_q != 0)
+        causal = kpos[None, :] <= qpos[:, None] + (1 if bug == "off_by_one" else 0)
+        mask = same & causal[None]
+        if bug == "short_straddle" and rank > 0:
+            mask &= (kpos != rank * L - 1)[None, None, :]  # the previous rank's last token never arrives
+        if window_size is not None and window_size[0] >= 0:
+            mask &= kpos[None, None, :] >= qpos[None, :, None] - window_size[0]
+        pad_rows = seg_q[:, :, 0] == 0
+        if bug == "nonzero_padding":
+            mask = mask | (pad_rows[:, :, None] & (kpos[None, None, :] <= qpos[None, :, None]))
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=enable_gqa)
+        if bug != "nonzero_padding":
+            out = torch.where(pad_rows[:, None, :, None], 0.0, out)
+        return out
+
+    return make_cp_blockdiag_batch_and_ctx, cp_blockdiag_sdpa
