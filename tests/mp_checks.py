@@ -1,0 +1,68 @@
+"""Functions that tests run on every rank of a verify.pool.WorkerPool (importable by the spawned workers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from blockdiag_dist import PlanMismatchError, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+from verify.pool import worker_info
+
+
+def _batch(ids: torch.Tensor) -> dict:
+    return {"inputs_embeds": torch.zeros(*ids.shape, 3), "_packed_seq_ids": ids}
+
+
+class ClaimsFourRanks:
+    """A mesh whose process group holds fewer ranks than its size() claims."""
+
+    ndim = 1
+
+    def size(self) -> int:
+        return 4
+
+    def get_group(self):
+        return dist.group.WORLD
+
+
+def mesh_size_mismatch() -> str:
+    batch = _batch(torch.ones(1, 8, dtype=torch.long))
+    try:
+        make_cp_blockdiag_batch_and_ctx(ClaimsFourRanks(), None, batch)
+    except ValueError as exc:
+        assert "padding_mask" not in batch, "the batch was mutated before the error"
+        return str(exc)
+    raise AssertionError("no error for a mesh whose group size differs from its size")
+
+
+def consensus_mismatch() -> str:
+    """Rank 1 is given other doc ids than the others: with the consensus check on, every rank raises
+    naming the disagreeing ranks, instead of entering mismatched collectives."""
+    info = worker_info()
+    ids = torch.tensor([[1, 1, 1, 1, 1, 1, 2, 2]])
+    if info["rank"] == 1:
+        ids = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2]])
+    try:
+        make_cp_blockdiag_batch_and_ctx(info["cp_mesh"], None, _batch(ids), check_consensus=True)
+    except PlanMismatchError as exc:
+        return str(exc)
+    raise AssertionError("ranks with different plans were not detected")
+
+
+def traffic_per_mode(mode: str) -> dict:
+    """Bytes the exchange moved, forward and backward, for one step of a long document at this CP size."""
+    info = worker_info()
+    ids = torch.tensor([[1] * 10 + [2] * 7 + [0] * 3])
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(info["cp_mesh"], None, _batch(ids), kv_exchange=mode)
+    g = torch.Generator().manual_seed(0)
+    L = batch["inputs_embeds"].shape[1]
+    q, k, v = (torch.randn(1, 2, L, 4, generator=g, requires_grad=True) for _ in range(3))
+    with ctx():
+        cp_blockdiag_sdpa(q, k, v).sum().backward()
+    state = ctx.state
+    return {
+        "mode": state.window_plan(-1).mode,
+        "forward": state.traffic.totals("forward"),
+        "backward": state.traffic.totals("backward"),
+        "report": state.comm_report(-1, bytes_per_token=2 * 2 * 4 * 4),
+    }

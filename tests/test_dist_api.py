@@ -1,0 +1,259 @@
+"""blockdiag_dist's public face in one process: the batch function (padding, slicing, validation before
+mutation), cp_blockdiag_sdpa with and without a context, the routing helper and configure_cp_varlen.
+Multi-rank behaviour is in test_dist_multiproc.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import blockdiag_dist
+from blockdiag_dist import (
+    configure_cp_varlen,
+    cp_blockdiag_sdpa,
+    current_state,
+    make_cp_blockdiag_batch_and_ctx,
+    sdpa_routing,
+)
+from blockdiag_dist.batch import _shard
+from blockdiag_dist.plan import plan_shards
+from blockdiag_ref import DocLayout, reference_attention
+
+
+def batch_of(B=2, S=7, H=3, ids=None):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [3, 3, 0, 3, 4, 4, 4]]) if ids is None else ids
+    return {
+        "inputs_embeds": torch.randn(B, S, H, generator=g),
+        "labels": torch.randint(0, 5, (B, S), generator=g),
+        "position_ids": torch.arange(S).expand(B, S).clone(),
+        "_packed_seq_ids": ids,
+        "attention_mask": torch.ones(B, S, dtype=torch.long),
+        "extra_float": torch.randn(B, S, 2, generator=g),
+        "not_sequence": torch.randn(5),
+        "meta": "kept",
+    }
+
+
+def test_cp1_batch_is_padded_sliced_and_annotated():
+    batch = batch_of()
+    x = batch["inputs_embeds"].requires_grad_()
+    ctx, out = make_cp_blockdiag_batch_and_ctx(None, None, batch, loss_mask=torch.ones(2, 7))
+    assert out is batch
+    assert "attention_mask" not in batch
+    assert batch["padding_mask"].tolist() == [[False] * 5 + [True] * 2, [False, False, True] + [False] * 4]
+    assert torch.equal(batch["loss_mask"], torch.ones(2, 7))
+    assert batch["meta"] == "kept" and batch["not_sequence"].shape == (5,)
+    batch["inputs_embeds"].sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))  # the slice is differentiable
+    assert ctx.state.world == 1 and ctx.state.positions.tolist() == list(range(7))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_shards_of_every_rank_put_together_give_the_padded_tensor(world):
+    """Pure slicing, every rank in one process: each tensor kind with its pad value."""
+    S = 7
+    shards = plan_shards(S, world)
+    t = torch.arange(2 * S * 3).view(2, S, 3).float()
+    labels = torch.arange(2 * S).view(2, S)
+    mrope = torch.arange(3 * 2 * S).view(3, 2, S)
+    parts = [_shard(t, 1, 0.0, shards, r) for r in range(world)]
+    assert all(p.shape == (2, shards.local_len, 3) for p in parts)
+    assert torch.equal(torch.cat(parts, 1), F.pad(t, (0, 0, 0, shards.padded_len - S)))
+    lab = torch.cat([_shard(labels, 1, -100, shards, r) for r in range(world)], 1)
+    assert torch.equal(lab[:, :S], labels) and bool((lab[:, S:] == -100).all())
+    pos = torch.cat([_shard(mrope, 2, 0, shards, r) for r in range(world)], 2)
+    assert torch.equal(pos[:, :, :S], mrope) and bool((pos[:, :, S:] == 0).all())
+
+
+def test_input_ids_primary_pads_with_padding_token_id():
+    ids = torch.tensor([[5, 6, 7]])
+    batch = {"input_ids": ids, "position_ids": torch.tensor([[[0, 1, 2]]] * 3).view(3, 1, 3)}
+    make_cp_blockdiag_batch_and_ctx(None, None, batch, padding_token_id=9)
+    assert torch.equal(batch["input_ids"], ids) and batch["position_ids"].shape == (3, 1, 3)
+
+
+def assert_rejected_unchanged(batch, match, **kwargs):
+    """The call raises ValueError matching ``match`` and leaves every entry of the batch as it was: the same
+    objects, with the same contents."""
+    before = {k: (v, v.clone() if isinstance(v, torch.Tensor) and not v.is_meta else copy.deepcopy(v)) for k, v in batch.items()}
+    with pytest.raises(ValueError, match=match):
+        make_cp_blockdiag_batch_and_ctx(kwargs.pop("cp_mesh", None), None, batch, **kwargs)
+    assert batch.keys() == before.keys()
+    for k, (obj, content) in before.items():
+        assert batch[k] is obj, f"{k} was replaced before the error"
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            assert torch.equal(obj, content), f"{k} was modified in place before the error"
+
+
+@pytest.mark.parametrize(
+    "edit, match, kwargs",
+    [
+        pytest.param(lambda b: b.update(input_ids=torch.zeros(2, 7, dtype=torch.long)), r"exactly one primary stream.*got \['inputs_embeds', 'input_ids'\]", {}, id="both-streams"),
+        pytest.param(lambda b: b.pop("inputs_embeds"), "exactly one primary stream.*got neither", {}, id="no-stream"),
+        pytest.param(lambda b: b.update(inputs_embeds=torch.zeros(2, 7)), r"inputs_embeds: expected a float tensor \[B, S, H\], got torch.float32 of shape \(2, 7\)", {}, id="embeds-2d"),
+        pytest.param(lambda b: b.update(inputs_embeds=torch.zeros(2, 0, 3)), "expected B >= 1 and S >= 1, got B=2, S=0", {}, id="S=0"),
+        pytest.param(lambda b: b.update(labels=torch.zeros(2, 6, dtype=torch.long)), r"labels: expected shape \[B, S\] = \[2, 7\] like inputs_embeds, got \(2, 6\)", {}, id="labels-S"),
+        pytest.param(lambda b: b.update(labels=torch.zeros(3, 7, dtype=torch.long)), r"labels: expected shape \[B, S\] = \[2, 7\]", {}, id="labels-B"),
+        pytest.param(lambda b: b.update(position_ids=torch.zeros(7, dtype=torch.long)), r"position_ids: expected \[B, S\] = \[2, 7\] or \[n, B, S\]", {}, id="position-ids-1d"),
+        pytest.param(lambda b: b.update(position_ids=torch.zeros(3, 2, 6, dtype=torch.long)), r"position_ids: expected", {}, id="position-ids-3d-wrong-S"),
+        pytest.param(lambda b: b.update(_packed_seq_ids=-b["_packed_seq_ids"]), "negative id", {}, id="negative-ids"),
+        pytest.param(lambda b: b.update(_packed_seq_ids=b["_packed_seq_ids"].float()), "expected bool or integer ids, got dtype torch.float32", {}, id="float-ids"),
+        pytest.param(lambda b: (b.pop("_packed_seq_ids"), b.update(attention_mask=torch.ones(2, 1, 7, 7, dtype=torch.bool))), "block-causal", {}, id="4d-not-block-causal"),
+        pytest.param(lambda b: None, "kv_exchange: expected one of .*got 'ring'", {"kv_exchange": "ring"}, id="unknown-exchange"),
+        pytest.param(lambda b: None, "kernel: expected one of .*got 'triton'", {"kernel": "triton"}, id="unknown-kernel"),
+        pytest.param(lambda b: None, "layout: expected one of .*got 'zigzag2'", {"layout": "zigzag2"}, id="unknown-layout"),
+        pytest.param(lambda b: None, "right must be <= 0", {"window_sizes": [(4, 2)]}, id="window-right"),
+        pytest.param(lambda b: None, r"loss_mask: expected shape \[B, S\] = \[2, 7\], got \(7,\)", {"loss_mask": torch.ones(7)}, id="loss-mask-shape"),
+        pytest.param(lambda b: b.update(labels=torch.zeros(2, 7, dtype=torch.long, device="meta")), "expected every tensor on one device", {}, id="two-devices"),
+        pytest.param(lambda b: None, "cp_mesh: expected a 1-D DeviceMesh, a ProcessGroup or None, got str", {"cp_mesh": "cp"}, id="mesh-type"),
+    ],
+)
+def test_bad_input_raises_before_the_batch_is_touched(edit, match, kwargs):
+    batch = batch_of()
+    edit(batch)
+    assert_rejected_unchanged(batch, match, **kwargs)
+
+
+def test_batch_must_be_a_dict():
+    with pytest.raises(ValueError, match="batch: expected a dict of tensors, got list"):
+        make_cp_blockdiag_batch_and_ctx(None, None, [torch.zeros(1, 2, 3)])
+
+
+def qkv(B=2, Hq=4, Hkv=2, L=7, D=5, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, h, L, D, generator=g, dtype=dtype, requires_grad=True) for h in (Hq, Hkv, Hkv)]
+
+
+@pytest.mark.parametrize("kernel", ["varlen", "dense"])
+@pytest.mark.parametrize("window", [None, (0, 0), (2, 0), (3, -1)])
+def test_cp1_attention_equals_reference(kernel, window):
+    batch = batch_of()
+    ids = batch["_packed_seq_ids"].clone()
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, batch, kernel=kernel, window_sizes=[window])
+    q, k, v = qkv()
+    with ctx():
+        out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True, window_size=window)
+        grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+    ref = reference_attention(q, k, v, ids, enable_gqa=True, window_size=window)
+    ref_grads = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))
+    assert (out - ref).abs().max() <= 1e-12
+    for a, b in zip(grads, ref_grads):
+        assert (a - b).abs().max() <= 1e-12
+    pad = ids == 0
+    assert bool((out.transpose(1, 2)[pad] == 0).all())
+    assert bool((grads[1].transpose(1, 2)[pad] == 0).all()) and bool((grads[2].transpose(1, 2)[pad] == 0).all())
+
+
+def test_without_context_it_is_stock_sdpa():
+    q, k, v = qkv(Hkv=4)
+    mask = torch.rand(7, 7, generator=torch.Generator().manual_seed(1)) > 0.3
+    assert torch.equal(cp_blockdiag_sdpa(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert torch.equal(cp_blockdiag_sdpa(q, k, v, is_causal=True), F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert torch.equal(cp_blockdiag_sdpa(q, k, v, attn_mask=mask, scale=0.3), F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3))
+
+
+def test_window_without_context_is_a_causal_band():
+    q, k, v = qkv(Hkv=4)
+    band = DocLayout.from_seqlens([7]).materialize_mask(window_size=(2, 0))[0, 0]
+    assert torch.equal(cp_blockdiag_sdpa(q, k, v, window_size=(2, 0)), F.scaled_dot_product_attention(q, k, v, attn_mask=band))
+
+
+def test_context_replaces_mask_and_records_it():
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
+    q, k, v = qkv(Hkv=4)
+    with ctx():
+        a = cp_blockdiag_sdpa(q, k, v, is_causal=True)
+        b = cp_blockdiag_sdpa(q, k, v)
+    assert torch.equal(a, b)
+    assert any("attn_mask / is_causal replaced" in n for n in ctx.state.notes)
+
+
+def test_state_is_active_only_inside_the_context_and_visible_from_other_threads():
+    import threading
+
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
+    seen = []
+    with ctx():
+        t = threading.Thread(target=lambda: seen.append(current_state()))
+        t.start()
+        t.join()
+    assert seen == [ctx.state] and current_state() is None
+
+
+@pytest.mark.parametrize(
+    "shapes, kwargs, match",
+    [
+        pytest.param(((2, 4, 6, 5), (2, 2, 6, 5), (2, 2, 6, 5)), {"enable_gqa": True}, r"expected this rank's shard \[B=2, H, L=7, D\]", id="wrong-L"),
+        pytest.param(((2, 3, 7, 5), (2, 2, 7, 5), (2, 2, 7, 5)), {"enable_gqa": True}, "Hq a multiple of Hkv, got Hq=3, Hkv=2", id="hq-not-multiple"),
+        pytest.param(((2, 4, 7, 5), (2, 2, 7, 5), (2, 2, 7, 5)), {}, "needs enable_gqa=True", id="gqa-off"),
+        pytest.param(((2, 4, 7, 5), (2, 4, 7, 4), (2, 4, 7, 5)), {}, "same head dim D, got 5 and 4", id="head-dims"),
+        pytest.param(((4, 7, 5), (4, 7, 5), (4, 7, 5)), {}, r"expected 4 dims \[B, H, L, D\]", id="3d"),
+        pytest.param(((2, 4, 7, 5), (2, 4, 7, 5), (2, 4, 7, 5)), {"window_size": (2, 1)}, "right must be <= 0", id="window-right"),
+        pytest.param(((2, 4, 7, 5), (2, 4, 7, 5), (2, 4, 7, 5)), {"dropout_p": 1.5}, "0 <= dropout_p <= 1, got 1.5", id="dropout"),
+    ],
+)
+def test_attention_input_errors(shapes, kwargs, match):
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
+    q, k, v = (torch.zeros(s, dtype=torch.float64) for s in shapes)
+    with ctx(), pytest.raises(ValueError, match=match):
+        cp_blockdiag_sdpa(q, k, v, **kwargs)
+
+
+def test_attention_dtype_mismatch():
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
+    q, k, v = qkv(Hkv=4)
+    with ctx(), pytest.raises(ValueError, match="expected one dtype for query/key/value, got torch.float64, torch.float32"):
+        cp_blockdiag_sdpa(q, k.float(), v)
+
+
+def test_routing_helper_rebinds_and_restores():
+    original = F.scaled_dot_product_attention
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
+    q, k, v = qkv(Hkv=4)
+    with ctx(), sdpa_routing():
+        assert F.scaled_dot_product_attention is cp_blockdiag_sdpa
+        routed = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        direct = cp_blockdiag_sdpa(q, k, v)
+    assert F.scaled_dot_product_attention is original
+    assert torch.equal(routed, direct)
+    with pytest.raises(RuntimeError), sdpa_routing():
+        raise RuntimeError("restored on errors too")
+    assert F.scaled_dot_product_attention is original
+
+
+def test_recompute_after_the_context_exited_is_refused():
+    """A checkpointed forward recomputed in a backward that runs after train_ctx() exited would silently
+    attend across documents: it raises instead."""
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
+    q, k, v = qkv(Hkv=4)
+    with ctx():
+        out = torch.utils.checkpoint.checkpoint(lambda a, b, c: cp_blockdiag_sdpa(a, b, c), q, k, v, use_reentrant=False)
+    with pytest.raises(RuntimeError, match="expected backward to run inside `with train_ctx\\(\\):`"):
+        out.sum().backward()
+
+
+def test_configure_cp_varlen_accepts_synonyms_and_per_call_options_win():
+    try:
+        assert configure_cp_varlen(attn_backend="Flash_Attention_2", kv_exchange="All_To_All")["kernel"] == "varlen"
+        ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
+        assert ctx.state.kernel == "varlen" and ctx.state.kv_exchange == "a2a"
+        ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of(), kernel="sdpa", kv_exchange="needed_only")
+        assert ctx.state.kernel == "dense" and ctx.state.kv_exchange == "halo"
+        configure_cp_varlen(attn_backend="TE")
+        ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
+        assert ctx.state.kernel == "varlen" and any("TransformerEngine is not used" in n for n in ctx.state.notes)
+        with pytest.raises(ValueError, match="attn_backend: expected one of 'auto', 'varlen', 'flash'.*got 'xformers'"):
+            configure_cp_varlen(attn_backend="xformers")
+        with pytest.raises(ValueError, match="kv_exchange: expected one of .*'a2a'.*got 'p2p'"):
+            configure_cp_varlen(kv_exchange="p2p")
+    finally:
+        configure_cp_varlen(attn_backend="auto", kv_exchange="auto")
+
+
+def test_public_api_is_exported():
+    for name in ("make_cp_blockdiag_batch_and_ctx", "_cp_blockdiag_doc_ids", "cp_blockdiag_sdpa", "sdpa_routing", "configure_cp_varlen"):
+        assert name in blockdiag_dist.__all__ and callable(getattr(blockdiag_dist, name))

@@ -1,0 +1,50 @@
+"""blockdiag_dist on real gloo process groups (CP 1-4): a small attention block compared with the float64
+reference through the verifier's runner (outputs of real rows, padding rows exactly 0, grads of q, k, v, of
+inputs_embeds through the slice and of the projection weights, loss), plus the collective-safety rules."""
+
+from __future__ import annotations
+
+import pytest
+
+import mp_checks
+from conftest import assert_pass
+from verify.cases import default_matrix
+from verify.cli import applicable
+from verify.runner import impl_info
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_named_layouts_every_exchange_and_kernel(session, cp, dtype):
+    info = impl_info("blockdiag_dist")
+    cases = [c for c in default_matrix(cps=(cp,), dtypes=(dtype,)) if applicable(info, c)]
+    assert len(cases) >= 40
+    assert {c.exchange for c in cases} == {"auto", "allgather", "halo", "a2a"}
+    assert {c.checkpoint for c in cases} == {"none", "reentrant", "nonreentrant"}
+    assert_pass(session.run(cases))
+
+
+def test_mesh_whose_group_differs_from_its_size_is_rejected(session):
+    messages = session.pool(2).run(mp_checks.mesh_size_mismatch, timeout=60, name="mesh size")
+    assert all("expected its process group to hold cp_mesh.size() = 4 ranks, got 2" in m for m in messages)
+
+
+def test_consensus_check_names_the_disagreeing_ranks(session):
+    messages = session.pool(3).run(mp_checks.consensus_mismatch, timeout=60, name="consensus")
+    for m in messages:
+        assert "CP plan consensus failed" in m and "ranks [0, 2] have" in m and "ranks [1] have" in m
+
+
+@pytest.mark.parametrize("mode", ["allgather", "a2a"])
+def test_bytes_moved_equal_the_plan(session, mode):
+    """Forward moves what the plan says (needed-only modes: exactly the minimum); backward mirrors it."""
+    for rank, r in enumerate(session.pool(4).run(mp_checks.traffic_per_mode, args=(mode,), timeout=60, name=mode)):
+        rep = r["report"]
+        assert r["forward"]["recv_bytes"] == rep["recv"][rank]
+        assert r["forward"]["sent_bytes"] == rep["sent"][rank]
+        assert r["backward"]["recv_bytes"] == rep["sent"][rank]
+        assert r["backward"]["sent_bytes"] == rep["recv"][rank]
+        if mode == "a2a":
+            assert rep["recv"] == rep["min_recv"]
+        else:
+            assert rep["recv"][rank] == 3 * 5 * 2 * 2 * 4 * 4  # (W - 1) * L tokens * Hkv * (D + Dv) * 4 bytes

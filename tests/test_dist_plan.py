@@ -1,0 +1,215 @@
+"""Pure plans of blockdiag_dist, checked rank by rank in one process against brute force from the reference
+mask: shards, needed sets, per-pair routes, key buffers, kernel metadata and byte counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockdiag_dist.kernels.dense import plan_dense
+from blockdiag_dist.kernels.varlen import plan_varlen, size_class
+from blockdiag_dist.plan import plan_shards, plan_step
+from blockdiag_dist.state import StepState, choose_exchange
+from blockdiag_ref import DocLayout
+
+
+def random_ids(seed: int, B: int, S: int) -> torch.Tensor:
+    """Rows of runs with single tokens, middle padding and reused ids."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B):
+        row: list[int] = []
+        while len(row) < S:
+            n = int(torch.randint(1, 9, (1,), generator=g))
+            row += [int(torch.randint(0, 4, (1,), generator=g))] * n
+        rows.append(row[:S])
+    return torch.tensor(rows)
+
+
+LAYOUTS = [
+    pytest.param(torch.tensor([[1] * 13]), id="one-long"),
+    pytest.param(torch.tensor([[1, 1, 2, 3, 3, 3, 4, 5, 5, 6, 6, 6, 6]]), id="many-short"),
+    pytest.param(torch.tensor([[1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]]), id="rank-edges-cp4"),
+    pytest.param(torch.tensor([[1, 1, 0, 0, 2, 2, 2, 0, 3, 3, 1]]), id="middle-padding"),
+    pytest.param(torch.tensor([[1, 1, 1], [0, 2, 2]]), id="two-rows-S<8"),
+    pytest.param(random_ids(0, 2, 29), id="random-B2-S29"),
+    pytest.param(random_ids(1, 1, 40), id="random-S40"),
+]
+WORLDS = [1, 2, 3, 4, 8]
+WINDOWS = [-1, 0, 3]
+
+
+def brute_needed(ids: torch.Tensor, world: int, rank: int, left: int) -> set[tuple[int, int]]:
+    """(row, position) of every key that a real query of ``rank`` may see and that lives on another rank."""
+    shards = plan_shards(ids.shape[1], world)
+    padded = torch.nn.functional.pad(ids, (0, shards.padded_len - ids.shape[1]))
+    mask = DocLayout.from_doc_ids(padded).materialize_mask(window_size=(left, 0))[:, 0]
+    mine = set(shards.positions[rank].tolist())
+    out = set()
+    for b in range(ids.shape[0]):
+        for q in mine:
+            for p in mask[b, q].nonzero().flatten().tolist():
+                if p not in mine:
+                    out.add((b, p))
+    return out
+
+
+def allowed_pairs(ids: torch.Tensor, world: int, rank: int, left: int) -> set[tuple[int, int]]:
+    """(local query row b * L + l, key flat id) of every pair the rank's real queries may attend."""
+    shards = plan_shards(ids.shape[1], world)
+    sp, L = shards.padded_len, shards.local_len
+    padded = torch.nn.functional.pad(ids, (0, sp - ids.shape[1]))
+    mask = DocLayout.from_doc_ids(padded).materialize_mask(window_size=(left, 0))[:, 0]
+    pairs = set()
+    for b in range(ids.shape[0]):
+        for l, q in enumerate(shards.positions[rank].tolist()):
+            for p in mask[b, q].nonzero().flatten().tolist():
+                pairs.add((b * L + l, b * sp + p))
+    return pairs
+
+
+@pytest.mark.parametrize("ids", LAYOUTS)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("left", WINDOWS)
+def test_needed_sets_equal_brute_force(ids, world, left):
+    plan = plan_step(ids, world)
+    x = plan.exchange(left)
+    sp = plan.shards.padded_len
+    for rank in range(world):
+        got = {(f // sp, f % sp) for f in x.needed[rank].tolist()}
+        assert got == brute_needed(ids, world, rank, left), f"rank {rank}"
+    assert x.needed_tokens() == [len(brute_needed(ids, world, r, left)) for r in range(world)]
+
+
+@pytest.mark.parametrize("ids", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_routes_deliver_exactly_what_each_rank_expects(ids, world):
+    plan = plan_step(ids, world)
+    x = plan.exchange(-1)
+    for d in range(world):
+        expected = x.recv_flat_ids(d)
+        arrived = []
+        for s in range(world):
+            rows = x.send_rows(s, d)
+            assert rows.numel() == int(x.counts[s, d])
+            arrived.append(plan.local_flat_ids(s)[rows])
+        assert torch.equal(torch.cat(arrived), expected), f"destination {d}"
+        assert sorted(expected.tolist()) == x.needed[d].tolist()
+
+
+@pytest.mark.parametrize("ids", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_halo_ok_means_every_needed_key_is_on_the_left_neighbour(ids, world):
+    plan = plan_step(ids, world)
+    for left in WINDOWS:
+        x = plan.exchange(left)
+        on_left = all(
+            int(plan.shards.owner[f % plan.shards.padded_len]) == d - 1 for d in range(world) for f in x.needed[d].tolist()
+        )
+        assert x.halo_ok == on_left
+
+
+def kernel_pairs_varlen(meta) -> list[tuple[int, int]]:
+    """(local query row, key-buffer row) of every pair the varlen buckets compute for real queries."""
+    pairs = []
+    base = 0
+    for b in meta.buckets:
+        n, lq = b.q_index.shape
+        lk = b.k_index.shape[1]
+        allowed = torch.ones(lq, lk, dtype=torch.bool).tril() if b.mask is None else None
+        for i in range(n):
+            for a in range(lq):
+                row = int(b.q_index[i, a])
+                if int(meta.out_index[row]) != base + i * lq + a:
+                    continue  # a padded slot: its output is dropped
+                m = allowed[a] if b.mask is None else b.mask[i, 0, a]
+                pairs += [(row, int(b.k_index[i, c])) for c in m.nonzero().flatten().tolist()]
+        base += n * lq
+    return pairs
+
+
+@pytest.mark.parametrize("ids", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("mode", ["allgather", "a2a"])
+def test_kernels_compute_exactly_the_allowed_pairs(ids, world, mode):
+    plan = plan_step(ids, world)
+    sp = plan.shards.padded_len
+    for left in WINDOWS:
+        for rank in range(world):
+            state = StepState(plan, rank=rank, group=None, device=torch.device("cpu"), kv_exchange=mode, kernel="varlen")
+            wp = state.window_plan(left)
+            key_flat = wp.key_flat_ids
+            assert len(set(key_flat.tolist())) == key_flat.numel(), "a key arrives twice"
+            expected = allowed_pairs(ids, world, rank, left)
+            got = [(q, int(key_flat[k])) for q, k in kernel_pairs_varlen(wp.kernel_meta)]
+            assert len(got) == len(set(got)), "a pair is computed twice"
+            assert set(got) == expected, f"rank {rank}, window {left}"
+            dense = plan_dense(plan.local_flat_ids(rank), key_flat, plan.segments, sp, left)
+            dense_pairs = {(q, int(key_flat[k])) for q, k in dense.mask[0, 0].nonzero().tolist()}
+            assert dense_pairs == expected
+
+
+def test_contiguous_shards_pad_the_tail():
+    s = plan_shards(5, 2)
+    assert s.positions.tolist() == [[0, 1, 2], [3, 4, 5]]
+    s = plan_shards(2, 4)  # S < CP: ranks 2 and 3 hold only padding
+    assert s.positions.tolist() == [[0], [1], [2], [3]] and s.padded_len == 4
+    assert s.owner.tolist() == [0, 1, 2, 3] and s.owner_row.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "ids, world, left, mode",
+    [
+        pytest.param([[1] * 8], 1, -1, "local", id="cp1"),
+        pytest.param([[1, 1, 2, 2, 3, 3, 4, 4]], 4, -1, "local", id="boundaries-on-rank-edges"),
+        pytest.param([[1, 1, 1, 2, 2, 2, 2, 2]], 4, 1, "halo", id="window-1-needs-left-neighbour-only"),
+        pytest.param([[1, 1, 1, 1, 1, 1, 2, 2]], 4, -1, "a2a", id="long-doc-needs-two-ranks"),
+        pytest.param([[1] * 8], 2, -1, "halo", id="cp2-long-doc"),
+    ],
+)
+def test_auto_exchange_choice(ids, world, left, mode):
+    x = plan_step(torch.tensor(ids), world).exchange(left)
+    got, reason = choose_exchange(x, "auto")
+    assert got == mode, reason
+    assert reason
+
+
+def test_halo_requested_where_it_cannot_work_names_the_ranks():
+    x = plan_step(torch.tensor([[1] * 8]), 4).exchange(-1)
+    with pytest.raises(ValueError, match=r"kv_exchange='halo': expected every rank's needed keys on its left neighbour, got rank 2 needing 2 tokens from rank 0"):
+        choose_exchange(x, "halo")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_comm_report_counts_bytes_of_each_mode(world):
+    ids = random_ids(3, 2, 37)
+    plan = plan_step(ids, world)
+    bpt = 2 * 2 * 4 * 2  # Hkv=2, K and V, D=4, bf16
+    L = plan.shards.local_len
+    for mode in ("allgather", "a2a"):
+        state = StepState(plan, rank=0, group=None, device=torch.device("cpu"), kv_exchange=mode, kernel="varlen")
+        rep = state.comm_report(-1, bytes_per_token=bpt)
+        minimum = [len(brute_needed(ids, world, r, -1)) * bpt for r in range(world)]
+        assert rep["min_recv"] == minimum
+        assert rep["allgather_recv"] == [(world - 1) * 2 * L * bpt] * world
+        assert rep["recv"] == (minimum if mode == "a2a" else rep["allgather_recv"])
+        assert sum(rep["min_sent"]) == sum(minimum)
+
+
+def test_size_classes_round_up_by_at_most_an_eighth():
+    n = torch.arange(1, 5000)
+    c = size_class(n)
+    assert bool((c >= n).all())
+    assert bool(((c - n)[n > 128] <= n[n > 128] // 8 + 1).all())
+    assert bool((c[n > 1024] == n[n > 1024]).all())
+
+
+def test_plans_are_identical_on_every_rank_and_fingerprinted():
+    ids = random_ids(4, 2, 21)
+    a, b = plan_step(ids, 4), plan_step(ids.clone(), 4)
+    assert a.fingerprint() == b.fingerprint()
+    assert a.exchange(2).fingerprint() == b.exchange(2).fingerprint()
+    other = ids.clone()
+    other[0, 5] = 0
+    assert plan_step(other, 4).fingerprint() != a.fingerprint()
+    assert plan_step(ids, 3).fingerprint() != a.fingerprint()
