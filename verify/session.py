@@ -114,28 +114,31 @@ class Session:
             self.pools[cp] = WorkerPool(cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout))
         return self.pools[cp]
 
-    def run(self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
-        """Run cases grouped by CP size (order kept within a size); call ``on_result`` after each."""
+    def run(
+        self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None, *, impl: str | None = None
+    ) -> list[CaseResult]:
+        """Run cases grouped by CP size (order kept within a size); call ``on_result`` after each. ``impl``
+        overrides the session's module under test (the pools serve any module)."""
         by_cp: dict[int, list[Case]] = {}
         for c in cases:
             by_cp.setdefault(c.cp, []).append(c)
         results: list[CaseResult] = []
         for cp in sorted(by_cp):
-            for r in self._run_cp(cp, by_cp[cp]):
+            for r in self._run_cp(cp, by_cp[cp], impl or self.impl):
                 results.append(r)
                 if on_result:
                     on_result(r)
         return results
 
-    def run_one(self, case: Case) -> CaseResult:
-        return self.run([case])[0]
+    def run_one(self, case: Case, *, impl: str | None = None) -> CaseResult:
+        return self.run([case], impl=impl)[0]
 
-    def _run_cp(self, cp: int, cases: list[Case]):
+    def _run_cp(self, cp: int, cases: list[Case], impl: str):
         if self.in_process is not None:
             for case in cases:
                 t0 = time.perf_counter()
                 per_rank, expected = self.in_process(case)
-                yield merge_ranks(case, per_rank, expected, time.perf_counter() - t0, self.impl)
+                yield merge_ranks(case, per_rank, expected, time.perf_counter() - t0, impl)
             return
         # The parent computes each case's reference once (not once per rank) while the workers run the
         # previous chunk.
@@ -162,9 +165,9 @@ class Session:
         while i < len(cases):
             hi = min(i + self.chunk, len(cases))
             try:
-                ids = pool.submit(run_case, [((cases[j].to_dict(), self.impl, packed[j]), {}) for j in range(i, hi)])
+                ids = pool.submit(run_case, [((cases[j].to_dict(), impl, packed[j]), {}) for j in range(i, hi)])
             except Exception as exc:  # noqa: BLE001 - e.g. the pool could not start: report, don't hang
-                yield CaseResult(case=cases[i], status="crash", details=f"{type(exc).__name__}: {exc}", impl=self.impl)
+                yield CaseResult(case=cases[i], status="crash", details=f"{type(exc).__name__}: {exc}", impl=impl)
                 i += 1
                 continue
             prepare(hi)
@@ -176,9 +179,9 @@ class Session:
                 exp = expected.pop(j)
                 packed.pop(j)
                 if isinstance(item, TaskFailure):
-                    yield _failure_result(cases[j], item, now - t0, self.impl)
+                    yield _failure_result(cases[j], item, now - t0, impl)
                     break  # the pool was killed; the rest of the chunk goes to a fresh one
-                result = merge_ranks(cases[j], item, exp, now - t0, self.impl)
+                result = merge_ranks(cases[j], item, exp, now - t0, impl)
                 timing["cases"] += 1
                 timing["run"] = time.perf_counter() - t_run
                 yield result

@@ -1,0 +1,195 @@
+"""The verifier: case format, tolerance table, pools that never hang, planted bugs reported, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import mp_checks  # noqa: F401 - importable by pool workers
+from verify.cases import Case, case_from_args, format_rows, parse_rows
+from verify.cli import _parser
+from verify.pool import PoolError, WorkerPool
+from verify.session import Session
+from verify.tolerances import TOLERANCES, judge
+
+ROOT = Path(__file__).resolve().parents[1]
+# padding at the end and in the middle, documents straddling the rank boundary, two different rows
+BUGGY_CASE = Case(rows=parse_rows("1x2,0x1,2x6,3x1/1x5,0x2,2x3"), cp=2, hq=4, hkv=2, dim=3, name="straddle-and-padding")
+
+
+# ---- case format ---------------------------------------------------------------------------------------
+def test_rows_round_trip_and_merge_runs():
+    rows = parse_rows("1x3,1x2,0,2x4/5x10")
+    assert rows == (((1, 3), (1, 2), (0, 1), (2, 4)), ((5, 10),))
+    assert format_rows(rows) == "1x5,0x1,2x4/5x10"
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        pytest.param("1x3/2x2", "rows of one length, got lengths", id="ragged"),
+        pytest.param("1xa", "expected runs like '1x5'", id="not-a-number"),
+        pytest.param("1x0", "count >= 1", id="zero-count"),
+        pytest.param("-1x2", "id >= 0", id="negative-id"),
+        pytest.param("1x2//2x2", "at least one run per row", id="empty-row"),
+    ],
+)
+def test_rows_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_rows(text)
+
+
+def test_replay_command_rebuilds_the_same_case():
+    case = Case(rows=parse_rows("1x3,0x2/2x5"), cp=3, hq=4, hkv=1, dim=5, window=2, kernel="dense", exchange="a2a",
+                dtype="float32", seed=7, source="mask4d", checkpoint="reentrant", name="x")
+    argv = case.command().split()[4:]  # after "python -m verify case"
+    assert case_from_args(_parser().parse_args(["case", *argv])) == case
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        pytest.param({"cp": 0}, "cp: expected >= 1", id="cp"),
+        pytest.param({"hq": 3, "hkv": 2}, "Hq a multiple of Hkv", id="heads"),
+        pytest.param({"dtype": "float8"}, "dtype: expected one of", id="dtype"),
+        pytest.param({"checkpoint": "yes"}, "checkpoint: expected one of", id="checkpoint"),
+    ],
+)
+def test_case_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Case(rows=parse_rows("1x4"), **{"cp": 1, **kwargs})
+
+
+# ---- tolerance table -----------------------------------------------------------------------------------
+def test_tolerance_table_rules():
+    assert set(TOLERANCES) == {"float64", "float32", "bfloat16", "float16"}
+    assert judge("float64", 0.9e-10, 1.0, None) == (1e-10, True)
+    assert judge("float64", 2e-10, 1.0, None)[1] is False
+    limit, ok = judge("float32", 3e-6, 1.0, 1e-6)  # 2 x baseline + floor
+    assert ok and limit == pytest.approx(2e-6 + TOLERANCES["float32"].floor)
+    assert judge("float32", 1e-3, 1.0, 1e-6)[1] is False
+
+
+# ---- pools ---------------------------------------------------------------------------------------------
+def _ok(x):
+    import torch.distributed as dist
+
+    return (dist.get_rank(), x)
+
+
+def _raise_on_rank1():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise KeyError("rank 1 broke")
+    dist.barrier()  # rank 0 now waits for a rank that will never come
+
+
+def _sleep(seconds):
+    time.sleep(seconds)
+
+
+def _alive(pids):
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}/status").exists() else ""
+        if "State:\tZ" not in status:
+            alive.append(pid)
+    return alive
+
+
+def test_pool_runs_tasks_reports_failures_respawns_and_leaves_no_process():
+    pool = WorkerPool(2, start_timeout=120)
+    try:
+        assert pool.run(_ok, args=(5,), timeout=60) == [(0, 5), (1, 5)]
+        first = pool.pids()
+        with pytest.raises(PoolError) as err:
+            pool.run(_raise_on_rank1, timeout=60, name="broken task")
+        f = err.value.failure
+        assert f.kind == "error" and f.ranks[0] == 1 and "KeyError: 'rank 1 broke'" in f.details[1]
+        assert _alive(first) == []  # the stuck rank 0 was killed with the group
+        t0 = time.monotonic()
+        with pytest.raises(PoolError) as err:
+            pool.run(_sleep, args=(60,), timeout=2, name="slow task")
+        assert err.value.failure.kind == "timeout" and err.value.failure.ranks == [0, 1]
+        assert time.monotonic() - t0 < 30  # ended at its deadline (plus the respawn), not after the task
+        assert pool.run(_ok, args=(1,), timeout=60) == [(0, 1), (1, 1)]  # a fresh group
+        assert pool.spawns == 3
+        last = pool.pids()
+    finally:
+        pool.close()
+    assert _alive(last) == []
+
+
+# ---- planted bugs --------------------------------------------------------------------------------------
+def _cases(**changes):
+    return [Case(**{**BUGGY_CASE.__dict__, "dtype": dtype, **changes}) for dtype in ("float64", "float32")]
+
+
+def test_the_correct_toy_passes(session):
+    """The planted bugs below live in this small implementation; without a bug it passes."""
+    for r in session.run(_cases() + _cases(cp=3) + _cases(window=2), impl="verify.mutants.toy"):
+        assert r.ok, (r.case.label(), r.details)
+
+
+@pytest.mark.parametrize("bug", ["off_by_one", "no_grad_reduce", "leak_across_docs", "nonzero_padding", "short_straddle"])
+def test_verifier_reports_each_wrong_answer(session, bug):
+    for r in session.run(_cases(), impl=f"verify.mutants.{bug}"):
+        assert r.status == "fail", (r.status, r.details)
+        assert r.failed_metrics, r.details
+        assert r.case.command(r.impl).endswith(f"--impl verify.mutants.{bug}")
+
+
+@pytest.mark.parametrize(
+    "bug, status, ranks, text",
+    [
+        pytest.param("skip_collective", "timeout", [0], "did not finish before the deadline", id="skips-a-collective"),
+        pytest.param("raise_forward", "error", [1], "planted bug: rank 1 raises in forward", id="raises-in-forward"),
+        pytest.param("raise_backward", "error", [1], "planted bug: rank 1 raises in backward", id="raises-in-backward"),
+        pytest.param("kill_rank", "crash", [1], "killed by signal 9", id="rank-killed"),
+    ],
+)
+def test_faults_end_within_the_deadline_naming_case_and_rank(bug, status, ranks, text):
+    deadline = 5.0
+    with Session(case_timeout=deadline) as s:
+        t0 = time.monotonic()
+        result = s.run_one(_cases()[0], impl=f"verify.mutants.{bug}")
+        pids = [pid for pool in s.pools.values() for pid in pool.pids()]
+        elapsed = time.monotonic() - t0
+    assert result.status == status, result.details
+    assert result.ranks[: len(ranks)] == ranks
+    assert text in result.details and result.case.label() in result.details
+    assert elapsed < deadline + 60  # pool start plus the deadline: it did not wait for the hang
+    assert _alive(pids) == []
+
+
+# ---- command line --------------------------------------------------------------------------------------
+def _verify(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "verify", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_case_replays_and_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    p = _verify("case", *BUGGY_CASE.args(), "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS" in p.stdout and "reproduce: python -m verify case --rows" in p.stdout
+    doc = json.loads(out.read_text())
+    assert doc["cases"] == 1 and doc["failed"] == 0 and doc["cases_per_second"] > 0
+    assert doc["results"][0]["metrics"]["out"]["ok"] is True
+
+
+def test_cli_exit_codes_for_a_failing_impl_and_a_missing_module():
+    p = _verify("case", *BUGGY_CASE.args(), "--impl", "verify.mutants.off_by_one")
+    assert p.returncode == 1 and "FAIL" in p.stdout
+    p = _verify("--impl", "no_such_module_here")
+    assert p.returncode == 2 and "cannot use --impl no_such_module_here" in p.stdout
