@@ -7,7 +7,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 JOBS   ?= 2
 
-.PHONY: install test
+EXAMPLES ?= 200
+SEED   ?= 0
+
+.PHONY: install test verify fuzz
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,3 +22,11 @@ install: $(STAMP)
 # pytest exits 5 when it collects no tests; make treats that like any failure.
 test: $(STAMP)
 	$(PY) -m pytest -n $(JOBS) --timeout=300 -q
+
+# The main job: the case matrix (CP 1, 2, 3, 4, 8; every layout, exchange, kernel) against the reference.
+verify: $(STAMP)
+	$(PY) -m verify $(ARGS)
+
+# Hypothesis-drawn cases; a failure is shrunk and printed as a replay command.
+fuzz: $(STAMP)
+	$(PY) -m verify fuzz --examples $(EXAMPLES) --seed $(SEED) $(ARGS)

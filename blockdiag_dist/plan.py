@@ -244,6 +244,22 @@ class StepPlan:
         """Flat ids of an all-gathered buffer ``[W * B * L]``, ordered (rank, row, local row)."""
         return self._local_flat_ids.flatten()
 
+    def work_per_rank(self, window_left: int = -1) -> list[int]:
+        """Attention work of each rank: the number of (query, key) pairs its real queries attend, i.e. the
+        sum over its queries of the keys each may see (the causal, windowed extent inside its document)."""
+        sp = self.shards.padded_len
+        pos = torch.arange(sp).repeat(self.layout.batch_size)
+        start = self.doc_starts
+        if window_left >= 0:
+            start = torch.maximum(start, pos - window_left)
+        keys = torch.where(self.segments != 0, pos - start + 1, 0).view(-1, sp)  # [B, Sp]
+        return keys.sum(0)[self.shards.positions].sum(1).tolist()
+
+    def tokens_per_rank(self) -> list[int]:
+        """Real (non-padding) tokens held by each rank, over all rows."""
+        real = (self.segments != 0).view(-1, self.shards.padded_len).sum(0)
+        return real[self.shards.positions].sum(1).tolist()
+
     def fingerprint(self) -> bytes:
         h = hashlib.sha256()
         h.update(self.layout.doc_ids.numpy().tobytes())

@@ -22,7 +22,7 @@ from rich.console import Console
 
 from .cases import Case, add_case_arguments, case_from_args, default_matrix
 from .launch import under_torchrun
-from .report import Reporter, write_json
+from .report import Reporter, make_console, write_json
 from .runner import impl_info
 from .session import CaseResult, Session
 
@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .fuzz import main as fuzz_main
 
         return fuzz_main(args)
-    console = Console()
+    console = make_console()
     try:
         info = impl_info(args.impl)
     except (ImportError, ValueError) as exc:

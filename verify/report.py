@@ -15,7 +15,13 @@ from rich.table import Table
 
 from .session import CaseResult
 
-__all__ = ["Reporter", "write_json"]
+__all__ = ["Reporter", "make_console", "write_json"]
+
+
+def make_console() -> Console:
+    """A console for reports: the terminal's width on a terminal, 160 columns in logs and pipes."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
 
 OUT_METRICS = ("out",)
 GRAD_METRICS = ("dq", "dk", "dv", "dinputs_embeds", "dWq", "dWk", "dWv", "dWo")
@@ -31,7 +37,7 @@ class Reporter:
     """Draws a progress bar on a terminal (plain lines otherwise) and prints the summary."""
 
     def __init__(self, console: Console | None = None, *, full_table: bool = False) -> None:
-        self.console = console or Console(stderr=False)
+        self.console = console or make_console()
         self.full_table = full_table
 
     @contextmanager

@@ -1,0 +1,141 @@
+"""``python -m verify fuzz``: cases drawn by hypothesis; a failure is shrunk to a minimal case and printed as
+a one-line command that replays exactly that case.
+
+Drawn: CP size, batch rows, sequence length, document runs (ids 0-4, so padding anywhere and reused ids),
+heads (MHA / GQA / MQA), head dim, window, and every kernel / exchange / layout the implementation offers,
+dtype, doc-id source, activation checkpointing, seed.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+
+from .cases import CHECKPOINTS, SOURCES, Case
+from .report import make_console, write_json
+from .runner import impl_info
+from .session import CaseResult, Session
+
+__all__ = ["case_strategy", "fuzz", "main"]
+
+CP_SIZES = (1, 2, 3, 4, 8)
+
+
+def case_strategy(info, max_cp: int = 8, max_len: int = 40, applicable=None) -> st.SearchStrategy[Case]:
+    """Hypothesis strategy for cases the implementation ``info`` (a runner.ImplInfo) can run."""
+    cps = [c for c in CP_SIZES if c <= max_cp] or [1]
+    kernels = ["varlen", "dense"] if "kernel" in info.options else [None]
+    exchanges = ["auto", "allgather", "a2a", "halo"] if "kv_exchange" in info.options else [None]
+    layouts = list(getattr(getattr(info.module, "options", None), "LAYOUTS", None) or ["contiguous"]) if "layout" in info.options else [None]
+    windows = [-1, 0, 1, 2, 5] if info.windows else [-1]
+
+    @st.composite
+    def draw_case(draw) -> Case:
+        B = draw(st.integers(1, 2))
+        S = draw(st.integers(1, max_len))
+        rows = []
+        for _ in range(B):
+            runs, total = [], 0
+            while total < S:
+                n = draw(st.integers(1, min(8, S - total)))
+                runs.append((draw(st.integers(0, 4)), n))
+                total += n
+            rows.append(tuple(runs))
+        hkv = draw(st.sampled_from([1, 2]))
+        case = Case(
+            rows=tuple(rows),
+            cp=draw(st.sampled_from(cps)),
+            name="fuzz",
+            hq=hkv * draw(st.sampled_from([1, 2, 3])),
+            hkv=hkv,
+            dim=draw(st.integers(1, 8)),
+            window=draw(st.sampled_from(windows)),
+            kernel=draw(st.sampled_from(kernels)),
+            exchange=draw(st.sampled_from(exchanges)),
+            layout=draw(st.sampled_from(layouts)),
+            dtype=draw(st.sampled_from(["float64", "float32"])),
+            seed=draw(st.integers(0, 2**16)),
+            source=draw(st.sampled_from(SOURCES)),
+            checkpoint=draw(st.sampled_from(CHECKPOINTS)),
+        )
+        if applicable is not None and not applicable(info, case):
+            case = Case(**{**case.__dict__, "exchange": "auto"})  # halo is offered only where it applies
+        return case
+
+    return draw_case()
+
+
+def fuzz(
+    session: Session,
+    impl: str,
+    *,
+    examples: int,
+    seed_value: int,
+    max_cp: int = 8,
+    max_len: int = 40,
+    on_result=None,
+) -> tuple[list[CaseResult], CaseResult | None]:
+    """Run ``examples`` drawn cases; on a failure hypothesis shrinks it. Returns every result and the minimal
+    failing one (None when all passed)."""
+    from .cli import applicable
+
+    info = impl_info(impl)
+    results: list[CaseResult] = []
+    failures: list[CaseResult] = []
+
+    @seed(seed_value)
+    @settings(
+        max_examples=examples, database=None, deadline=None, derandomize=False, print_blob=False,
+        suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink],
+    )
+    @given(case_strategy(info, max_cp, max_len, applicable))
+    def check(case: Case) -> None:
+        result = session.run_one(case, impl=impl)
+        results.append(result)
+        if on_result:
+            on_result(result)
+        if not result.ok:
+            failures.append(result)
+            raise AssertionError(result.details or result.status)
+
+    try:
+        check()
+    except AssertionError:
+        pass
+    return results, (failures[-1] if failures else None)  # hypothesis replays the minimal example last
+
+
+def main(args) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    console = make_console()
+    try:
+        impl_info(args.impl)
+    except (ImportError, ValueError) as exc:
+        console.print(f"verify fuzz: cannot use --impl {args.impl}: {exc}", markup=False)
+        return 2
+    done = {"n": 0}
+
+    def progress(result: CaseResult) -> None:
+        done["n"] += 1
+        if done["n"] % 50 == 0:
+            console.print(f"fuzz: {done['n']} cases run", markup=False)
+
+    t0 = time.perf_counter()
+    with Session(args.impl, case_timeout=args.case_timeout, backend=args.backend or "gloo") as session:
+        results, minimal = fuzz(session, args.impl, examples=args.examples, seed_value=args.seed, max_cp=args.max_cp,
+                                max_len=args.max_len, on_result=progress)
+    wall = time.perf_counter() - t0
+    if args.json:
+        write_json(args.json, results, wall, args.impl, {"fuzz_seed": args.seed, "minimal_failure": minimal.to_dict() if minimal else None})
+    if minimal is None:
+        console.print(f"PASS: {len(results)} fuzzed cases (seed {args.seed}) in {wall:.1f} s ({len(results) / wall:.1f} cases/s)", markup=False)
+        return 0
+    failed = sum(not r.ok for r in results)
+    console.print(f"FAIL: {failed} of {len(results)} fuzzed cases failed (seed {args.seed}); minimal failing case after shrinking:", markup=False)
+    console.print(f"  {minimal.case.label()}: {minimal.status}: {minimal.details.splitlines()[0] if minimal.details else ''}", markup=False, soft_wrap=True)
+    console.print(f"  reproduce: {minimal.case.command(args.impl)}", markup=False, soft_wrap=True)
+    return 1
