@@ -9,6 +9,7 @@ from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
 from .options import configure_cp_varlen
 from .plan import ExchangePlan, ShardPlan, StepPlan, plan_exchange, plan_shards, plan_step
 from .runtime import cp_blockdiag_sdpa, sdpa_routing
+from .sharding import gather_sequence, shard_tensor, unshard
 from .state import PlanMismatchError, StepState, current_state
 
 __all__ = [
@@ -21,9 +22,12 @@ __all__ = [
     "configure_cp_varlen",
     "cp_blockdiag_sdpa",
     "current_state",
+    "gather_sequence",
     "make_cp_blockdiag_batch_and_ctx",
     "plan_exchange",
     "plan_shards",
     "plan_step",
     "sdpa_routing",
+    "shard_tensor",
+    "unshard",
 ]

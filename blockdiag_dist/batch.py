@@ -18,7 +18,8 @@ from torch import Tensor
 from blockdiag_ref import doc_ids_from_batch, normalize_window
 
 from .options import get_defaults, kernel_substitution, resolve_exchange, resolve_kernel, resolve_layout
-from .plan import ShardPlan, plan_step
+from .plan import plan_step
+from .sharding import shard_tensor
 from .state import StepState, activate
 
 __all__ = ["_cp_blockdiag_doc_ids", "make_cp_blockdiag_batch_and_ctx"]
@@ -108,24 +109,6 @@ def _validate_batch(batch: Any, loss_mask: Tensor | None) -> tuple[str, int, int
     return key, B, S, x.device
 
 
-def _shard(t: Tensor, dim: int, pad_value: object, shards: ShardPlan, rank: int) -> Tensor:
-    """Pad ``t`` along ``dim`` to ``W * L`` with ``pad_value`` and take this rank's rows (differentiable)."""
-    S, L = shards.seq_len, shards.local_len
-    if shards.layout == "contiguous":
-        start = rank * L
-        real = max(0, min(S, start + L) - start)
-        piece = t.narrow(dim, min(start, S), real)
-        if real == L:
-            return piece
-        pad_shape = list(t.shape)
-        pad_shape[dim] = L - real
-        return torch.cat([piece, torch.full(pad_shape, pad_value, dtype=t.dtype, device=t.device)], dim=dim)
-    pad_shape = list(t.shape)
-    pad_shape[dim] = shards.padded_len - S
-    padded = torch.cat([t, torch.full(pad_shape, pad_value, dtype=t.dtype, device=t.device)], dim=dim)
-    return padded.index_select(dim, shards.positions[rank].to(t.device))
-
-
 def make_cp_blockdiag_batch_and_ctx(
     cp_mesh: Any,
     tp_mesh: Any,
@@ -155,7 +138,8 @@ def make_cp_blockdiag_batch_and_ctx(
         padding_token_id: pad value of ``input_ids``.
         kv_exchange: ``auto`` (default) | ``allgather`` | ``halo`` | ``a2a`` (and synonyms).
         kernel: ``auto`` (default, = ``varlen``) | ``varlen`` | ``dense`` (and synonyms).
-        layout: how rows are assigned to ranks; ``contiguous`` (the seed's sequential sharding).
+        layout: how rows are assigned to ranks: ``contiguous`` (the seed's sequential sharding) or
+            ``balanced`` (equal rows, equalised attention work; see :mod:`blockdiag_dist.balance`).
         window_sizes: the windows the model's attention calls use; their plans are built here (default:
             the unwindowed one). A window not listed is planned on its first use in the step.
         check_consensus: all-gather a fingerprint of each plan and raise ``PlanMismatchError`` naming the
@@ -206,9 +190,9 @@ def make_cp_blockdiag_batch_and_ctx(
         pad = KNOWN_PADS.get(k, 0)
         pad = padding_token_id if pad == "padding_token_id" else pad
         if k == "position_ids" and t.dim() == 3:
-            batch[k] = _shard(t, 2, pad, shards, rank)
+            batch[k] = shard_tensor(t, 2, pad, shards, rank)
         elif t.dim() >= 2 and tuple(t.shape[:2]) == (B, S):
-            batch[k] = _shard(t, 1, pad, shards, rank)
+            batch[k] = shard_tensor(t, 1, pad, shards, rank)
 
     def train_ctx() -> ContextManager:
         return activate(state)

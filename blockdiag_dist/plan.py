@@ -24,6 +24,8 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
+from .balance import balanced_positions, position_work
+
 __all__ = [
     "ExchangePlan",
     "ShardPlan",
@@ -66,9 +68,12 @@ class ShardPlan:
         return out
 
 
-def plan_shards(seq_len: int, world: int, layout: str = "contiguous") -> ShardPlan:
-    """Contiguous sharding, as in the seed: pad to a multiple of ``world``; rank ``r`` holds
-    ``[r * L, (r + 1) * L)`` with ``L = ceil(S / W)``.
+def plan_shards(seq_len: int, world: int, layout: str = "contiguous", *, work: Tensor | None = None) -> ShardPlan:
+    """Which positions each rank holds.
+
+    ``contiguous`` (the seed's sequential sharding): pad to a multiple of ``world``; rank ``r`` holds
+    ``[r * L, (r + 1) * L)`` with ``L = ceil(S / W)``. ``balanced``: equal row counts with equalised attention
+    work, from ``work [S]`` (see :mod:`blockdiag_dist.balance`).
 
     >>> plan_shards(5, 2).positions
     tensor([[0, 1, 2],
@@ -78,10 +83,16 @@ def plan_shards(seq_len: int, world: int, layout: str = "contiguous") -> ShardPl
         raise ValueError(f"world: expected a CP size >= 1, got {world}")
     if seq_len < 1:
         raise ValueError(f"seq_len: expected S >= 1, got {seq_len}")
-    if layout != "contiguous":
-        raise ValueError(f"layout: expected 'contiguous', got {layout!r}")
-    local_len = -(-seq_len // world)
-    positions = torch.arange(world * local_len).view(world, local_len)
+    if layout == "contiguous":
+        local_len = -(-seq_len // world)
+        positions = torch.arange(world * local_len).view(world, local_len)
+    elif layout == "balanced":
+        if work is None or work.shape != (seq_len,):
+            got = None if work is None else tuple(work.shape)
+            raise ValueError(f"layout 'balanced': expected the work per position [S] = [{seq_len}], got {got}")
+        local_len, positions, _ = balanced_positions(work, world)
+    else:
+        raise ValueError(f"layout: expected 'contiguous' or 'balanced', got {layout!r}")
     return ShardPlan(world=world, seq_len=seq_len, local_len=local_len, positions=positions, layout=layout)
 
 
@@ -271,4 +282,5 @@ class StepPlan:
 def plan_step(doc_ids: Tensor, world: int, layout: str = "contiguous") -> StepPlan:
     """The step plan for full doc ids ``[B, S]`` on ``world`` ranks (pure)."""
     doc_layout = DocLayout.from_doc_ids(doc_ids.cpu())
-    return StepPlan(layout=doc_layout, shards=plan_shards(doc_layout.seq_len, world, layout))
+    work = position_work(doc_layout) if layout == "balanced" else None
+    return StepPlan(layout=doc_layout, shards=plan_shards(doc_layout.seq_len, world, layout, work=work))

@@ -66,3 +66,16 @@ def traffic_per_mode(mode: str) -> dict:
         "backward": state.traffic.totals("backward"),
         "report": state.comm_report(-1, bytes_per_token=2 * 2 * 4 * 4),
     }
+
+
+def gather_restores_order(layout: str) -> bool:
+    """gather_sequence returns the full tensor in global order on every rank, for any layout."""
+    from blockdiag_dist import gather_sequence
+
+    info = worker_info()
+    ids = torch.tensor([[1] * 9 + [2] * 3 + [0] * 2, [3] * 4 + [4] * 10])
+    full = torch.arange(2 * 14 * 3, dtype=torch.float32).view(2, 14, 3)
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(info["cp_mesh"], None, {"inputs_embeds": full.clone(), "_packed_seq_ids": ids}, layout=layout)
+    with ctx():
+        got = gather_sequence(batch["inputs_embeds"] * 2)
+    return torch.equal(got, full * 2)

@@ -18,7 +18,7 @@ from blockdiag_dist import (
     make_cp_blockdiag_batch_and_ctx,
     sdpa_routing,
 )
-from blockdiag_dist.batch import _shard
+from blockdiag_dist.sharding import shard_tensor, unshard
 from blockdiag_dist.plan import plan_shards
 from blockdiag_ref import DocLayout, reference_attention
 
@@ -60,12 +60,12 @@ def test_shards_of_every_rank_put_together_give_the_padded_tensor(world):
     t = torch.arange(2 * S * 3).view(2, S, 3).float()
     labels = torch.arange(2 * S).view(2, S)
     mrope = torch.arange(3 * 2 * S).view(3, 2, S)
-    parts = [_shard(t, 1, 0.0, shards, r) for r in range(world)]
+    parts = [shard_tensor(t, 1, 0.0, shards, r) for r in range(world)]
     assert all(p.shape == (2, shards.local_len, 3) for p in parts)
     assert torch.equal(torch.cat(parts, 1), F.pad(t, (0, 0, 0, shards.padded_len - S)))
-    lab = torch.cat([_shard(labels, 1, -100, shards, r) for r in range(world)], 1)
+    lab = torch.cat([shard_tensor(labels, 1, -100, shards, r) for r in range(world)], 1)
     assert torch.equal(lab[:, :S], labels) and bool((lab[:, S:] == -100).all())
-    pos = torch.cat([_shard(mrope, 2, 0, shards, r) for r in range(world)], 2)
+    pos = torch.cat([shard_tensor(mrope, 2, 0, shards, r) for r in range(world)], 2)
     assert torch.equal(pos[:, :, :S], mrope) and bool((pos[:, :, S:] == 0).all())
 
 

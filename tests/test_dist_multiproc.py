@@ -13,11 +13,14 @@ from verify.cli import applicable
 from verify.runner import impl_info
 
 
-@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "cp, sharding",
+    [(1, "contiguous"), (2, "contiguous"), (3, "contiguous"), (4, "contiguous"), (2, "balanced"), (3, "balanced"), (4, "balanced")],
+)
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_named_layouts_every_exchange_and_kernel(session, cp, dtype):
+def test_named_layouts_every_exchange_and_kernel(session, cp, sharding, dtype):
     info = impl_info("blockdiag_dist")
-    cases = [c for c in default_matrix(cps=(cp,), dtypes=(dtype,)) if applicable(info, c)]
+    cases = [c for c in default_matrix(cps=(cp,), dtypes=(dtype,), layouts=(sharding,)) if applicable(info, c)]
     assert len(cases) >= 40
     assert {c.exchange for c in cases} == {"auto", "allgather", "halo", "a2a"}
     assert {c.checkpoint for c in cases} == {"none", "reentrant", "nonreentrant"}
@@ -48,3 +51,8 @@ def test_bytes_moved_equal_the_plan(session, mode):
             assert rep["recv"] == rep["min_recv"]
         else:
             assert rep["recv"][rank] == 3 * 5 * 2 * 2 * 4 * 4  # (W - 1) * L tokens * Hkv * (D + Dv) * 4 bytes
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+def test_gather_sequence_restores_the_original_order(session, layout):
+    assert all(session.pool(3).run(mp_checks.gather_restores_order, args=(layout,), timeout=60, name="gather"))

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blockdiag_dist.balance import TARGET, balanced_positions, position_work
 from blockdiag_dist.kernels.dense import plan_dense
 from blockdiag_dist.kernels.varlen import plan_varlen, size_class
 from blockdiag_dist.plan import plan_shards, plan_step
+from blockdiag_dist.sharding import shard_tensor, unshard
 from blockdiag_dist.state import StepState, choose_exchange
 from blockdiag_ref import DocLayout
 
@@ -39,9 +41,9 @@ WORLDS = [1, 2, 3, 4, 8]
 WINDOWS = [-1, 0, 3]
 
 
-def brute_needed(ids: torch.Tensor, world: int, rank: int, left: int) -> set[tuple[int, int]]:
+def brute_needed(ids: torch.Tensor, world: int, rank: int, left: int, layout: str = "contiguous") -> set[tuple[int, int]]:
     """(row, position) of every key that a real query of ``rank`` may see and that lives on another rank."""
-    shards = plan_shards(ids.shape[1], world)
+    shards = plan_step(ids, world, layout).shards
     padded = torch.nn.functional.pad(ids, (0, shards.padded_len - ids.shape[1]))
     mask = DocLayout.from_doc_ids(padded).materialize_mask(window_size=(left, 0))[:, 0]
     mine = set(shards.positions[rank].tolist())
@@ -54,9 +56,9 @@ def brute_needed(ids: torch.Tensor, world: int, rank: int, left: int) -> set[tup
     return out
 
 
-def allowed_pairs(ids: torch.Tensor, world: int, rank: int, left: int) -> set[tuple[int, int]]:
+def allowed_pairs(ids: torch.Tensor, world: int, rank: int, left: int, layout: str = "contiguous") -> set[tuple[int, int]]:
     """(local query row b * L + l, key flat id) of every pair the rank's real queries may attend."""
-    shards = plan_shards(ids.shape[1], world)
+    shards = plan_step(ids, world, layout).shards
     sp, L = shards.padded_len, shards.local_len
     padded = torch.nn.functional.pad(ids, (0, sp - ids.shape[1]))
     mask = DocLayout.from_doc_ids(padded).materialize_mask(window_size=(left, 0))[:, 0]
@@ -68,23 +70,28 @@ def allowed_pairs(ids: torch.Tensor, world: int, rank: int, left: int) -> set[tu
     return pairs
 
 
+SHARDINGS = ["contiguous", "balanced"]
+
+
 @pytest.mark.parametrize("ids", LAYOUTS)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("left", WINDOWS)
-def test_needed_sets_equal_brute_force(ids, world, left):
-    plan = plan_step(ids, world)
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_needed_sets_equal_brute_force(ids, world, left, sharding):
+    plan = plan_step(ids, world, sharding)
     x = plan.exchange(left)
     sp = plan.shards.padded_len
     for rank in range(world):
         got = {(f // sp, f % sp) for f in x.needed[rank].tolist()}
-        assert got == brute_needed(ids, world, rank, left), f"rank {rank}"
-    assert x.needed_tokens() == [len(brute_needed(ids, world, r, left)) for r in range(world)]
+        assert got == brute_needed(ids, world, rank, left, sharding), f"rank {rank}"
+    assert x.needed_tokens() == [len(brute_needed(ids, world, r, left, sharding)) for r in range(world)]
 
 
 @pytest.mark.parametrize("ids", LAYOUTS)
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
-def test_routes_deliver_exactly_what_each_rank_expects(ids, world):
-    plan = plan_step(ids, world)
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_routes_deliver_exactly_what_each_rank_expects(ids, world, sharding):
+    plan = plan_step(ids, world, sharding)
     x = plan.exchange(-1)
     for d in range(world):
         expected = x.recv_flat_ids(d)
@@ -131,8 +138,9 @@ def kernel_pairs_varlen(meta) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("ids", LAYOUTS)
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("mode", ["allgather", "a2a"])
-def test_kernels_compute_exactly_the_allowed_pairs(ids, world, mode):
-    plan = plan_step(ids, world)
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_kernels_compute_exactly_the_allowed_pairs(ids, world, mode, sharding):
+    plan = plan_step(ids, world, sharding)
     sp = plan.shards.padded_len
     for left in WINDOWS:
         for rank in range(world):
@@ -140,7 +148,7 @@ def test_kernels_compute_exactly_the_allowed_pairs(ids, world, mode):
             wp = state.window_plan(left)
             key_flat = wp.key_flat_ids
             assert len(set(key_flat.tolist())) == key_flat.numel(), "a key arrives twice"
-            expected = allowed_pairs(ids, world, rank, left)
+            expected = allowed_pairs(ids, world, rank, left, sharding)
             got = [(q, int(key_flat[k])) for q, k in kernel_pairs_varlen(wp.kernel_meta)]
             assert len(got) == len(set(got)), "a pair is computed twice"
             assert set(got) == expected, f"rank {rank}, window {left}"
@@ -213,3 +221,56 @@ def test_plans_are_identical_on_every_rank_and_fingerprinted():
     other[0, 5] = 0
     assert plan_step(other, 4).fingerprint() != a.fingerprint()
     assert plan_step(ids, 3).fingerprint() != a.fingerprint()
+
+
+def pareto_ids(seed: int, S: int) -> torch.Tensor:
+    """One row of long-tail documents: Pareto(1.2) lengths of at least 16 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < S:
+        u = float(torch.rand(1, generator=g))
+        lengths.append(min(S - sum(lengths), int(16 * (1 - u) ** (-1 / 1.2))))
+    return DocLayout.from_seqlens(lengths).doc_ids
+
+
+@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("seed", range(4))
+def test_balanced_layout_equalises_work_on_long_tail_rows(world, seed):
+    ids = pareto_ids(seed, 8192)
+    balanced, contiguous = plan_step(ids, world, "balanced"), plan_step(ids, world)
+    work = balanced.work_per_rank()
+    assert max(work) / (sum(work) / world) <= 1.05
+    assert sum(work) == sum(contiguous.work_per_rank())  # the same pairs, only moved
+    assert balanced.tokens_per_rank() and max(balanced.tokens_per_rank()) - min(balanced.tokens_per_rank()) <= balanced.shards.local_len
+
+
+@pytest.mark.parametrize("S", [1, 2, 5, 7, 31, 100])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_balanced_positions_are_a_permutation_with_equal_rows(S, world):
+    ids = random_ids(S, 2, S)
+    shards = plan_step(ids, world, "balanced").shards
+    flat = shards.positions.flatten()
+    assert torch.equal(torch.sort(flat).values, torch.arange(shards.padded_len))
+    assert shards.positions.shape == (world, shards.local_len) and shards.padded_len >= S
+    for r in range(world):  # rows in global order, so pieces stay contiguous where they can
+        assert bool((shards.positions[r][1:] > shards.positions[r][:-1]).all())
+
+
+def test_balanced_is_deterministic_and_documented_example():
+    ids = pareto_ids(7, 4096)
+    a, b = plan_step(ids, 4, "balanced"), plan_step(ids.clone(), 4, "balanced")
+    assert torch.equal(a.shards.positions, b.shards.positions)
+    L, pos, imbalance = balanced_positions(position_work(DocLayout.from_seqlens([8])), 2)
+    assert imbalance <= TARGET and L == 4
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_unshard_inverts_shard_for_every_rank(world, sharding):
+    ids = random_ids(11, 2, 13)
+    shards = plan_step(ids, world, sharding).shards
+    t = torch.arange(2 * 13 * 3).view(2, 13, 3)
+    parts = [shard_tensor(t, 1, -1, shards, r) for r in range(world)]
+    assert torch.equal(unshard(parts, shards, 1), t)
+    with pytest.raises(ValueError, match=f"expected {world} shards"):
+        unshard(parts + [parts[0]], shards, 1)

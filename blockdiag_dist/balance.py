@@ -1,0 +1,101 @@
+"""Load-balanced sharding for packed documents (``layout="balanced"``): pure, identical on every rank.
+
+Under causal document masks the attention work of a query is the number of keys it sees: ``p - doc_start + 1``
+at position ``p``. Contiguous shards therefore get unequal work (the rank holding the end of a long document
+does the most). Here the padded row is cut into ``c * W`` equal chunks and every rank gets exactly ``c`` of
+them (so every rank still holds the same number of rows, and any S and CP work, with no divisibility rule),
+chosen to equalise the summed work:
+
+1. longest-processing-time first: chunks by decreasing work, each to the least-loaded rank that still has
+   room (a rank takes exactly ``c`` chunks);
+2. then pairwise swaps between the most and the least loaded rank while that lowers the maximum.
+
+``c`` is the smallest of 2, 4, 8, 16, 32 that brings max/mean work within ``TARGET``; finer chunks balance
+better but cut more documents across ranks (more K/V to exchange), so the coarsest good one wins. A rank's
+chunks are kept in ascending order, so its rows stay in global order.
+
+With ``B > 1`` the rows share one assignment (tensors are ``[B, L, ...]``): the work of a position is summed
+over rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from blockdiag_ref import DocLayout
+
+__all__ = ["TARGET", "balanced_positions", "position_work"]
+
+TARGET = 1.02  # max/mean attention work accepted before trying finer chunks
+CHUNKS_PER_RANK = (2, 4, 8, 16, 32)
+_MAX_SWAPS = 200
+
+
+def position_work(layout: DocLayout) -> Tensor:
+    """float64 ``[S]``: keys seen by the query at each position, summed over rows (0 on padding)."""
+    pos = torch.arange(layout.seq_len)
+    starts = torch.cat([torch.tensor([0]), layout.segments[:, 1]])[layout.segment_ids]  # [B, S]
+    keys = torch.where(layout.segment_ids != 0, pos - starts + 1, 0)
+    return keys.sum(0).to(torch.float64)
+
+
+def _assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[list[list[int]], list[float]]:
+    """Chunks to ranks, exactly ``per_rank`` each, minimising the largest summed work (LPT, then swaps)."""
+    order = sorted(range(len(chunk_work)), key=lambda k: (-chunk_work[k], k))
+    load = [0.0] * world
+    owned: list[list[int]] = [[] for _ in range(world)]
+    for k in order:
+        r = min((r for r in range(world) if len(owned[r]) < per_rank), key=lambda r: (load[r], r))
+        owned[r].append(k)
+        load[r] += chunk_work[k]
+    for _ in range(_MAX_SWAPS):
+        hi = max(range(world), key=lambda r: (load[r], -r))
+        lo = min(range(world), key=lambda r: (load[r], r))
+        gap = load[hi] - load[lo]
+        best = None
+        for a in owned[hi]:
+            for b in owned[lo]:
+                d = chunk_work[a] - chunk_work[b]
+                if 0 < d < gap:
+                    new_max = max(load[hi] - d, load[lo] + d)
+                    if best is None or new_max < best[0]:
+                        best = (new_max, a, b, d)
+        if best is None or best[0] >= load[hi]:
+            break
+        _, a, b, d = best
+        owned[hi][owned[hi].index(a)] = b
+        owned[lo][owned[lo].index(b)] = a
+        load[hi] -= d
+        load[lo] += d
+    return owned, load
+
+
+def balanced_positions(work: Tensor, world: int) -> tuple[int, Tensor, float]:
+    """``(local_len, positions [W, L], max/mean work)`` for per-position ``work [S]``.
+
+    >>> L, pos, imbalance = balanced_positions(torch.arange(1.0, 9.0), 2)  # one document of 8 tokens
+    >>> L, pos.tolist(), imbalance
+    (4, [[0, 1, 6, 7], [2, 3, 4, 5]], 1.0)
+    """
+    S = work.numel()
+    best = None
+    for per_rank in CHUNKS_PER_RANK:
+        chunks = per_rank * world
+        if best is not None and chunks > S:
+            break  # chunks of less than one real token only add padding
+        local_len = per_rank * -(-S // chunks)
+        chunk_len = local_len // per_rank
+        padded = torch.nn.functional.pad(work, (0, world * local_len - S))
+        chunk_work = padded.view(chunks, chunk_len).sum(1).tolist()
+        owned, load = _assign(chunk_work, world, per_rank)
+        mean = sum(load) / world
+        imbalance = max(load) / mean if mean > 0 else 1.0
+        if best is None or imbalance < best[0] - 1e-12:
+            starts = torch.tensor([sorted(ks) for ks in owned]) * chunk_len  # [W, c]
+            positions = (starts[:, :, None] + torch.arange(chunk_len)).flatten(1)
+            best = (imbalance, local_len, positions)
+        if best[0] <= TARGET:
+            break
+    imbalance, local_len, positions = best
+    return local_len, positions, imbalance
