@@ -10,11 +10,11 @@ JOBS   ?= 2
 EXAMPLES ?= 200
 SEED   ?= 0
 
-.PHONY: install test verify fuzz
+.PHONY: install test verify fuzz bench bench-quick
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test]" --config-settings editable_mode=compat
+	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test,bench]" --config-settings editable_mode=compat
 	@touch $@
 
 install: $(STAMP)
@@ -30,3 +30,10 @@ verify: $(STAMP)
 # Hypothesis-drawn cases; a failure is shrunk and printed as a replay command.
 fuzz: $(STAMP)
 	$(PY) -m verify fuzz --examples $(EXAMPLES) --seed $(SEED) $(ARGS)
+
+# Performance figures as side-by-side ratios: results/bench.json, results/bench.png, BENCHMARKS.md.
+bench: $(STAMP)
+	$(PY) -m bench --write-md
+
+bench-quick: $(STAMP)
+	$(PY) -m bench --quick

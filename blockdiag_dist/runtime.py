@@ -68,18 +68,17 @@ def cp_blockdiag_sdpa(
     kv_tok = torch.cat(
         [key.transpose(1, 2).reshape(B * L, Hkv * D), value.transpose(1, 2).reshape(B * L, Hkv * Dv)], dim=1
     )
-    buf = state.exchange(kv_tok, wp)
-    k_buf = buf[:, : Hkv * D].unflatten(1, (Hkv, D))
-    v_buf = buf[:, Hkv * D :].unflatten(1, (Hkv, Dv))
+    kv_buf = state.exchange(kv_tok, wp)  # [Tk, Hkv * (D + Dv)]
     q_tok = query.transpose(1, 2).reshape(B * L, Hq, D)
     if state.kernel == "dense":
-        out = dense_attention(q_tok, k_buf, v_buf, wp.kernel_meta, dropout_p=dropout_p, scale=scale)
+        out = dense_attention(q_tok, kv_buf, wp.kernel_meta, heads_kv=Hkv, dim_v=Dv, dropout_p=dropout_p, scale=scale)
     else:
-        why_not = flash_unusable_reason(q_tok, v_buf, dropout_p)
+        why_not = flash_unusable_reason(q_tok, D, Dv)
         if why_not is not None and q_tok.device.type == "cuda":
             state.note(f"varlen kernel: flash-attn not used ({why_not}); batched SDPA per size class instead")
         out = varlen_attention(
-            q_tok, k_buf, v_buf, wp.kernel_meta, dropout_p=dropout_p, scale=scale, use_flash=why_not is None
+            q_tok, kv_buf, wp.kernel_meta, heads_kv=Hkv, dim_v=Dv, dropout_p=dropout_p, scale=scale,
+            use_flash=why_not is None,
         )
     return out.view(B, L, Hq, Dv).transpose(1, 2)
 

@@ -37,12 +37,14 @@ def plan_dense(q_flat: Tensor, k_flat: Tensor, segments: Tensor, padded_len: int
 
 
 def dense_attention(
-    q_tok: Tensor, k_buf: Tensor, v_buf: Tensor, meta: DenseMeta, *, dropout_p: float, scale: float | None
+    q_tok: Tensor, kv_buf: Tensor, meta: DenseMeta, *, heads_kv: int, dim_v: int, dropout_p: float, scale: float | None
 ) -> Tensor:
-    """``q_tok [Tq, Hq, D]``, ``k_buf [Tk, Hkv, D]``, ``v_buf [Tk, Hkv, Dv]`` -> ``[Tq, Hq, Dv]``; padding rows 0."""
+    """``q_tok [Tq, Hq, D]`` and the key buffer ``kv_buf [Tk, Hkv * (D + Dv)]`` (keys then values per token)
+    -> ``[Tq, Hq, Dv]``; padding rows exactly 0."""
+    kd = heads_kv * q_tok.shape[2]
     q = q_tok.transpose(0, 1)[None]  # [1, Hq, Tq, D]
-    k = k_buf.transpose(0, 1)[None]
-    v = v_buf.transpose(0, 1)[None]
+    k = kv_buf[:, :kd].unflatten(1, (heads_kv, -1)).transpose(0, 1)[None]
+    v = kv_buf[:, kd:].unflatten(1, (heads_kv, dim_v)).transpose(0, 1)[None]
     gqa = q.shape[1] != k.shape[1]
     out = stock_sdpa(q, k, v, attn_mask=meta.mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     return torch.where(meta.pad_q, 0.0, out[0].transpose(0, 1))

@@ -61,6 +61,8 @@ class Bucket:
 class VarlenMeta:
     buckets: tuple[Bucket, ...]
     out_index: Tensor  # int64 [Tq]: row of each query token in cat(bucket outputs, one zero row)
+    q_gather: Tensor  # int64: every bucket's q_index, flattened and concatenated (one gather for all)
+    k_gather: Tensor  # int64: likewise for k_index
     piece_q: Tensor  # int64 [P, 2] (first local query row, length), on the host
     piece_k: Tensor  # int64 [P, 2] (first key flat id, length), on the host
     key_lut: Tensor = field(repr=False)  # int64 [B * Sp] key-buffer row of each flat id (-1 = absent), host
@@ -76,6 +78,8 @@ class VarlenMeta:
         return VarlenMeta(
             buckets=tuple(b.to(device) for b in self.buckets),
             out_index=self.out_index.to(device),
+            q_gather=self.q_gather.to(device),
+            k_gather=self.k_gather.to(device),
             piece_q=self.piece_q,
             piece_k=self.piece_k,
             key_lut=self.key_lut,
@@ -167,9 +171,12 @@ def plan_varlen(
         buckets.append(Bucket(q_index=q_index, k_index=k_index, mask=mask))
     assert bool((out_index[real] >= 0).all()) and bool((out_index[~real] == -1).all())
     out_index[~real] = base  # the zero row
+    empty = torch.zeros(0, dtype=torch.int64)
     return VarlenMeta(
         buckets=tuple(buckets),
         out_index=out_index,
+        q_gather=torch.cat([b.q_index.flatten() for b in buckets]) if buckets else empty,
+        k_gather=torch.cat([b.k_index.flatten() for b in buckets]) if buckets else empty,
         piece_q=torch.stack([p_start, p_len], 1),
         piece_k=torch.stack([p_kflat0, p_klen], 1),
         key_lut=key_lut,
@@ -187,14 +194,14 @@ def _flash_varlen_fn():
     return flash_attn_varlen_func
 
 
-def flash_unusable_reason(q_tok: Tensor, v_buf: Tensor, dropout_p: float) -> str | None:
+def flash_unusable_reason(q_tok: Tensor, dim: int, dim_v: int) -> str | None:
     """Why flash-attn's varlen function cannot run these tensors (None when it can)."""
     if q_tok.device.type != "cuda":
         return f"device is {q_tok.device.type}, flash-attn needs cuda"
     if q_tok.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype is {q_tok.dtype}, flash-attn needs float16 or bfloat16"
-    if q_tok.shape[-1] != v_buf.shape[-1]:
-        return f"D={q_tok.shape[-1]} != Dv={v_buf.shape[-1]}"
+    if dim != dim_v:
+        return f"D={dim} != Dv={dim_v}"
     if _flash_varlen_fn() is None:
         return "flash_attn is not importable"
     return None
@@ -202,36 +209,45 @@ def flash_unusable_reason(q_tok: Tensor, v_buf: Tensor, dropout_p: float) -> str
 
 def varlen_attention(
     q_tok: Tensor,
-    k_buf: Tensor,
-    v_buf: Tensor,
+    kv_buf: Tensor,
     meta: VarlenMeta,
     *,
+    heads_kv: int,
+    dim_v: int,
     dropout_p: float,
     scale: float | None,
     use_flash: bool = False,
 ) -> Tensor:
-    """``q_tok [Tq, Hq, D]``, ``k_buf [Tk, Hkv, D]``, ``v_buf [Tk, Hkv, Dv]`` -> ``[Tq, Hq, Dv]``; padding rows 0."""
+    """``q_tok [Tq, Hq, D]`` and the key buffer ``kv_buf [Tk, Hkv * (D + Dv)]`` (keys then values per token)
+    -> ``[Tq, Hq, Dv]``; padding rows exactly 0.
+
+    One gather for all queries and one for all keys and values, whatever the number of buckets: their
+    backward is then one scatter each, not one full-size zero-fill per bucket.
+    """
+    Hq, D = q_tok.shape[1], q_tok.shape[2]
+    kd = heads_kv * D
     if use_flash:
+        k_buf, v_buf = kv_buf[:, :kd].unflatten(1, (heads_kv, D)), kv_buf[:, kd:].unflatten(1, (heads_kv, dim_v))
         return _flash_varlen(q_tok, k_buf, v_buf, meta, dropout_p=dropout_p, scale=scale)
-    Hq, Hkv, Dv = q_tok.shape[1], k_buf.shape[1], v_buf.shape[-1]
-    gqa = Hq != Hkv
+    gqa = Hq != heads_kv
+    shapes = [(b.q_index.shape[0], b.q_index.shape[1], b.k_index.shape[1], b.mask) for b in meta.buckets]
+    q_all = q_tok.index_select(0, meta.q_gather).split([n * lq for n, lq, _, _ in shapes])
+    kv_all = kv_buf.index_select(0, meta.k_gather).split([n * lk for n, _, lk, _ in shapes])
     parts = []
-    for b in meta.buckets:
-        n, lq = b.q_index.shape
-        lk = b.k_index.shape[1]
-        q = q_tok.index_select(0, b.q_index.flatten()).view(n, lq, Hq, -1).transpose(1, 2)
-        k = k_buf.index_select(0, b.k_index.flatten()).view(n, lk, Hkv, -1).transpose(1, 2)
-        v = v_buf.index_select(0, b.k_index.flatten()).view(n, lk, Hkv, Dv).transpose(1, 2)
-        o = stock_sdpa(q, k, v, attn_mask=b.mask, dropout_p=dropout_p, is_causal=b.mask is None, scale=scale, enable_gqa=gqa)
-        parts.append(o.transpose(1, 2).reshape(n * lq, Hq, Dv))
-    parts.append(_zero_row(q_tok, k_buf, v_buf, Hq, Dv, parts[0].dtype if parts else q_tok.dtype))
+    for (n, lq, lk, mask), qb, kvb in zip(shapes, q_all, kv_all):
+        q = qb.view(n, lq, Hq, D).transpose(1, 2)
+        k = kvb[:, :kd].unflatten(0, (n, lk)).unflatten(2, (heads_kv, D)).transpose(1, 2)
+        v = kvb[:, kd:].unflatten(0, (n, lk)).unflatten(2, (heads_kv, dim_v)).transpose(1, 2)
+        o = stock_sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, scale=scale, enable_gqa=gqa)
+        parts.append(o.transpose(1, 2).reshape(n * lq, Hq, dim_v))
+    parts.append(_zero_row(q_tok, kv_buf, Hq, dim_v, parts[0].dtype if parts else q_tok.dtype))
     return torch.cat(parts).index_select(0, meta.out_index)
 
 
-def _zero_row(q_tok: Tensor, k_buf: Tensor, v_buf: Tensor, Hq: int, Dv: int, dtype: torch.dtype) -> Tensor:
+def _zero_row(q_tok: Tensor, kv_buf: Tensor, Hq: int, Dv: int, dtype: torch.dtype) -> Tensor:
     """Exact zeros ``[1, Hq, Dv]`` for padding queries that still reach q, k and v in the graph (with exactly
     0 gradient), so that a rank holding only padding runs the exchange's backward like every other rank."""
-    anchor = q_tok[:1, :1, :1].sum() + k_buf[:1, :1, :1].sum() + v_buf[:1, :1, :1].sum()
+    anchor = q_tok[:1, :1, :1].sum() + kv_buf[:1, :1].sum()
     return torch.where(torch.zeros((), dtype=torch.bool, device=q_tok.device), anchor, 0.0).to(dtype).expand(1, Hq, Dv)
 
 

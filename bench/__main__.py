@@ -1,0 +1,178 @@
+"""``python -m bench`` (``make bench``; ``make bench-quick`` < 2 minutes): every performance figure of the
+project, each a ratio of two things measured side by side in this run.
+
+Writes ``results/bench.json`` and ``results/bench.png``; with ``--write-md`` also ``BENCHMARKS.md`` (and the
+plot as ``docs/benchmarks.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from blockdiag_dist.plan import plan_step
+from verify.pool import WorkerPool
+from verify.report import make_console
+
+from .dist import peak_memory, timed_steps
+from .kernel import D, H, HKV, attention_step, bench_kernel, bench_scaling
+from .workloads import interleaved, layout_of, long_tail
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = [{"name": m, "kv_exchange": m} for m in ("allgather", "halo", "a2a", "auto")]
+
+
+def bench_exchange(cps, sizes, reps, seed=0, timeout=1800) -> dict:
+    rows = []
+    for cp in cps:
+        with WorkerPool(cp, collective_timeout=timeout) as pool:
+            for S in sizes:
+                per_rank = pool.run(timed_steps, args=(S, seed, MODES, reps), timeout=timeout, name=f"exchange cp{cp} S{S}")
+                row = {"cp": cp, "S": S, "modes": {}}
+                for m in MODES:
+                    name = m["name"]
+                    if "skipped" in per_rank[0][name]:
+                        row["modes"][name] = {"skipped": per_rank[0][name]["skipped"]}
+                        continue
+                    row["modes"][name] = {
+                        "seconds": max(r[name]["seconds"] for r in per_rank),
+                        "mode": per_rank[0][name]["mode"],
+                        "recv_bytes_per_rank": [r[name]["recv_bytes_per_step"] for r in per_rank],
+                        "min_recv_bytes_per_rank": [r[name]["min_recv_bytes"] for r in per_rank],
+                    }
+                ag = row["modes"]["allgather"]["seconds"]
+                for name, m in row["modes"].items():
+                    if "seconds" in m:
+                        m["speedup_over_allgather"] = ag / m["seconds"]
+                        mins, got = m["min_recv_bytes_per_rank"], m["recv_bytes_per_rank"]
+                        m["bytes_over_minimum"] = sum(got) / sum(mins) if sum(mins) else (1.0 if sum(got) == 0 else float("inf"))
+                rows.append(row)
+    return {"rows": rows, "docs": "long-tail, <= 2048 tokens", "heads": [H, HKV], "head_dim": D}
+
+
+def bench_cp_efficiency(cps, S, reps, seed=0) -> dict:
+    """CP step (wall, slowest rank) against one process doing the same total work."""
+    single = interleaved({"single": attention_step(long_tail(S, seed), "varlen")}, reps)["single"]
+    rows = []
+    for cp in cps:
+        with WorkerPool(cp) as pool:
+            per_rank = pool.run(timed_steps, args=(S, seed, [{"name": "auto"}], reps), timeout=1800, name=f"cp{cp}")
+        t = max(r["auto"]["seconds"] for r in per_rank)
+        cores = min(cp, os.cpu_count() or 1)
+        rows.append({"cp": cp, "S": S, "cp_seconds": t, "single_seconds": single, "speedup": single / t,
+                     "efficiency_per_core": single / t / cores, "cores": cores})
+    return {"rows": rows}
+
+
+def bench_memory(S, cp, seed=0) -> dict:
+    with WorkerPool(cp) as pool:
+        per_rank = pool.run(peak_memory, args=(S, seed), timeout=1800, name=f"memory S{S}")
+    L = per_rank[0]["local_len"]
+    return {
+        "S": S, "cp": cp, "heads": [H, HKV], "head_dim": D, "dtype": "float32",
+        "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in per_rank], "mode": per_rank[0]["mode"],
+        "dense_mask_bytes_per_rank": L * S,  # bool [L, S] against all-gathered keys
+        "dense_scores_bytes_per_rank": H * L * S * 4,  # float32 [H, L, S] if the scores are materialised
+        "step_seconds": max(r["seconds"] for r in per_rank),
+    }
+
+
+def bench_verifier(cps, per_cp_cases) -> dict:
+    from verify.cases import default_matrix
+    from verify.cli import applicable
+    from verify.runner import impl_info
+    from verify.session import Session
+
+    info = impl_info("blockdiag_dist")
+    torch.set_num_threads(1)
+    out = {}
+    with Session() as session:
+        for cp in cps:
+            cases = [c for c in default_matrix(cps=(cp,)) if applicable(info, c)][:per_cp_cases]
+            results = session.run(cases)
+            out[str(cp)] = {"cases": len(results), "failed": sum(not r.ok for r in results), "cases_per_second": session.throughput()[cp]}
+    torch.set_num_threads(os.cpu_count() or 1)
+    return {"cps": out}
+
+
+def bench_balance(cps, S, seeds, step_cp, step_S, reps) -> dict:
+    plans = []
+    for cp in cps:
+        for seed in seeds:
+            ids = layout_of(long_tail(S, seed)).doc_ids
+            row = {"cp": cp, "S": S, "seed": seed}
+            for layout in ("contiguous", "balanced"):
+                plan = plan_step(ids, cp, layout)
+                work, tokens = plan.work_per_rank(), plan.tokens_per_rank()
+                needed = plan.exchange(-1).needed_tokens()
+                row[layout] = {
+                    "work_max_over_mean": max(work) / (sum(work) / cp),
+                    "tokens_max_over_mean": max(tokens) / (sum(tokens) / cp),
+                    "needed_tokens_max": max(needed), "needed_tokens_total": sum(needed),
+                }
+            plans.append(row)
+    configs = [{"name": "contiguous", "layout": "contiguous"}, {"name": "balanced", "layout": "balanced"}]
+    with WorkerPool(step_cp) as pool:
+        per_rank = pool.run(timed_steps, args=(step_S, 0, configs, reps), timeout=1800, name="balance")
+    step = {name: max(r[name]["seconds"] for r in per_rank) for name in ("contiguous", "balanced")}
+    work = {name: [r[name]["work"] for r in per_rank] for name in ("contiguous", "balanced")}
+    return {"plans": plans, "step": {"cp": step_cp, "S": step_S, "seconds": step, "speedup": step["contiguous"] / step["balanced"],
+                                     "work_per_rank": work}}
+
+
+def run(quick: bool) -> dict:
+    console = make_console()
+    t0 = time.perf_counter()
+    res: dict = {"quick": quick, "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}}
+    sections = [
+        ("kernel", lambda: bench_kernel((4096,) if quick else (4096, 16384), reps=2 if quick else 3)),
+        ("scaling", lambda: bench_scaling((2048, 4096, 8192) if quick else (2048, 4096, 8192, 16384, 32768), reps=2 if quick else 3)),
+        ("exchange", lambda: bench_exchange((2, 4), (8192,) if quick else (8192, 32768), reps=2 if quick else 3)),
+        ("cp_efficiency", lambda: bench_cp_efficiency((2, 4), 8192 if quick else 32768, reps=2 if quick else 3)),
+        ("balance", lambda: bench_balance((4, 8), 32768, (0, 1, 2), step_cp=2, step_S=8192 if quick else 32768, reps=2 if quick else 3)),
+        ("verifier", lambda: bench_verifier((2, 4), 60 if quick else 200)),
+    ]
+    if not quick:
+        sections.append(("memory", lambda: bench_memory(131072, 4)))
+    for name, fn in sections:
+        t = time.perf_counter()
+        console.print(f"bench: {name} ...", markup=False)
+        res[name] = fn()
+        res[name]["section_seconds"] = time.perf_counter() - t
+    res["wall_seconds"] = time.perf_counter() - t0
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (< 2 minutes)")
+    p.add_argument("--out", default=str(ROOT / "results"), help="folder for bench.json and bench.png")
+    p.add_argument("--write-md", action="store_true", help="also write BENCHMARKS.md and docs/benchmarks.png")
+    args = p.parse_args(argv)
+    from .report import plot, print_tables, write_markdown
+
+    res = run(args.quick)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(res, indent=1) + "\n")
+    plot(res, out / "bench.png")
+    print_tables(res, make_console())
+    if args.write_md:
+        (ROOT / "docs").mkdir(exist_ok=True)
+        shutil.copyfile(out / "bench.png", ROOT / "docs" / "benchmarks.png")
+        command = "make bench-quick" if args.quick else "make bench"
+        (ROOT / "BENCHMARKS.md").write_text(write_markdown(res, command))
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'} in {res['wall_seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Benchmarks on real process groups (run on every rank of a verify.pool.WorkerPool)."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+from verify.pool import worker_info
+
+from .kernel import D, H, HKV
+from .workloads import layout_of, long_tail
+
+__all__ = ["peak_memory", "timed_steps"]
+
+
+def _step_fn(ids: torch.Tensor, mesh, config: dict, seed: int):
+    S = ids.shape[1]
+    batch = {"inputs_embeds": torch.zeros(1, S, 1), "_packed_seq_ids": ids}
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(
+        mesh, None, batch, kv_exchange=config.get("kv_exchange", "auto"), kernel=config.get("kernel", "varlen"),
+        layout=config.get("layout", "contiguous"),
+    )
+    L = batch["inputs_embeds"].shape[1]
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    q, k, v = (torch.randn(1, h, L, D, generator=g, requires_grad=True) for h in (H, HKV, HKV))
+    grad_out = torch.randn(1, H, L, D, generator=g)
+
+    def step() -> None:
+        with ctx():
+            out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+            torch.autograd.grad(out, (q, k, v), grad_out)
+
+    return ctx.state, step
+
+
+def timed_steps(S: int, seed: int, configs: list[dict], reps: int) -> dict:
+    """Median forward + backward step time of each config, measured in alternation between barriers (so a
+    step's time is the slowest rank's), plus the K/V bytes each config moved per step on this rank."""
+    mesh = worker_info()["cp_mesh"]
+    ids = layout_of(long_tail(S, seed)).doc_ids
+    steps, states = {}, {}
+    for config in configs:
+        try:
+            states[config["name"]], steps[config["name"]] = _step_fn(ids, mesh, config, seed)
+        except ValueError as exc:  # e.g. halo where it cannot work: every rank decides the same
+            states[config["name"]] = str(exc)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for rep in range(reps + 1):
+        for name, step in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dist.barrier()
+            if rep:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+    out = {}
+    for config in configs:
+        name = config["name"]
+        state = states[name]
+        if isinstance(state, str):
+            out[name] = {"skipped": state}
+            continue
+        fwd = state.traffic.totals("forward")
+        wp = state.window_plan(-1)
+        bpt = HKV * 2 * D * 4
+        out[name] = {
+            "seconds": statistics.median(times[name]),
+            "mode": wp.mode,
+            "recv_bytes_per_step": fwd["recv_bytes"] // max(fwd["calls"], 1),
+            "min_recv_bytes": wp.exchange.needed_tokens()[dist.get_rank()] * bpt,
+            "allgather_recv_bytes": wp.exchange.allgather_tokens() * bpt,
+            "work": state.plan.work_per_rank()[dist.get_rank()],
+        }
+    return out
+
+
+def peak_memory(S: int, seed: int) -> dict:
+    """Peak resident memory of this rank after one varlen + needed-only step at sequence length ``S``."""
+    mesh = worker_info()["cp_mesh"]
+    ids = layout_of(long_tail(S, seed)).doc_ids
+    state, step = _step_fn(ids, mesh, {"kv_exchange": "auto", "kernel": "varlen"}, seed)
+    t0 = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - t0
+    return {
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "mode": state.window_plan(-1).mode,
+        "local_len": state.local_len,
+        "seconds": seconds,
+    }

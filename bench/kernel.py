@@ -1,0 +1,61 @@
+"""Single-process benchmarks: the local kernel (varlen vs dense mask) and how step time grows with S."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+from .workloads import interleaved, layout_of, long_tail, matmul_rate, useful_pairs
+
+__all__ = ["bench_kernel", "bench_scaling"]
+
+H, HKV, D = 8, 2, 64
+
+
+def attention_step(lengths: list[int], kernel: str, dtype=torch.float32, device="cpu", seed: int = 0) -> Callable[[], None]:
+    """One forward + backward of per-document attention over a packed row (CP 1), as a closure."""
+    layout = layout_of(lengths)
+    S = layout.seq_len
+    batch = {"inputs_embeds": torch.zeros(1, S, 1, dtype=dtype, device=device), "_packed_seq_ids": layout.doc_ids.to(device)}
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch, kernel=kernel)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(1, h, S, D, generator=g, dtype=dtype, device=device, requires_grad=True) for h in (H, HKV, HKV))
+    grad_out = torch.randn(1, H, S, D, generator=g, dtype=dtype, device=device)
+
+    def step() -> None:
+        with ctx():
+            out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+            torch.autograd.grad(out, (q, k, v), grad_out)
+
+    return step
+
+
+def bench_kernel(sizes: tuple[int, ...] = (4096, 16384), reps: int = 3, seed: int = 0) -> dict:
+    """Varlen vs dense-mask attention, forward + backward, float32, long-tail documents; the useful attention
+    FLOP rate next to this machine's matmul rate, measured in the same run."""
+    torch.manual_seed(seed)
+    mm = matmul_rate()
+    rows = []
+    for S in sizes:
+        lengths = long_tail(S, seed)
+        t = interleaved({"varlen": attention_step(lengths, "varlen"), "dense": attention_step(lengths, "dense")}, reps)
+        flops = 12 * D * H * useful_pairs(lengths)  # forward 4 D + backward 8 D per (query, key) pair and head
+        rows.append({
+            "S": S, "docs": len(lengths), "longest_doc": max(lengths), "mean_doc": S / len(lengths),
+            "varlen_s": t["varlen"], "dense_s": t["dense"], "speedup_over_dense": t["dense"] / t["varlen"],
+            "useful_gflops": flops / t["varlen"] / 1e9, "fraction_of_matmul": flops / t["varlen"] / 1e9 / mm,
+        })
+    return {"matmul_gflops": mm, "heads": [H, HKV], "head_dim": D, "dtype": "float32", "rows": rows}
+
+
+def bench_scaling(sizes: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768), reps: int = 3, seed: int = 0) -> dict:
+    """Varlen step time against S for one document-length distribution: it should grow about linearly."""
+    steps = {S: attention_step(long_tail(S, seed), "varlen") for S in sizes}
+    t = interleaved({str(S): fn for S, fn in steps.items()}, reps)
+    base = sizes[0]
+    rows = [{"S": S, "seconds": t[str(S)], "us_per_token": t[str(S)] / S * 1e6,
+             "time_ratio": t[str(S)] / t[str(base)], "size_ratio": S / base} for S in sizes]
+    return {"rows": rows}

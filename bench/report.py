@@ -1,0 +1,183 @@
+"""Tables, plot and BENCHMARKS.md of a benchmark run (each figure next to its goal)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+GOALS = {
+    "speedup_over_dense": 10.0,
+    "fraction_of_matmul": 0.5,
+    "needed_only_speedup_cp4": 2.0,
+    "balanced_work_max_over_mean": 1.05,
+    "verifier_cases_per_second": 50.0,
+}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of every section present in ``res``."""
+    out = []
+    if "kernel" in res:
+        k = res["kernel"]
+        rows = [[str(r["S"]), str(r["docs"]), str(r["longest_doc"]), f"{r['varlen_s'] * 1e3:.0f}", f"{r['dense_s'] * 1e3:.0f}",
+                 f"{r['speedup_over_dense']:.1f}x (goal >= {GOALS['speedup_over_dense']:.0f}x)",
+                 f"{r['useful_gflops']:.0f}", f"{r['fraction_of_matmul']:.2f} (goal >= {GOALS['fraction_of_matmul']})"] for r in k["rows"]]
+        out.append((f"Local kernel, fwd+bwd, float32, H={k['heads'][0]}, Hkv={k['heads'][1]}, D={k['head_dim']}; matmul rate {k['matmul_gflops']:.0f} GFLOP/s",
+                    ["S", "docs", "longest", "varlen ms", "dense ms", "varlen vs dense", "useful GFLOP/s", "of matmul rate"], rows))
+    if "scaling" in res:
+        rows = [[str(r["S"]), f"{r['seconds'] * 1e3:.0f}", f"{r['us_per_token']:.1f}", f"{r['time_ratio']:.2f}", f"{r['size_ratio']:.0f}"] for r in res["scaling"]["rows"]]
+        out.append(("Scaling: varlen step time against S (same document-length distribution)", ["S", "ms", "us/token", "time ratio", "S ratio"], rows))
+    if "exchange" in res:
+        rows = []
+        for row in res["exchange"]["rows"]:
+            for name, m in row["modes"].items():
+                if "skipped" in m:
+                    rows.append([str(row["cp"]), str(row["S"]), name, "-", "-", "-", "-", "not applicable"])
+                    continue
+                rows.append([str(row["cp"]), str(row["S"]), name + (f" ({m['mode']})" if name == "auto" else ""), f"{m['seconds'] * 1e3:.0f}",
+                             f"{m['speedup_over_allgather']:.2f}x", _mib(max(m["recv_bytes_per_rank"])), _mib(max(m["min_recv_bytes_per_rank"])),
+                             f"{m['bytes_over_minimum']:.2f}"])
+        out.append(("K/V exchange, fwd+bwd step (slowest rank), gloo", ["CP", "S", "mode", "ms", "vs all-gather", "max MiB recv/rank", "max MiB minimum", "bytes / minimum"], rows))
+    if "cp_efficiency" in res:
+        rows = [[str(r["cp"]), str(r["S"]), f"{r['single_seconds'] * 1e3:.0f}", f"{r['cp_seconds'] * 1e3:.0f}", f"{r['speedup']:.2f}x", str(r["cores"]), f"{r['efficiency_per_core']:.2f}"] for r in res["cp_efficiency"]["rows"]]
+        out.append(("CP efficiency: CP step against one process doing the same work", ["CP", "S", "single ms", "CP ms", "speedup", "cores", "per-core efficiency"], rows))
+    if "balance" in res:
+        b = res["balance"]
+        rows = [[str(r["cp"]), str(r["S"]), str(r["seed"]), f"{r['contiguous']['work_max_over_mean']:.3f}", f"{r['balanced']['work_max_over_mean']:.3f} (goal <= {GOALS['balanced_work_max_over_mean']})",
+                 f"{r['contiguous']['tokens_max_over_mean']:.3f}", f"{r['balanced']['tokens_max_over_mean']:.3f}",
+                 str(r["contiguous"]["needed_tokens_total"]), str(r["balanced"]["needed_tokens_total"])] for r in b["plans"]]
+        out.append(("Load balance (long-tail layouts): max/mean per rank, contiguous vs balanced",
+                    ["CP", "S", "seed", "work contiguous", "work balanced", "tokens contiguous", "tokens balanced", "K/V tokens moved contiguous", "balanced"], rows))
+        s = b["step"]
+        out.append((f"Balanced vs contiguous step time at CP {s['cp']}, S={s['S']} (one core per rank)", ["layout", "ms", "work per rank"],
+                    [[name, f"{s['seconds'][name] * 1e3:.0f}", str(s["work_per_rank"][name])] for name in ("contiguous", "balanced")]
+                    + [["speedup", f"{s['speedup']:.2f}x", ""]]))
+    if "verifier" in res:
+        rows = [[cp, str(v["cases"]), str(v["failed"]), f"{v['cases_per_second']:.1f} (goal >= {GOALS['verifier_cases_per_second']:.0f})"] for cp, v in res["verifier"]["cps"].items()]
+        out.append(("Verifier throughput (pool start excluded)", ["CP", "cases", "failed", "cases/s"], rows))
+    if "memory" in res:
+        m = res["memory"]
+        rows = [[str(m["S"]), str(m["cp"]), m["mode"], ", ".join(_gib(x) for x in m["peak_rss_bytes_per_rank"]), _gib(sum(m["peak_rss_bytes_per_rank"])),
+                 _gib(m["dense_mask_bytes_per_rank"]), _gib(m["dense_scores_bytes_per_rank"]), f"{m['step_seconds']:.1f}"]]
+        out.append(("Memory at scale: varlen + needed-only, float32", ["S", "CP", "exchange", "peak RSS per rank", "sum", "dense mask/rank", "dense scores/rank", "step s"], rows))
+    return out
+
+
+def print_tables(res: dict, console) -> None:
+    for title, header, rows in tables(res):
+        t = Table(title=title)
+        for h in header:
+            t.add_column(h)
+        for r in rows:
+            t.add_row(*r)
+        console.print(t)
+
+
+def write_markdown(res: dict, command: str) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Produced by `{command}` ({'quick' if res['quick'] else 'full'} run, {res['wall_seconds']:.0f} s) on "
+        f"{res['machine']['cpus']} CPU cores, torch {res['machine']['torch']}, gloo. Every figure is a ratio of two",
+        "measurements taken side by side in that run (alternating repeats, medians); absolute times are this shared",
+        "machine's and only frame the ratios. Raw numbers: `results/bench.json`.",
+        "",
+        "![benchmarks](docs/benchmarks.png)",
+        "",
+    ]
+    for title, header, rows in tables(res):
+        lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    ax = axes[0, 0]
+    if "kernel" in res:
+        rows = res["kernel"]["rows"]
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["dense_s"] for r in rows], 0.4, label="dense mask")
+        ax.bar([x + 0.2 for x in xs], [r["varlen_s"] for r in rows], 0.4, label="varlen")
+        ax.set_xticks(list(xs), [f"S={r['S']}\n{r['speedup_over_dense']:.1f}x" for r in rows])
+        ax.set_yscale("log")
+        ax.set_ylabel("fwd+bwd seconds")
+        ax.set_title("local kernel")
+        ax.legend()
+    ax = axes[0, 1]
+    if "scaling" in res:
+        rows = res["scaling"]["rows"]
+        ax.loglog([r["S"] for r in rows], [r["seconds"] for r in rows], "o-", label="varlen")
+        ax.loglog([r["S"] for r in rows], [rows[0]["seconds"] * r["size_ratio"] for r in rows], "--", label="linear in S")
+        ax.set_xlabel("S")
+        ax.set_ylabel("seconds")
+        ax.set_title("step time vs S")
+        ax.legend()
+    ax = axes[0, 2]
+    if "exchange" in res:
+        labels, series = [], {}
+        for row in res["exchange"]["rows"]:
+            labels.append(f"CP{row['cp']} S={row['S']}")
+            for name, m in row["modes"].items():
+                series.setdefault(name, []).append(m.get("speedup_over_allgather", 0.0))
+        width = 0.8 / max(1, len(series))
+        for i, (name, vals) in enumerate(series.items()):
+            ax.bar([x + i * width for x in range(len(labels))], vals, width, label=name)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_ylabel("speedup over all-gather")
+        ax.set_title("K/V exchange step time")
+        ax.legend()
+    ax = axes[1, 0]
+    if "exchange" in res:
+        labels, ag, needed, minimum = [], [], [], []
+        for row in res["exchange"]["rows"]:
+            labels.append(f"CP{row['cp']} S={row['S']}")
+            ag.append(max(row["modes"]["allgather"]["recv_bytes_per_rank"]) / 2**20)
+            needed.append(max(row["modes"]["a2a"]["recv_bytes_per_rank"]) / 2**20)
+            minimum.append(max(row["modes"]["a2a"]["min_recv_bytes_per_rank"]) / 2**20)
+        xs = range(len(labels))
+        ax.bar([x - 0.25 for x in xs], ag, 0.25, label="all-gather")
+        ax.bar(list(xs), needed, 0.25, label="a2a (needed-only)")
+        ax.bar([x + 0.25 for x in xs], minimum, 0.25, label="minimum")
+        ax.set_xticks(list(xs), labels)
+        ax.set_ylabel("max MiB received per rank")
+        ax.set_title("K/V bytes per step")
+        ax.legend()
+    ax = axes[1, 1]
+    if "balance" in res:
+        plans = res["balance"]["plans"]
+        labels = [f"CP{p['cp']} s{p['seed']}" for p in plans]
+        xs = range(len(plans))
+        ax.bar([x - 0.2 for x in xs], [p["contiguous"]["work_max_over_mean"] for p in plans], 0.4, label="contiguous")
+        ax.bar([x + 0.2 for x in xs], [p["balanced"]["work_max_over_mean"] for p in plans], 0.4, label="balanced")
+        ax.axhline(1.05, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(list(xs), labels, rotation=45)
+        ax.set_ylabel("max/mean attention work")
+        ax.set_title("load balance (long-tail)")
+        ax.legend()
+    ax = axes[1, 2]
+    if "verifier" in res:
+        v = res["verifier"]["cps"]
+        ax.bar([f"CP {cp}" for cp in v], [x["cases_per_second"] for x in v.values()])
+        ax.axhline(50, color="grey", lw=0.8, ls="--")
+        ax.set_ylabel("cases / s")
+        ax.set_title("verifier throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
