@@ -1,0 +1,139 @@
+"""Malformed input: every kind is answered by a ValueError naming what was expected and what was got, raised
+before the batch is mutated. This table is the README's "Malformed input" table (a test keeps them in sync)."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockdiag_dist import configure_cp_varlen, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+from blockdiag_ref import DocLayout, reference_attention
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def good_batch() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "inputs_embeds": torch.randn(2, 7, 3, generator=g),
+        "labels": torch.randint(0, 5, (2, 7), generator=g),
+        "position_ids": torch.arange(7).expand(2, 7).clone(),
+        "_packed_seq_ids": torch.tensor([[1, 1, 1, 2, 2, 0, 0], [3, 3, 0, 3, 4, 4, 4]]),
+        "attention_mask": torch.ones(2, 7, dtype=torch.long),
+    }
+
+
+
+
+def not_block_causal(b):
+    b.pop("_packed_seq_ids")
+    mask = DocLayout.from_doc_ids(torch.tensor([[1, 1, 2, 2, 2, 2, 2]] * 2)).materialize_mask().clone()
+    mask[:, :, 3, 1] = True  # document 2 sees into document 1
+    b["attention_mask"] = mask
+
+
+# id, what is malformed, how to break a good batch, extra keyword arguments, expected message
+BATCH_ROWS = [
+    ("both-streams", "both `inputs_embeds` and `input_ids`", lambda b: b.update(input_ids=torch.zeros(2, 7, dtype=torch.long)), {}, r"exactly one primary stream.*got \['inputs_embeds', 'input_ids'\]"),
+    ("no-stream", "neither `inputs_embeds` nor `input_ids`", lambda b: b.pop("inputs_embeds"), {}, "exactly one primary stream.*got neither"),
+    ("embeds-rank", "`inputs_embeds` not `[B, S, H]`", lambda b: b.update(inputs_embeds=torch.zeros(2, 7)), {}, r"inputs_embeds: expected a float tensor \[B, S, H\], got torch.float32 of shape \(2, 7\)"),
+    ("ids-float", "`input_ids` of a float dtype", lambda b: (b.pop("inputs_embeds"), b.update(input_ids=torch.zeros(2, 7))), {}, r"input_ids: expected an integer tensor \[B, S\], got torch.float32"),
+    ("empty-sequence", "S = 0", lambda b: b.update(inputs_embeds=torch.zeros(2, 0, 3)), {}, "expected B >= 1 and S >= 1, got B=2, S=0"),
+    ("labels-seq-len", "`labels` with another sequence length", lambda b: b.update(labels=torch.zeros(2, 6, dtype=torch.long)), {}, r"labels: expected shape \[B, S\] = \[2, 7\] like inputs_embeds, got \(2, 6\)"),
+    ("labels-batch", "`labels` with another batch size", lambda b: b.update(labels=torch.zeros(3, 7, dtype=torch.long)), {}, r"labels: expected shape \[B, S\] = \[2, 7\] like inputs_embeds, got \(3, 7\)"),
+    ("position-ids-rank", "`position_ids` of a wrong rank", lambda b: b.update(position_ids=torch.zeros(7, dtype=torch.long)), {}, r"position_ids: expected \[B, S\] = \[2, 7\] or \[n, B, S\]"),
+    ("position-ids-mrope", "`position_ids [3, B, S']` with another length", lambda b: b.update(position_ids=torch.zeros(3, 2, 6, dtype=torch.long)), {}, r"position_ids: expected \[B, S\] = \[2, 7\] or \[n, B, S\].*got \(3, 2, 6\)"),
+    ("doc-ids-negative", "negative doc ids", lambda b: b.update(_packed_seq_ids=-b["_packed_seq_ids"]), {}, "_packed_seq_ids: expected ids >= 0 .*got a negative id"),
+    ("doc-ids-float", "float doc ids", lambda b: b.update(_packed_seq_ids=b["_packed_seq_ids"].float()), {}, "_packed_seq_ids: expected bool or integer ids, got dtype torch.float32"),
+    ("doc-ids-shape", "doc ids of another shape", lambda b: b.update(_packed_seq_ids=torch.ones(2, 8, dtype=torch.long)), {}, r"_packed_seq_ids: expected shape \[B, S\] = \[2, 7\] like inputs_embeds, got \(2, 8\)"),
+    ("mask-not-block-causal", "a 4-D mask that is not block-causal", not_block_causal, {}, "expected a block-causal 4-D mask.*got row 0, query 3"),
+    ("mask-rank", "a 3-D `attention_mask`", lambda b: (b.pop("_packed_seq_ids"), b.update(attention_mask=torch.ones(2, 7, 7, dtype=torch.bool))), {}, r"attention_mask: expected 2 dims \[B, S\] or 4 dims \[B, 1, S, S\], got 3 dims"),
+    ("mask-additive-values", "an additive mask holding values other than 0 / -inf", lambda b: (b.pop("_packed_seq_ids"), b.update(attention_mask=torch.full((2, 1, 7, 7), -0.5))), {}, "additive 4-D mask must hold 0 .*got the value -0.5"),
+    ("loss-mask-shape", "`loss_mask` of a wrong shape", lambda b: None, {"loss_mask": torch.ones(7)}, r"loss_mask: expected shape \[B, S\] = \[2, 7\], got \(7,\)"),
+    ("two-devices", "tensors on two devices", lambda b: b.update(labels=torch.zeros(2, 7, dtype=torch.long, device="meta")), {}, r"batch: expected every tensor on one device, got \['cpu', 'meta'\]"),
+    ("unknown-exchange", "an unknown K/V exchange name", lambda b: None, {"kv_exchange": "ring"}, "kv_exchange: expected one of 'auto', 'allgather'.*got 'ring'"),
+    ("unknown-kernel", "an unknown kernel name", lambda b: None, {"kernel": "triton"}, "kernel: expected one of 'auto', 'varlen'.*got 'triton'"),
+    ("unknown-layout", "an unknown layout name", lambda b: None, {"layout": "zigzag2"}, "layout: expected one of 'contiguous'.*got 'zigzag2'"),
+    ("window-right", "a window with right > 0 under causal attention", lambda b: None, {"window_sizes": [(4, 2)]}, r"right must be <= 0 \(0 or -1\); got right=2"),
+    ("mesh-type", "a mesh that is not a mesh", lambda b: None, {"cp_mesh": "cp"}, "cp_mesh: expected a 1-D DeviceMesh, a ProcessGroup or None, got str"),
+    ("batch-type", "a batch that is not a dict", None, {}, "batch: expected a dict of tensors, got list"),
+]
+
+
+def qkv(shapes, dtypes=(torch.float64,) * 3, devices=("cpu",) * 3):
+    return [torch.zeros(s, dtype=d, device=dev) for s, d, dev in zip(shapes, dtypes, devices)]
+
+
+OK = ((2, 4, 7, 5), (2, 2, 7, 5), (2, 2, 7, 5))
+# id, what is malformed, (q, k, v), keyword arguments, expected message
+SDPA_ROWS = [
+    ("qkv-rank", "q/k/v not `[B, H, L, D]`", qkv(((4, 7, 5),) * 3), {}, r"query expected 4 dims \[B, H, L, D\], got \(4, 7, 5\)"),
+    ("qkv-shard", "q/k/v that are not this rank's shard", qkv(((2, 4, 6, 5), (2, 2, 6, 5), (2, 2, 6, 5))), {"enable_gqa": True}, r"expected this rank's shard \[B=2, H, L=7, D\] of the active step, got \(2, 4, 6, 5\)"),
+    ("heads-not-multiple", "Hq not a multiple of Hkv", qkv(((2, 3, 7, 5), (2, 2, 7, 5), (2, 2, 7, 5))), {"enable_gqa": True}, "expected Hq a multiple of Hkv, got Hq=3, Hkv=2"),
+    ("gqa-off", "Hq != Hkv without `enable_gqa`", qkv(OK), {}, "Hq=4 != Hkv=2 needs enable_gqa=True"),
+    ("head-dims", "head dims of q and k that differ", qkv(((2, 4, 7, 5), (2, 4, 7, 4), (2, 4, 7, 5))), {}, "query and key expected the same head dim D, got 5 and 4"),
+    ("kv-heads", "k and v with different Hkv", qkv(((2, 4, 7, 5), (2, 2, 7, 5), (2, 1, 7, 5))), {"enable_gqa": True}, "key and value expected the same Hkv, got 2 and 1"),
+    ("qkv-dtypes", "q/k/v of different dtypes", qkv(OK, (torch.float64, torch.float32, torch.float64)), {"enable_gqa": True}, "expected one dtype for query/key/value, got torch.float64, torch.float32, torch.float64"),
+    ("qkv-devices", "q/k/v on different devices", qkv(OK, devices=("cpu", "meta", "cpu")), {"enable_gqa": True}, r"expected one device for query/key/value, got \['cpu', 'meta'\]"),
+    ("sdpa-window-right", "`window_size` with right > 0", qkv(OK), {"enable_gqa": True, "window_size": (2, 1)}, "right must be <= 0"),
+    ("dropout-range", "`dropout_p` outside [0, 1]", qkv(OK), {"enable_gqa": True, "dropout_p": 1.5}, "expected 0 <= dropout_p <= 1, got 1.5"),
+]
+
+OTHER_ROWS = [
+    ("configure-name", "an unknown name given to `configure_cp_varlen`", lambda: configure_cp_varlen(attn_backend="xformers"), "attn_backend: expected one of 'auto', 'varlen', 'flash'.*got 'xformers'"),
+    ("reference-gqa", "`reference_attention` with Hq != Hkv and no `enable_gqa`", lambda: reference_attention(*qkv(OK), torch.ones(2, 7, dtype=torch.long)), "needs enable_gqa=True"),
+    ("layout-lengths", "a document of length 0 in `DocLayout.from_seqlens`", lambda: DocLayout.from_seqlens([3, 0]), r"expected document lengths >= 1 \(ints\), got row 0 = \[3, 0\]"),
+]
+
+
+def _snapshot(batch):
+    return {k: (v, v.clone() if isinstance(v, torch.Tensor) and not v.is_meta else copy.deepcopy(v)) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("edit, kwargs, match", [pytest.param(e, k, m, id=i) for i, _, e, k, m in BATCH_ROWS])
+def test_batch_function_rejects_before_mutating(edit, kwargs, match):
+    if edit is None:
+        with pytest.raises(ValueError, match=match):
+            make_cp_blockdiag_batch_and_ctx(None, None, [torch.zeros(1, 2, 3)])
+        return
+    batch = good_batch()
+    edit(batch)
+    before = _snapshot(batch)
+    kwargs = dict(kwargs)
+    with pytest.raises(ValueError, match=match):
+        make_cp_blockdiag_batch_and_ctx(kwargs.pop("cp_mesh", None), None, batch, **kwargs)
+    assert batch.keys() == before.keys(), "keys were added or removed before the error"
+    for k, (obj, content) in before.items():
+        assert batch[k] is obj, f"{k} was replaced before the error"
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            assert torch.equal(obj, content), f"{k} was modified in place before the error"
+
+
+@pytest.mark.parametrize("tensors, kwargs, match", [pytest.param(t, k, m, id=i) for i, _, t, k, m in SDPA_ROWS])
+def test_attention_rejects_malformed_inputs(tensors, kwargs, match):
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, good_batch())
+    with ctx(), pytest.raises(ValueError, match=match):
+        cp_blockdiag_sdpa(*tensors, **kwargs)
+
+
+@pytest.mark.parametrize("call, match", [pytest.param(c, m, id=i) for i, _, c, m in OTHER_ROWS])
+def test_other_entry_points_reject_malformed_inputs(call, match):
+    try:
+        with pytest.raises(ValueError, match=match):
+            call()
+    finally:
+        configure_cp_varlen(attn_backend="auto", kv_exchange="auto")
+
+
+def test_readme_table_lists_every_case():
+    """The README's table and this file's rows name the same cases (and there are at least 15)."""
+    text = README.read_text()
+    section = text.split("## Malformed input", 1)[1].split("\n## ", 1)[0]
+    readme_ids = re.findall(r"^\| `([a-z0-9-]+)` \|", section, re.M)
+    test_ids = [r[0] for r in BATCH_ROWS + SDPA_ROWS + OTHER_ROWS]
+    assert len(test_ids) >= 15 and len(set(test_ids)) == len(test_ids)
+    assert sorted(readme_ids) == sorted(test_ids)
