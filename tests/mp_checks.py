@@ -79,3 +79,21 @@ def gather_restores_order(layout: str) -> bool:
     with ctx():
         got = gather_sequence(batch["inputs_embeds"] * 2)
     return torch.equal(got, full * 2)
+
+
+def fingerprint(case_dict: dict) -> str:
+    """sha256 of everything one CP step of a verifier case produces on this rank: outputs, grads of q, k, v,
+    of inputs_embeds and of the projection weights (bitwise)."""
+    import hashlib
+
+    from verify.runner import _run_impl, case_from_dict, impl_info, make_inputs
+
+    info = worker_info()
+    case = case_from_dict(case_dict)
+    run = _run_impl(case, impl_info("blockdiag_dist"), make_inputs(case), getattr(torch, case.dtype), torch.device("cpu"), info["cp_mesh"])
+    res = run["res"]
+    tensors = [res["out"], res["loss"], res["q"].grad, res["k"].grad, res["v"].grad, run["x"].grad, *(w.grad for w in run["ws"].values())]
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -271,3 +271,25 @@ def default_matrix(
                             k += 1
                             if applicable is None or applicable(case):
                                 yield case
+
+
+GROWTH_ROWS = "1x23,2x9,0x2,3x30"  # one fixed layout (S = 64) for the error-vs-CP-size check
+GROWTH_LIMIT = 2.0  # float32 error may grow at most this much from CP 1 to the largest CP size
+
+
+def growth_cases(cps: Sequence[int] = (1, 2, 4, 8), seeds: Sequence[int] = range(6), **options) -> list[Case]:
+    """float32 cases of one fixed layout at every CP size: the verifier compares their largest errors."""
+    rows = parse_rows(GROWTH_ROWS)
+    return [Case(rows=rows, cp=cp, name="cp-growth", hq=4, hkv=2, dim=8, dtype="float32", seed=seed, **options)
+            for cp in cps for seed in seeds]
+
+
+def error_growth(results) -> dict[int, float] | None:
+    """Largest relative error (outputs and gradients) per CP size over the ``cp-growth`` results."""
+    per_cp: dict[int, float] = {}
+    for r in results:
+        if r.case.name != "cp-growth" or not r.metrics:
+            continue
+        worst = max(r.rel(n) for n in r.metrics if not r.metrics[n].get("exact") and "bytes" not in n)
+        per_cp[r.case.cp] = max(per_cp.get(r.case.cp, 0.0), worst)
+    return dict(sorted(per_cp.items())) if len(per_cp) > 1 else None

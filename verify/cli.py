@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from .cases import Case, add_case_arguments, case_from_args, default_matrix
+from .cases import GROWTH_LIMIT, Case, add_case_arguments, case_from_args, default_matrix, error_growth, growth_cases
 from .launch import under_torchrun
 from .report import Reporter, make_console, write_json
 from .runner import impl_info
@@ -139,6 +139,8 @@ def build_matrix(info, args) -> list[Case]:
         c for c in default_matrix(cps=cps, dtypes=dtypes, kernels=kernels, exchanges=exchanges, layouts=layouts)
         if applicable(info, c)
     ]
+    if "float32" in dtypes and 1 in cps and max(cps) > 1:  # float32 error must not grow with the CP size
+        cases += [c for c in growth_cases(cps=sorted({1, *cps})) if applicable(info, c)]
     if args.filter:
         cases = [c for c in cases if args.filter in c.label()]
     return cases
@@ -167,9 +169,24 @@ def _run_matrix(args, info, console: Console) -> int:
         per_cp = session.throughput()
     wall = time.perf_counter() - t0
     reporter.summary(results, wall, args.impl, per_cp)
+    growth_ok = report_growth(results, console)
     if args.json:
-        write_json(args.json, results, wall, args.impl, {"cases_per_second_by_cp": per_cp})
-    return 0 if all(r.ok for r in results) else 1
+        write_json(args.json, results, wall, args.impl, {"cases_per_second_by_cp": per_cp, "error_by_cp": error_growth(results)})
+    return 0 if all(r.ok for r in results) and growth_ok else 1
+
+
+def report_growth(results, console) -> bool:
+    """Print the float32 error per CP size on the fixed layout; False if it grew more than GROWTH_LIMIT."""
+    growth = error_growth(results)
+    if not growth:
+        return True
+    base, top = growth[min(growth)], growth[max(growth)]
+    ratio = top / base if base > 0 else float("inf")
+    ok = ratio <= GROWTH_LIMIT
+    per = ", ".join(f"CP {cp}: {e:.2e}" for cp, e in growth.items())
+    console.print(f"{'PASS' if ok else 'FAIL'}: float32 error vs CP size on one fixed layout: {per}; "
+                  f"CP {max(growth)} / CP {min(growth)} = {ratio:.2f} (limit {GROWTH_LIMIT})", markup=False)
+    return ok
 
 
 def _run_case(args, console: Console) -> int:
