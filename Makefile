@@ -10,7 +10,7 @@ JOBS   ?= 2
 EXAMPLES ?= 200
 SEED   ?= 0
 
-.PHONY: install test verify fuzz
+.PHONY: install test verify fuzz train-demo
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,3 +30,7 @@ verify: $(STAMP)
 # Hypothesis-drawn cases; a failure is shrunk and printed as a replay command.
 fuzz: $(STAMP)
 	$(PY) -m verify fuzz --examples $(EXAMPLES) --seed $(SEED) $(ARGS)
+
+# A few steps of the tiny decoder at CP 1 and CP 2 (CPU, gloo); the last line is the loss parity, exit 1 if it fails.
+train-demo: $(STAMP)
+	$(PY) -m examples.demo --cp 2
