@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockdiag_dist import make_cp_blockdiag_batch_and_ctx
 from blockdiag_dist.integrations import (
+    IGNORE_INDEX,
     all_reduce_grads,
     all_reduce_sum_,
     causal_lm_loss,
@@ -59,6 +61,7 @@ class TrainConfig:
     rows: int = 4
     seq_len: int = 37  # odd: CP pads it to a multiple of the CP size
     max_doc_len: int = 24
+    tail_padding: int = 0  # padding positions after every row's documents (a CP rank may then hold only padding)
     lr: float = 1e-2
     weight_decay: float = 0.1
     dtype: str = "float64"
@@ -77,14 +80,20 @@ class TrainResult:
 
 def synthetic_batch(cfg: TrainConfig, step: int) -> dict[str, Tensor]:
     """The global batch of ``step``: random documents (1 to ``max_doc_len`` tokens of ids ``1..V-1``) packed
-    into ``rows`` rows; the same on every rank (seeded generator), so nothing is broadcast."""
+    into ``rows`` rows of ``seq_len - tail_padding`` tokens, then ``tail_padding`` padding positions; the same
+    on every rank (seeded generator), so nothing is broadcast."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    packed_len = cfg.seq_len - cfg.tail_padding
     docs, total = [], 0
-    while total < cfg.rows * cfg.seq_len:  # enough documents to fill at least `rows` rows
+    while total < cfg.rows * packed_len:  # enough documents to fill at least `rows` rows
         n = int(torch.randint(1, cfg.max_doc_len + 1, (1,), generator=g))
         docs.append(torch.randint(1, cfg.model.vocab_size, (n,), generator=g))
         total += n
-    return {k: v[: cfg.rows] for k, v in pack_documents(docs, cfg.seq_len).items()}
+    batch = pack_documents(docs, packed_len)
+    return {
+        k: F.pad(v[: cfg.rows], (0, cfg.tail_padding), value=IGNORE_INDEX if k == "labels" else 0)
+        for k, v in batch.items()
+    }
 
 
 def build_tiny_model(cfg: TrainConfig) -> nn.Module:

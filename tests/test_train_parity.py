@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from examples.model import CHECKPOINTING
-from examples.training import PARITY_RTOL, TrainConfig, TrainResult, build_tiny_model, parity, run_distributed, train
+from examples.training import (
+    PARITY_RTOL,
+    TrainConfig,
+    TrainResult,
+    build_tiny_model,
+    parity,
+    run_distributed,
+    synthetic_batch,
+    train,
+)
 from verify.pool import WorkerPool
 
 STEPS = 3
@@ -22,8 +31,8 @@ VARIANTS = [(dtype, ck) for dtype in ("float64", "float32") for ck in CHECKPOINT
 TASK_TIMEOUT_S = 120.0  # per run on every rank: a deadline for hangs, not a speed limit
 
 
-def config(dtype: str, checkpointing: str | None, seed: int = 0) -> TrainConfig:
-    return TrainConfig(steps=STEPS, dtype=dtype, checkpointing=checkpointing, seed=seed)
+def config(dtype: str, checkpointing: str | None, seed: int = 0, tail_padding: int = 0) -> TrainConfig:
+    return TrainConfig(steps=STEPS, dtype=dtype, checkpointing=checkpointing, seed=seed, tail_padding=tail_padding)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,9 +60,9 @@ def pools():
 
 
 @functools.lru_cache(maxsize=None)
-def reference(dtype: str, checkpointing: str | None) -> TrainResult:
+def reference(dtype: str, checkpointing: str | None, tail_padding: int = 0) -> TrainResult:
     """CP 1 in this process."""
-    cfg = config(dtype, checkpointing)
+    cfg = config(dtype, checkpointing, tail_padding=tail_padding)
     return train(build_tiny_model(cfg), cfg)
 
 
@@ -73,20 +82,37 @@ def test_checkpointing_does_not_change_cp1():
             assert p.ok(dtype), f"{dtype} checkpointing={ck}: {p}"
 
 
+# S = 37 with 13 padding positions after every row (24 real at most): at CP 4 (L = 10) rank 3 holds only padding
+PADDING_ONLY_RANK = [(1, 4, "float64", None, 13), (1, 4, "float32", "non_reentrant", 13)]
+
+
+def test_tail_padding_leaves_the_last_cp4_rank_only_padding():
+    for dtype, ck, tail in {(d, c, t) for _, _, d, c, t in PADDING_ONLY_RANK}:
+        for step in range(STEPS):
+            seq_ids = synthetic_batch(config(dtype, ck, tail_padding=tail), step)["_packed_seq_ids"]
+            assert seq_ids.shape[1] == 37 and not seq_ids[:, 30:].any() and seq_ids[:, 20:30].any()
+
+
 @pytest.mark.parametrize(
-    "world, meshes",
-    [pytest.param(2, [(1, 2)], id="cp2"), pytest.param(4, [(1, 4), (2, 2)], id="cp4-and-dp2xcp2")],
+    "world, cases",
+    [
+        pytest.param(2, [(1, 2, dtype, ck, 0) for dtype, ck in VARIANTS], id="cp2"),
+        pytest.param(
+            4,
+            [(dp, cp, dtype, ck, 0) for dp, cp in [(1, 4), (2, 2)] for dtype, ck in VARIANTS] + PADDING_ONLY_RANK,
+            id="cp4-and-dp2xcp2",
+        ),
+    ],
 )
-def test_cp_matches_cp1(pools, world, meshes):
+def test_cp_matches_cp1(pools, world, cases):
     pool = pools(world)
-    cases = [(dp, cp, dtype, ck) for dp, cp in meshes for dtype, ck in VARIANTS]
-    names = [f"dp{dp}xcp{cp} {dtype} checkpointing={ck}" for dp, cp, dtype, ck in cases]
-    calls = [((config(dtype, ck), dp, cp), {}) for dp, cp, dtype, ck in cases]
+    names = [f"dp{dp}xcp{cp} {dtype} checkpointing={ck} tail_padding={tail}" for dp, cp, dtype, ck, tail in cases]
+    calls = [((config(dtype, ck, tail_padding=tail), dp, cp), {}) for dp, cp, dtype, ck, tail in cases]
     outcomes = list(pool.run_many(run_distributed, calls, timeout=TASK_TIMEOUT_S, names=names))
     assert len(outcomes) == len(cases) and all(isinstance(o, list) for o in outcomes), outcomes[-1]
 
     failures = []
-    for name, (dp, cp, dtype, ck), per_rank in zip(names, cases, outcomes):
+    for name, (dp, cp, dtype, ck, tail), per_rank in zip(names, cases, outcomes):
         first = per_rank[0]
         for rank, r in enumerate(per_rank[1:], start=1):
             same = r.losses == first.losses and all(np.array_equal(r.weights[k], w) for k, w in first.weights.items())
@@ -94,10 +120,10 @@ def test_cp_matches_cp1(pools, world, meshes):
                 failures.append(f"{name}: rank {rank} ended with other losses or weights than rank 0")
         if all(mode == "local" for mode in first.modes):
             failures.append(f"{name}: no step exchanged keys across CP ranks (modes {first.modes})")
-        p = parity(reference(dtype, ck), first)
+        p = parity(reference(dtype, ck, tail), first)
         if not p.ok(dtype):
             repro = f"python -m examples.demo --dp {dp} --cp {cp} --dtype {dtype} --steps {STEPS}"
-            repro += f" --checkpointing {ck}" if ck else ""
+            repro += (f" --checkpointing {ck}" if ck else "") + (f" --tail-padding {tail}" if tail else "")
             failures.append(f"{name}: {p} exceeds relative {PARITY_RTOL[dtype]:g}; reproduce: {repro}")
     assert not failures, "\n".join(failures)
 
