@@ -63,6 +63,7 @@ class TrainConfig:
     seq_len: int = 37  # odd: CP pads it to a multiple of the CP size
     max_doc_len: int = 24
     tail_padding: int = 0  # padding positions after every row's documents (a CP rank may then hold only padding)
+    layout: str = "contiguous"  # CP sharding: "contiguous" | "balanced"
     lr: float = 1e-2
     weight_decay: float = 0.1
     dtype: str = "float64"
@@ -117,11 +118,13 @@ def make_mesh(dp: int, cp: int, device_type: str = "cpu"):
     return init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
 
 
-def train_step(model: nn.Module, batch: dict[str, Tensor], mesh, forward: Forward = tiny_forward) -> tuple[float, str]:
+def train_step(
+    model: nn.Module, batch: dict[str, Tensor], mesh, forward: Forward = tiny_forward, layout: str = "contiguous"
+) -> tuple[float, str]:
     """Forward and backward of one replica's rows ``batch`` (``[B, S]`` tensors, not yet CP-sharded); leaves
     the gradient summed over the mesh in every ``.grad``. Returns (global loss, K/V exchange used)."""
     cp_mesh = None if mesh is None else mesh["cp"]
-    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch)
+    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch, layout=layout)
     num_tokens = global_token_count(batch["labels"], mesh)
     with train_ctx():  # backward inside too: checkpoint recompute and the exchange's backward need the state
         loss = causal_lm_loss(forward(model, batch), batch["labels"], num_tokens)
@@ -140,8 +143,9 @@ def train(model: nn.Module, cfg: TrainConfig, mesh=None, forward: Forward = tiny
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     losses, modes, grads = [], [], {}
     for step in range(cfg.steps):
-        batch = {k: v[dp_rank * per_replica : (dp_rank + 1) * per_replica] for k, v in synthetic_batch(cfg, step).items()}
-        loss, mode = train_step(model, batch, mesh, forward)
+        rows = slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
+        batch = {k: v[rows] for k, v in synthetic_batch(cfg, step).items()}
+        loss, mode = train_step(model, batch, mesh, forward, cfg.layout)
         if step == 0:  # kept for parity checks
             grads = {name: p.grad.detach().cpu().numpy().copy() for name, p in model.named_parameters()}
         optimizer.step()

@@ -67,7 +67,7 @@ def test_collator_accepts_sequences_tensors_and_mappings():
 @pytest.mark.parametrize(
     "docs, kwargs, match",
     [
-        pytest.param([[1, 2, 3]], {"seq_len": 2}, r"docs\[0\]: expected at most seq_len = 2 tokens, got 3", id="too-long"),
+        pytest.param([[1, 2, 3]], {"seq_len": 2}, r"docs\[0\]: expected at most seq_len = 2 tokens, got 3", id="long"),
         pytest.param([[1], []], {"seq_len": 2}, r"docs\[1\]: expected a non-empty 1-D", id="empty-doc"),
         pytest.param([[1.5]], {"seq_len": 2}, r"docs\[0\]: expected .* integer token ids, got torch.float", id="float"),
         pytest.param([[[1, 2]]], {"seq_len": 2}, r"docs\[0\]: expected .*1-D.*shape \(1, 2\)", id="2-d"),
@@ -104,7 +104,8 @@ def test_causal_lm_loss_with_no_target_is_zero_not_nan():
 
 
 def test_causal_lm_loss_shape_error():
-    with pytest.raises(ValueError, match=r"expected logits \[B, L, V\] and labels \[B, L\].*got logits \(2, 5, 3\) and labels \(2, 4\)"):
+    expected = r"expected logits \[B, L, V\] and labels \[B, L\].*got logits \(2, 5, 3\) and labels \(2, 4\)"
+    with pytest.raises(ValueError, match=expected):
         causal_lm_loss(torch.zeros(2, 5, 3), torch.zeros(2, 4, dtype=torch.long), 1)
 
 

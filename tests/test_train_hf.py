@@ -74,7 +74,9 @@ def test_collator_labels_equal_transformers_shifted_labels():
     ours = causal_lm_loss(theirs.logits, batch["labels"], int((batch["labels"] != -100).sum()))
     torch.testing.assert_close(ours, theirs.loss, rtol=1e-6, atol=0)
     # the naive labels=input_ids predicts across document ends and padding: a different loss
-    naive = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["input_ids"], use_cache=False)
+    naive = model(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["input_ids"], use_cache=False
+    )
     assert abs(naive.loss.item() - ours.item()) > 1e-3
 
 

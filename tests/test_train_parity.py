@@ -1,6 +1,7 @@
 """The tiny decoder trains the same at every CP size: K AdamW steps at CP 2, CP 4 and DP 2 x CP 2 give the
-losses and final weights of CP 1 (one process), in float64 and float32, with and without activation
-checkpointing (reentrant and non-reentrant).
+losses, first-step gradients and final weights of CP 1 (one process), in float64 and float32, with and without
+activation checkpointing (reentrant and non-reentrant); also with a CP rank holding only padding, and with
+balanced sharding.
 
 One pool per world size, each used by one test item, so that pytest-xdist never spawns a pool twice.
 """
@@ -8,6 +9,7 @@ One pool per world size, each used by one test item, so that pytest-xdist never 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -31,8 +33,12 @@ VARIANTS = [(dtype, ck) for dtype in ("float64", "float32") for ck in CHECKPOINT
 TASK_TIMEOUT_S = 120.0  # per run on every rank: a deadline for hangs, not a speed limit
 
 
-def config(dtype: str, checkpointing: str | None, seed: int = 0, tail_padding: int = 0) -> TrainConfig:
-    return TrainConfig(steps=STEPS, dtype=dtype, checkpointing=checkpointing, seed=seed, tail_padding=tail_padding)
+def config(
+    dtype: str, checkpointing: str | None, seed: int = 0, tail_padding: int = 0, layout: str = "contiguous"
+) -> TrainConfig:
+    return TrainConfig(
+        steps=STEPS, dtype=dtype, checkpointing=checkpointing, seed=seed, tail_padding=tail_padding, layout=layout
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,49 +88,77 @@ def test_checkpointing_does_not_change_cp1():
             assert p.ok(dtype), f"{dtype} checkpointing={ck}: {p}"
 
 
+class Case(NamedTuple):
+    dp: int
+    cp: int
+    dtype: str
+    checkpointing: str | None
+    tail_padding: int = 0
+    layout: str = "contiguous"
+
+    def config(self) -> TrainConfig:
+        return config(self.dtype, self.checkpointing, tail_padding=self.tail_padding, layout=self.layout)
+
+    def name(self) -> str:
+        return (
+            f"dp{self.dp}xcp{self.cp} {self.dtype} checkpointing={self.checkpointing} "
+            f"tail_padding={self.tail_padding} layout={self.layout}"
+        )
+
+    def command(self) -> str:
+        """The demo run that reproduces this case."""
+        return (
+            f"python -m examples.demo --dp {self.dp} --cp {self.cp} --dtype {self.dtype} --steps {STEPS} "
+            f"--tail-padding {self.tail_padding} --layout {self.layout}"
+            + (f" --checkpointing {self.checkpointing}" if self.checkpointing else "")
+        )
+
+
 # S = 37 with 13 padding positions after every row (24 real at most): at CP 4 (L = 10) rank 3 holds only padding
-PADDING_ONLY_RANK = [(1, 4, "float64", None, 13), (1, 4, "float32", "non_reentrant", 13)]
+PADDING_ONLY_RANK = [Case(1, 4, "float64", None, 13), Case(1, 4, "float32", "non_reentrant", 13)]
+BALANCED = [Case(1, 4, "float64", "reentrant", layout="balanced"), Case(2, 2, "float32", None, layout="balanced")]
 
 
 def test_tail_padding_leaves_the_last_cp4_rank_only_padding():
-    for dtype, ck, tail in {(d, c, t) for _, _, d, c, t in PADDING_ONLY_RANK}:
+    for case in PADDING_ONLY_RANK:
         for step in range(STEPS):
-            seq_ids = synthetic_batch(config(dtype, ck, tail_padding=tail), step)["_packed_seq_ids"]
+            seq_ids = synthetic_batch(case.config(), step)["_packed_seq_ids"]
             assert seq_ids.shape[1] == 37 and not seq_ids[:, 30:].any() and seq_ids[:, 20:30].any()
 
 
 @pytest.mark.parametrize(
     "world, cases",
     [
-        pytest.param(2, [(1, 2, dtype, ck, 0) for dtype, ck in VARIANTS], id="cp2"),
+        pytest.param(2, [Case(1, 2, dtype, ck) for dtype, ck in VARIANTS], id="cp2"),
         pytest.param(
             4,
-            [(dp, cp, dtype, ck, 0) for dp, cp in [(1, 4), (2, 2)] for dtype, ck in VARIANTS] + PADDING_ONLY_RANK,
-            id="cp4-and-dp2xcp2",
+            [Case(dp, cp, dtype, ck) for dp, cp in [(1, 4), (2, 2)] for dtype, ck in VARIANTS]
+            + PADDING_ONLY_RANK
+            + BALANCED,
+            id="cp4-dp2xcp2-padding-balanced",
         ),
     ],
 )
 def test_cp_matches_cp1(pools, world, cases):
-    pool = pools(world)
-    names = [f"dp{dp}xcp{cp} {dtype} checkpointing={ck} tail_padding={tail}" for dp, cp, dtype, ck, tail in cases]
-    calls = [((config(dtype, ck, tail_padding=tail), dp, cp), {}) for dp, cp, dtype, ck, tail in cases]
-    outcomes = list(pool.run_many(run_distributed, calls, timeout=TASK_TIMEOUT_S, names=names))
+    calls = [((case.config(), case.dp, case.cp), {}) for case in cases]
+    names = [case.name() for case in cases]
+    outcomes = list(pools(world).run_many(run_distributed, calls, timeout=TASK_TIMEOUT_S, names=names))
     assert len(outcomes) == len(cases) and all(isinstance(o, list) for o in outcomes), outcomes[-1]
 
     failures = []
-    for name, (dp, cp, dtype, ck, tail), per_rank in zip(names, cases, outcomes):
+    for case, per_rank in zip(cases, outcomes):
         first = per_rank[0]
         for rank, r in enumerate(per_rank[1:], start=1):
             same = r.losses == first.losses and all(np.array_equal(r.weights[k], w) for k, w in first.weights.items())
             if not same:
-                failures.append(f"{name}: rank {rank} ended with other losses or weights than rank 0")
+                failures.append(f"{case.name()}: rank {rank} ended with other losses or weights than rank 0")
         if all(mode == "local" for mode in first.modes):
-            failures.append(f"{name}: no step exchanged keys across CP ranks (modes {first.modes})")
-        p = parity(reference(dtype, ck, tail), first)
-        if not p.ok(dtype):
-            repro = f"python -m examples.demo --dp {dp} --cp {cp} --dtype {dtype} --steps {STEPS}"
-            repro += (f" --checkpointing {ck}" if ck else "") + (f" --tail-padding {tail}" if tail else "")
-            failures.append(f"{name}: {p} exceeds relative {PARITY_RTOL[dtype]:g}; reproduce: {repro}")
+            failures.append(f"{case.name()}: no step exchanged keys across CP ranks (modes {first.modes})")
+        p = parity(reference(case.dtype, case.checkpointing, case.tail_padding), first)
+        if not p.ok(case.dtype):
+            failures.append(
+                f"{case.name()}: {p} exceeds relative {PARITY_RTOL[case.dtype]:g}; reproduce: {case.command()}"
+            )
     assert not failures, "\n".join(failures)
 
 

@@ -21,7 +21,8 @@ def _as_tokens(doc: Any, index: int) -> Tensor:
     t = torch.as_tensor(doc)
     if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.numel() == 0:
         raise ValueError(
-            f"docs[{index}]: expected a non-empty 1-D sequence of integer token ids, got {t.dtype} of shape {tuple(t.shape)}"
+            f"docs[{index}]: expected a non-empty 1-D sequence of integer token ids, got {t.dtype} of shape "
+            f"{tuple(t.shape)}"
         )
     return t.to(torch.int64)
 

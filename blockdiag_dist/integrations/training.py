@@ -55,7 +55,9 @@ def global_token_count(labels: Tensor, mesh: Any, ignore_index: int = IGNORE_IND
     return all_reduce_sum_((labels != ignore_index).sum(), mesh)
 
 
-def causal_lm_loss(logits: Tensor, labels: Tensor, num_tokens: Tensor | int, ignore_index: int = IGNORE_INDEX) -> Tensor:
+def causal_lm_loss(
+    logits: Tensor, labels: Tensor, num_tokens: Tensor | int, ignore_index: int = IGNORE_INDEX
+) -> Tensor:
     """This rank's share of the mean next-token cross-entropy: ``sum(CE over targets) / num_tokens``.
 
     ``logits [B, L, V]`` and ``labels [B, L]`` are this rank's positions, labels pre-shifted (``labels[t]``
