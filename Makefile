@@ -1,4 +1,4 @@
-# blockdiag — every target creates .venv when missing and installs the project with its test extras.
+# blockdiag — every target creates .venv when missing and installs the project with its test and hf extras.
 # torch is pinned to 2.13.0: its CPU build lies on this machine's disk; an unpinned torch pulls a CUDA build.
 
 PYTHON ?= python3
@@ -10,11 +10,11 @@ JOBS   ?= 2
 EXAMPLES ?= 200
 SEED   ?= 0
 
-.PHONY: install test verify fuzz bench bench-quick
+.PHONY: install test verify fuzz bench bench-quick train-demo
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test,bench]" --config-settings editable_mode=compat
+	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test,bench,hf]" --config-settings editable_mode=compat
 	@touch $@
 
 install: $(STAMP)
@@ -37,3 +37,7 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m bench --quick
+
+# A few steps of the tiny decoder at CP 1 and CP 2 (CPU, gloo); the last line is the loss parity, exit 1 if it fails.
+train-demo: $(STAMP)
+	$(PY) -m examples.demo --cp 2

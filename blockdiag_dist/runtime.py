@@ -43,7 +43,7 @@ def cp_blockdiag_sdpa(
     With an active context (``with train_ctx():``): ``query [B, Hq, L, D]``, ``key [B, Hkv, L, D]`` and
     ``value [B, Hkv, L, Dv]`` are this rank's rows; the result ``[B, Hq, L, Dv]`` is causal attention inside
     each document over the whole (sharded) sequence. ``attn_mask`` and ``is_causal`` are replaced by the
-    per-document mask rebuilt from the doc ids (the replacement is recorded in the state's notes); ``scale``,
+    per-document mask rebuilt from the doc ids (a replaced ``attn_mask`` is recorded in the state's notes); ``scale``,
     ``enable_gqa`` and ``window_size=(left, right <= 0)`` are honoured. ``dropout_p > 0`` uses torch's RNG
     inside the kernel: it trains as SDPA dropout does, but no reference can reproduce its draws. Padding rows
     are exactly 0; keys and values at padding positions get exactly 0 gradient.
@@ -60,8 +60,8 @@ def cp_blockdiag_sdpa(
         )
     left = normalize_window(window_size)
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)
-    if attn_mask is not None or is_causal:
-        state.note("cp_blockdiag_sdpa: attn_mask / is_causal replaced by the per-document causal mask")
+    if attn_mask is not None:  # is_causal=True alone is what a causal model passes: per-document causal refines it
+        state.note("cp_blockdiag_sdpa: attn_mask replaced by the per-document causal mask")
     wp = state.window_plan(left)
     B, Hq, L, D = query.shape
     Hkv, Dv = key.shape[1], value.shape[-1]

@@ -119,8 +119,10 @@ def test_context_replaces_mask_and_records_it():
     with ctx():
         a = cp_blockdiag_sdpa(q, k, v, is_causal=True)
         b = cp_blockdiag_sdpa(q, k, v)
-    assert torch.equal(a, b)
-    assert any("attn_mask / is_causal replaced" in n for n in ctx.state.notes)
+        assert ctx.state.notes == []  # is_causal alone is the normal case of a causal model: nothing to record
+        c = cp_blockdiag_sdpa(q, k, v, attn_mask=torch.ones(7, 7, dtype=torch.bool))
+    assert torch.equal(a, b) and torch.equal(a, c)
+    assert any("attn_mask replaced" in n for n in ctx.state.notes)
 
 
 def test_state_is_active_only_inside_the_context_and_visible_from_other_threads():

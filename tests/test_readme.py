@@ -18,4 +18,6 @@ def test_readme_block_runs(index, capsys):
     code = BLOCKS[index]
     if "# readme-test: skip" in code:
         pytest.skip("block marked '# readme-test: skip': it needs a launcher (torchrun) or several processes")
+    if "from transformers" in code or "import transformers" in code:
+        pytest.importorskip("transformers", reason="this block needs the hf extra (transformers)")
     exec(compile(code, f"README.md block {index}", "exec"), {"__name__": "__readme__"})

@@ -1,0 +1,105 @@
+"""Pack variable-length documents into fixed-length rows, with the labels and ids that block-diagonal CP needs.
+
+Shape legend: R packed rows, S sequence length (tokens per row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["IGNORE_INDEX", "PackingCollator", "pack_documents"]
+
+IGNORE_INDEX = -100  # label of positions with no next-token target (padding, last token of a document)
+
+
+def _as_tokens(doc: Any, index: int) -> Tensor:
+    t = torch.as_tensor(doc)
+    if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.numel() == 0:
+        raise ValueError(
+            f"docs[{index}]: expected a non-empty 1-D sequence of integer token ids, got {t.dtype} of shape "
+            f"{tuple(t.shape)}"
+        )
+    return t.to(torch.int64)
+
+
+def pack_documents(
+    docs: Sequence[Sequence[int] | Tensor], seq_len: int, *, rows: int | None = None, padding_token_id: int = 0
+) -> dict[str, Tensor]:
+    """Pack documents, in order, into rows of ``seq_len`` tokens (next-fit: a document that does not fit in
+    the current row starts a new one; the rest of a row is padding). Documents are never split.
+
+    Returns int64 tensors ``[R, S]`` (``R = rows`` when given, else as many rows as needed):
+
+    - ``input_ids``: the tokens, ``padding_token_id`` on padding;
+    - ``labels``: next-token targets aligned with positions, ``labels[t] = input_ids[t + 1]`` when ``t + 1``
+      is in the same document, else ``-100`` (padding and each document's last token). They are pre-shifted,
+      so a model under CP must not shift them again;
+    - ``_packed_seq_ids``: 1-based index of the document in its row, 0 on padding;
+    - ``position_ids``: position inside the document (0 at each document start), 0 on padding.
+
+    >>> b = pack_documents([[5, 6, 7], [8, 9], [4]], seq_len=4)
+    >>> b["input_ids"].tolist(), b["labels"].tolist()
+    ([[5, 6, 7, 0], [8, 9, 4, 0]], [[6, 7, -100, -100], [9, -100, -100, -100]])
+    >>> b["_packed_seq_ids"].tolist(), b["position_ids"].tolist()
+    ([[1, 1, 1, 0], [1, 1, 2, 0]], [[0, 1, 2, 0], [0, 1, 0, 0]])
+    """
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len: expected an int >= 1, got {seq_len!r}")
+    if not isinstance(padding_token_id, int):
+        raise ValueError(f"padding_token_id: expected an int, got {type(padding_token_id).__name__}")
+    if rows is not None and (not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"rows: expected None or an int >= 1, got {rows!r}")
+    tokens = [_as_tokens(d, i) for i, d in enumerate(docs)]
+    row_docs: list[list[Tensor]] = []
+    used = seq_len  # forces a new row for the first document
+    for i, t in enumerate(tokens):
+        if t.numel() > seq_len:
+            raise ValueError(f"docs[{i}]: expected at most seq_len = {seq_len} tokens, got {t.numel()}")
+        if used + t.numel() > seq_len:
+            row_docs.append([])
+            used = 0
+        row_docs[-1].append(t)
+        used += t.numel()
+    if rows is not None and len(row_docs) > rows:
+        raise ValueError(f"rows: the documents need {len(row_docs)} rows of {seq_len} tokens, expected at most {rows}")
+    R = len(row_docs) if rows is None else rows
+
+    input_ids = torch.full((R, seq_len), padding_token_id, dtype=torch.int64)
+    labels = torch.full((R, seq_len), IGNORE_INDEX, dtype=torch.int64)
+    seq_ids = torch.zeros((R, seq_len), dtype=torch.int64)
+    position_ids = torch.zeros((R, seq_len), dtype=torch.int64)
+    for r, ds in enumerate(row_docs):
+        start = 0
+        for index, t in enumerate(ds, start=1):
+            end = start + t.numel()
+            input_ids[r, start:end] = t
+            labels[r, start : end - 1] = t[1:]
+            seq_ids[r, start:end] = index
+            position_ids[r, start:end] = torch.arange(t.numel())
+            start = end
+    return {"input_ids": input_ids, "labels": labels, "_packed_seq_ids": seq_ids, "position_ids": position_ids}
+
+
+@dataclass(frozen=True)
+class PackingCollator:
+    """A ``collate_fn`` for ``torch.utils.data.DataLoader``: packs a list of documents with
+    :func:`pack_documents`. A feature is a token sequence, a 1-D tensor, or a mapping with ``"input_ids"``
+    (as a tokenized Hugging Face dataset yields).
+
+    >>> collate = PackingCollator(seq_len=4, rows=1)
+    >>> collate([{"input_ids": [1, 2]}, [3]])["labels"].tolist()
+    [[2, -100, -100, -100]]
+    """
+
+    seq_len: int
+    rows: int | None = None
+    padding_token_id: int = 0
+
+    def __call__(self, features: Sequence[Sequence[int] | Tensor | Mapping[str, Any]]) -> dict[str, Tensor]:
+        docs = [f["input_ids"] if isinstance(f, Mapping) else f for f in features]
+        return pack_documents(docs, self.seq_len, rows=self.rows, padding_token_id=self.padding_token_id)
