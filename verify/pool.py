@@ -80,7 +80,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _worker_main(rank: int, world: int, store_path: str, backend: str, conn: Connection, progress, threads: int,
-                 parent_pid: int, timeout_s: float) -> None:
+                 parent_pid: int, timeout_s: float, init: Callable[[], None] | None) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     import torch
     import torch.distributed as dist
@@ -94,6 +94,8 @@ def _worker_main(rank: int, world: int, store_path: str, backend: str, conn: Con
         timeout=timedelta(seconds=timeout_s),
     )
     _worker_env.update(rank=rank, world=world, backend=backend, device_type=device_type)
+    if init is not None:
+        init()
     conn.send(("ready", rank))
     try:
         while True:
@@ -143,8 +145,12 @@ class WorkerPool:
         threads_per_worker: int | None = None,
         start_timeout: float = 120.0,
         collective_timeout: float = 300.0,
+        init: Callable[[], None] | None = None,
     ) -> None:
+        """``init``: a picklable top-level function every worker runs once after joining the group (warm-up
+        that belongs to start-up, not to the first task)."""
         self.world = world
+        self.init = init
         self.backend = backend
         self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world)
         self.start_timeout = start_timeout
@@ -180,7 +186,7 @@ class WorkerPool:
             p = self._ctx.Process(
                 target=_worker_main,
                 args=(rank, self.world, store, self.backend, child_conn, self._progress, self.threads, os.getpid(),
-                      self.collective_timeout),
+                      self.collective_timeout, self.init),
                 daemon=True,
                 name=f"blockdiag-rank{rank}",
             )

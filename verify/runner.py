@@ -332,6 +332,12 @@ def summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> dict[str
 
 
 # ---- entry points for pool workers and torchrun ----------------------------------------------------------
+def warm_up() -> None:
+    """Pay one-time costs at pool start instead of in the first case: the first non-reentrant checkpoint
+    imports torch._dynamo (about a second)."""
+    x = torch.ones(1, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(torch.mul, x, x, use_reentrant=False).backward()
+
 def _env():
     from .pool import worker_info
 

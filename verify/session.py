@@ -10,7 +10,7 @@ from typing import Any
 
 from .cases import Case
 from .pool import TaskFailure, WorkerPool
-from .runner import expected_results, pack_expected, run_case, summed_metrics
+from .runner import expected_results, pack_expected, run_case, summed_metrics, warm_up
 
 __all__ = ["CaseResult", "Session"]
 
@@ -111,7 +111,9 @@ class Session:
 
     def pool(self, cp: int) -> WorkerPool:
         if cp not in self.pools:
-            self.pools[cp] = WorkerPool(cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout))
+            self.pools[cp] = WorkerPool(
+                cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout), init=warm_up
+            )
         return self.pools[cp]
 
     def run(

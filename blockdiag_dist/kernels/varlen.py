@@ -63,6 +63,8 @@ class VarlenMeta:
     out_index: Tensor  # int64 [Tq]: row of each query token in cat(bucket outputs, one zero row)
     q_gather: Tensor  # int64: every bucket's q_index, flattened and concatenated (one gather for all)
     k_gather: Tensor  # int64: likewise for k_index
+    out_rows: Tensor  # int64: for every bucket slot (same order), its query row, or Tq for a padded slot
+    pad_rows: Tensor  # int64: local rows of padding queries (their outputs are 0)
     piece_q: Tensor  # int64 [P, 2] (first local query row, length), on the host
     piece_k: Tensor  # int64 [P, 2] (first key flat id, length), on the host
     key_lut: Tensor = field(repr=False)  # int64 [B * Sp] key-buffer row of each flat id (-1 = absent), host
@@ -80,6 +82,8 @@ class VarlenMeta:
             out_index=self.out_index.to(device),
             q_gather=self.q_gather.to(device),
             k_gather=self.k_gather.to(device),
+            out_rows=self.out_rows.to(device),
+            pad_rows=self.pad_rows.to(device),
             piece_q=self.piece_q,
             piece_k=self.piece_k,
             key_lut=self.key_lut,
@@ -143,6 +147,7 @@ def plan_varlen(
     keys, group_of = torch.unique(group_key, return_inverse=True)
 
     buckets: list[Bucket] = []
+    slot_rows: list[Tensor] = []
     out_index = torch.full((Tq,), -1, dtype=torch.int64)
     base = 0
     for g, key in enumerate(keys.tolist()):
@@ -169,6 +174,7 @@ def plan_varlen(
         out_index[q_index[valid]] = base + (torch.arange(n)[:, None] * lq + a)[valid]
         base += n * lq
         buckets.append(Bucket(q_index=q_index, k_index=k_index, mask=mask))
+        slot_rows.append(torch.where(valid, q_index, Tq).flatten())
     assert bool((out_index[real] >= 0).all()) and bool((out_index[~real] == -1).all())
     out_index[~real] = base  # the zero row
     empty = torch.zeros(0, dtype=torch.int64)
@@ -177,6 +183,8 @@ def plan_varlen(
         out_index=out_index,
         q_gather=torch.cat([b.q_index.flatten() for b in buckets]) if buckets else empty,
         k_gather=torch.cat([b.k_index.flatten() for b in buckets]) if buckets else empty,
+        out_rows=torch.cat(slot_rows) if slot_rows else empty,
+        pad_rows=(~real).nonzero().flatten(),
         piece_q=torch.stack([p_start, p_len], 1),
         piece_k=torch.stack([p_kflat0, p_klen], 1),
         key_lut=key_lut,
@@ -207,6 +215,97 @@ def flash_unusable_reason(q_tok: Tensor, dim: int, dim_v: int) -> str | None:
     return None
 
 
+# ---- gathers and scatter with one pass each way (autograd's own would zero-fill full-size buffers per bucket)
+class _GatherQueries(torch.autograd.Function):
+    """``q_tok [Tq, Hq, D]`` -> per bucket ``[n, Hq, Lq, D]`` (views of one gather); backward: one scatter-add."""
+
+    @staticmethod
+    def forward(ctx, q_tok: Tensor, index: Tensor, shapes: list[tuple[int, int]]):
+        ctx.save_for_backward(index)
+        ctx.shapes, ctx.rows = shapes, q_tok.shape[0]
+        g = q_tok.index_select(0, index)
+        outs, o = [], 0
+        for n, lq in shapes:
+            outs.append(g[o : o + n * lq].view(n, lq, *q_tok.shape[1:]).transpose(1, 2))
+            o += n * lq
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (index,) = ctx.saved_tensors
+        shape = next(g for g in grads if g is not None).shape
+        out = next(g for g in grads if g is not None).new_zeros((ctx.rows, shape[1], shape[3]))
+        o = 0
+        for grad, (n, lq) in zip(grads, ctx.shapes):
+            if grad is not None:
+                out.index_add_(0, index[o : o + n * lq], grad.transpose(1, 2).reshape(n * lq, shape[1], shape[3]))
+            o += n * lq
+        return out, None, None
+
+
+class _GatherKeysValues(torch.autograd.Function):
+    """Key buffer ``kv_buf [Tk, Hkv * (D + Dv)]`` -> per bucket ``k [n, Hkv, Lk, D]`` and ``v [n, Hkv, Lk, Dv]``
+    (views of one gather); backward: one zero-fill and one scatter-add per half, no per-bucket fills."""
+
+    @staticmethod
+    def forward(ctx, kv_buf: Tensor, index: Tensor, lens: list[tuple[int, int]], heads_kv: int, dim: int):
+        ctx.save_for_backward(index)
+        ctx.lens, ctx.buf_shape, ctx.kd = lens, kv_buf.shape, heads_kv * dim
+        g = kv_buf.index_select(0, index)
+        outs, o = [], 0
+        for n, lk in lens:
+            rows = g[o : o + n * lk].unflatten(0, (n, lk))
+            outs.append(rows[..., : ctx.kd].unflatten(2, (heads_kv, dim)).transpose(1, 2))
+            outs.append(rows[..., ctx.kd :].unflatten(2, (heads_kv, -1)).transpose(1, 2))
+            o += n * lk
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (index,) = ctx.saved_tensors
+        out = next(g for g in grads if g is not None).new_zeros(ctx.buf_shape)
+        k_half, v_half = out[:, : ctx.kd], out[:, ctx.kd :]
+        o = 0
+        for b, (n, lk) in enumerate(ctx.lens):
+            idx = index[o : o + n * lk]
+            for grad, half in ((grads[2 * b], k_half), (grads[2 * b + 1], v_half)):
+                if grad is not None:
+                    half.index_add_(0, idx, grad.transpose(1, 2).reshape(n * lk, -1))
+            o += n * lk
+        return out, None, None, None, None
+
+
+class _ScatterOutputs(torch.autograd.Function):
+    """Per-bucket outputs ``[n, Hq, Lq, Dv]`` -> ``[Tq, Hq, Dv]`` in token order; padding queries exactly 0.
+    Padded slots write to a spare row that is dropped; backward gathers each bucket's rows back."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, pad_rows: Tensor, num_queries: int, *outs: Tensor):
+        ctx.save_for_backward(rows)
+        ctx.shapes = [o.shape for o in outs]
+        hq, dv = outs[0].shape[1], outs[0].shape[3]
+        out = outs[0].new_empty((num_queries + 1, hq, dv))
+        o = 0
+        for t in outs:
+            n, _, lq, _ = t.shape
+            out.index_copy_(0, rows[o : o + n * lq], t.transpose(1, 2).reshape(n * lq, hq, dv))
+            o += n * lq
+        out.index_fill_(0, pad_rows, 0.0)
+        return out[:num_queries]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (rows,) = ctx.saved_tensors
+        spare = grad.shape[0]
+        grads, o = [], 0
+        for n, hq, lq, dv in ctx.shapes:
+            r = rows[o : o + n * lq]
+            g = grad.index_select(0, r.clamp(max=spare - 1)).masked_fill_((r == spare)[:, None, None], 0.0)
+            grads.append(g.view(n, lq, hq, dv).transpose(1, 2))
+            o += n * lq
+        return (None, None, None, *grads)
+
+
 def varlen_attention(
     q_tok: Tensor,
     kv_buf: Tensor,
@@ -221,34 +320,32 @@ def varlen_attention(
     """``q_tok [Tq, Hq, D]`` and the key buffer ``kv_buf [Tk, Hkv * (D + Dv)]`` (keys then values per token)
     -> ``[Tq, Hq, Dv]``; padding rows exactly 0.
 
-    One gather for all queries and one for all keys and values, whatever the number of buckets: their
-    backward is then one scatter each, not one full-size zero-fill per bucket.
+    One gather for all queries, one for all keys and values, one scatter for all outputs, whatever the number
+    of buckets (and one pass each in backward).
     """
     Hq, D = q_tok.shape[1], q_tok.shape[2]
-    kd = heads_kv * D
     if use_flash:
+        kd = heads_kv * D
         k_buf, v_buf = kv_buf[:, :kd].unflatten(1, (heads_kv, D)), kv_buf[:, kd:].unflatten(1, (heads_kv, dim_v))
         return _flash_varlen(q_tok, k_buf, v_buf, meta, dropout_p=dropout_p, scale=scale)
+    if not meta.buckets:  # this rank holds only padding: zeros that still reach q and the key buffer
+        return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v)
     gqa = Hq != heads_kv
-    shapes = [(b.q_index.shape[0], b.q_index.shape[1], b.k_index.shape[1], b.mask) for b in meta.buckets]
-    q_all = q_tok.index_select(0, meta.q_gather).split([n * lq for n, lq, _, _ in shapes])
-    kv_all = kv_buf.index_select(0, meta.k_gather).split([n * lk for n, _, lk, _ in shapes])
-    parts = []
-    for (n, lq, lk, mask), qb, kvb in zip(shapes, q_all, kv_all):
-        q = qb.view(n, lq, Hq, D).transpose(1, 2)
-        k = kvb[:, :kd].unflatten(0, (n, lk)).unflatten(2, (heads_kv, D)).transpose(1, 2)
-        v = kvb[:, kd:].unflatten(0, (n, lk)).unflatten(2, (heads_kv, dim_v)).transpose(1, 2)
-        o = stock_sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, scale=scale, enable_gqa=gqa)
-        parts.append(o.transpose(1, 2).reshape(n * lq, Hq, dim_v))
-    parts.append(_zero_row(q_tok, kv_buf, Hq, dim_v, parts[0].dtype if parts else q_tok.dtype))
-    return torch.cat(parts).index_select(0, meta.out_index)
+    qs = _GatherQueries.apply(q_tok, meta.q_gather, [b.q_index.shape for b in meta.buckets])
+    kvs = _GatherKeysValues.apply(kv_buf, meta.k_gather, [b.k_index.shape for b in meta.buckets], heads_kv, D)
+    outs = [
+        stock_sdpa(q, k, v, attn_mask=b.mask, dropout_p=dropout_p, is_causal=b.mask is None, scale=scale, enable_gqa=gqa)
+        for b, q, k, v in zip(meta.buckets, qs, kvs[0::2], kvs[1::2])
+    ]
+    return _ScatterOutputs.apply(meta.out_rows, meta.pad_rows, meta.num_queries, *outs)
 
 
-def _zero_row(q_tok: Tensor, kv_buf: Tensor, Hq: int, Dv: int, dtype: torch.dtype) -> Tensor:
-    """Exact zeros ``[1, Hq, Dv]`` for padding queries that still reach q, k and v in the graph (with exactly
-    0 gradient), so that a rank holding only padding runs the exchange's backward like every other rank."""
+def _zero_rows(q_tok: Tensor, kv_buf: Tensor, rows: int, Hq: int, Dv: int) -> Tensor:
+    """Exact zeros ``[rows, Hq, Dv]`` that still reach q and the key buffer in the graph (with exactly 0
+    gradient), so that a rank holding only padding runs the exchange's backward like every other rank."""
     anchor = q_tok[:1, :1, :1].sum() + kv_buf[:1, :1].sum()
-    return torch.where(torch.zeros((), dtype=torch.bool, device=q_tok.device), anchor, 0.0).to(dtype).expand(1, Hq, Dv)
+    zero = torch.where(torch.zeros((), dtype=torch.bool, device=q_tok.device), anchor, 0.0)
+    return zero.expand(rows, Hq, Dv)
 
 
 def _flash_varlen(q_tok, k_buf, v_buf, meta: VarlenMeta, *, dropout_p: float, scale: float | None) -> Tensor:
