@@ -44,14 +44,16 @@ def bench_exchange(cps, sizes, reps, seed=0, timeout=1800) -> dict:
                         continue
                     row["modes"][name] = {
                         "seconds": max(r[name]["seconds"] for r in per_rank),
+                        "exchange_seconds": max(r[name]["exchange_seconds"] for r in per_rank),
                         "mode": per_rank[0][name]["mode"],
                         "recv_bytes_per_rank": [r[name]["recv_bytes_per_step"] for r in per_rank],
                         "min_recv_bytes_per_rank": [r[name]["min_recv_bytes"] for r in per_rank],
                     }
-                ag = row["modes"]["allgather"]["seconds"]
+                ag = row["modes"]["allgather"]
                 for name, m in row["modes"].items():
                     if "seconds" in m:
-                        m["speedup_over_allgather"] = ag / m["seconds"]
+                        m["speedup_over_allgather"] = ag["seconds"] / m["seconds"]
+                        m["exchange_speedup_over_allgather"] = ag["exchange_seconds"] / m["exchange_seconds"] if m["exchange_seconds"] > 0 else float("inf")
                         mins, got = m["min_recv_bytes_per_rank"], m["recv_bytes_per_rank"]
                         m["bytes_over_minimum"] = sum(got) / sum(mins) if sum(mins) else (1.0 if sum(got) == 0 else float("inf"))
                 rows.append(row)
@@ -66,9 +68,8 @@ def bench_cp_efficiency(cps, S, reps, seed=0) -> dict:
         with WorkerPool(cp) as pool:
             per_rank = pool.run(timed_steps, args=(S, seed, [{"name": "auto"}], reps), timeout=1800, name=f"cp{cp}")
         t = max(r["auto"]["seconds"] for r in per_rank)
-        cores = min(cp, os.cpu_count() or 1)
         rows.append({"cp": cp, "S": S, "cp_seconds": t, "single_seconds": single, "speedup": single / t,
-                     "efficiency_per_core": single / t / cores, "cores": cores})
+                     "cores": torch.get_num_threads()})
     return {"rows": rows}
 
 

@@ -38,9 +38,22 @@ def _step_fn(ids: torch.Tensor, mesh, config: dict, seed: int):
     return ctx.state, step
 
 
+def _exchange_fn(state):
+    """The exchange alone, forward and backward, on this rank's packed K/V tokens (no attention)."""
+    wp = state.window_plan(-1)
+    kv_tok = torch.randn(state.batch_size * state.local_len, HKV * 2 * D, requires_grad=True)
+
+    def run() -> None:
+        buf = state.exchange(kv_tok, wp)
+        torch.autograd.grad(buf, kv_tok, torch.ones_like(buf))
+
+    return run
+
+
 def timed_steps(S: int, seed: int, configs: list[dict], reps: int) -> dict:
-    """Median forward + backward step time of each config, measured in alternation between barriers (so a
-    step's time is the slowest rank's), plus the K/V bytes each config moved per step on this rank."""
+    """Median forward + backward step time of each config, and of its exchange alone, measured in alternation
+    between barriers (so a step's time is the slowest rank's), plus the K/V bytes each config moved per step on
+    this rank."""
     mesh = worker_info()["cp_mesh"]
     ids = layout_of(long_tail(S, seed)).doc_ids
     steps, states = {}, {}
@@ -49,15 +62,18 @@ def timed_steps(S: int, seed: int, configs: list[dict], reps: int) -> dict:
             states[config["name"]], steps[config["name"]] = _step_fn(ids, mesh, config, seed)
         except ValueError as exc:  # e.g. halo where it cannot work: every rank decides the same
             states[config["name"]] = str(exc)
+    exchanges = {name: _exchange_fn(states[name]) for name in steps}
     times: dict[str, list[float]] = {name: [] for name in steps}
+    exchange_times: dict[str, list[float]] = {name: [] for name in steps}
     for rep in range(reps + 1):
-        for name, step in steps.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            dist.barrier()
-            if rep:  # the first round warms up
-                times[name].append(time.perf_counter() - t0)
+        for name in steps:
+            for fn, record in ((steps[name], times[name]), (exchanges[name], exchange_times[name])):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dist.barrier()
+                if rep:  # the first round warms up
+                    record.append(time.perf_counter() - t0)
     out = {}
     for config in configs:
         name = config["name"]
@@ -70,6 +86,7 @@ def timed_steps(S: int, seed: int, configs: list[dict], reps: int) -> dict:
         bpt = HKV * 2 * D * 4
         out[name] = {
             "seconds": statistics.median(times[name]),
+            "exchange_seconds": statistics.median(exchange_times[name]),
             "mode": wp.mode,
             "recv_bytes_per_step": fwd["recv_bytes"] // max(fwd["calls"], 1),
             "min_recv_bytes": wp.exchange.needed_tokens()[dist.get_rank()] * bpt,

@@ -39,18 +39,14 @@ def attention_step(lengths: list[int], kernel: str, dtype=torch.float32, device=
 
 
 def per_document_sdpa_step(lengths: list[int], dtype=torch.float32, device="cpu", seed: int = 0) -> Callable[[], None]:
-    """torch's own SDPA called once per document on exact-size slices (no padding, no CP machinery): the rate
-    torch's kernel reaches on these documents, the reference for the varlen kernel's overhead."""
-    S = sum(lengths)
-    q, k, v, grad_out = _qkv(S, dtype, device, seed)
-    bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    """torch's own SDPA called once per document on separate exact-size tensors (no padding, no packing, no
+    CP machinery): the rate torch's CPU kernel itself reaches on these documents."""
+    docs = [_qkv(n, dtype, device, seed + i) for i, n in enumerate(lengths)]
 
     def step() -> None:
-        outs = [
-            torch.nn.functional.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, enable_gqa=True)
-            for a, b in zip(bounds[:-1], bounds[1:])
-        ]
-        torch.autograd.grad(outs, (q, k, v), [grad_out[:, :, a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+        for q, k, v, grad_out in docs:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            torch.autograd.grad(out, (q, k, v), grad_out)
 
     return step
 

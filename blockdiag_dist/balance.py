@@ -79,6 +79,8 @@ def balanced_positions(work: Tensor, world: int) -> tuple[int, Tensor, float]:
     (4, [[0, 1, 6, 7], [2, 3, 4, 5]], 1.0)
     """
     S = work.numel()
+    if world == 1:  # one rank holds everything: nothing to balance, no padding to add
+        return S, torch.arange(S)[None], 1.0
     best = None
     for per_rank in CHUNKS_PER_RANK:
         chunks = per_rank * world

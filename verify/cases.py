@@ -236,6 +236,7 @@ NAMED_LAYOUTS: dict[str, Callable[[int], Rows]] = {
 }
 
 HEADS = ((2, 2), (4, 2), (3, 1))  # MHA, GQA, MQA
+CHECKPOINT_CYCLE = ("none", "reentrant", "none", "nonreentrant")  # half the cases recompute under checkpointing
 DIMS = (4, 3, 5)  # odd head dims included
 WINDOWS = (-1, 2, -1, 0)
 
@@ -266,7 +267,7 @@ def default_matrix(
                                 rows=rows, cp=cp, name=name, hq=hq, hkv=hkv, dim=DIMS[(k // 3) % len(DIMS)],
                                 window=WINDOWS[(k // 2) % len(WINDOWS)], kernel=kernel, exchange=exchange,
                                 layout=layout, dtype=dtype, seed=k, source=SOURCES[(k // 5) % len(SOURCES)],
-                                checkpoint=CHECKPOINTS[(k // 7) % len(CHECKPOINTS)],
+                                checkpoint=CHECKPOINT_CYCLE[(k // 7) % len(CHECKPOINT_CYCLE)],
                             )
                             k += 1
                             if applicable is None or applicable(case):
