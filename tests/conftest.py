@@ -4,6 +4,7 @@ whole run, so that torch import and process-group start are paid once per CP siz
 from __future__ import annotations
 
 import pytest
+import torch
 
 from verify.session import Session
 
@@ -20,3 +21,12 @@ def assert_pass(results):
     if bad:
         lines = [f"{r.case.label()}: {r.status}: {r.details}\n  {r.case.command(r.impl)}" for r in bad[:10]]
         pytest.fail(f"{len(bad)} of {len(results)} cases failed:\n" + "\n".join(lines))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors in the test process: OpenMP threads only spin against the pool workers on a small machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -26,6 +26,8 @@ from examples.hf import build_tiny_hf, hf_forward  # noqa: E402
 from examples.training import PARITY_RTOL, TrainConfig, TrainResult, parity, run_distributed, train  # noqa: E402
 from verify.pool import WorkerPool  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 STEPS = 2
 TASK_TIMEOUT_S = 180.0  # per run on every rank: a deadline for hangs, not a speed limit
 CASES = [  # (family, dtype, checkpointing)
@@ -35,15 +37,6 @@ CASES = [  # (family, dtype, checkpointing)
     ("llama", "float64", "non_reentrant"),
     ("qwen2-sliding", "float64", None),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: OpenMP threads only spin against the other processes on a small machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ from examples.training import (
 )
 from verify.pool import WorkerPool
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 STEPS = 3
 VARIANTS = [(dtype, ck) for dtype in ("float64", "float32") for ck in CHECKPOINTING]
 TASK_TIMEOUT_S = 120.0  # per run on every rank: a deadline for hangs, not a speed limit
@@ -39,15 +41,6 @@ def config(
     return TrainConfig(
         steps=STEPS, dtype=dtype, checkpointing=checkpointing, seed=seed, tail_padding=tail_padding, layout=layout
     )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: OpenMP threads only spin against the other processes on a small machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
