@@ -257,17 +257,20 @@ def check_case(
     """Run the implementation on this rank and compare with ``expected`` (computed here when not given)."""
     dtype = getattr(torch, case.dtype)
     inputs = make_inputs(case)
-    expected = expected_results(case, device) if expected is None else unpack_expected(expected)
-    ref, base = expected["ref"], expected["base"]
+    expected = unpack_expected(pack_expected(expected_results(case, device)) if expected is None else expected)
+    ref, base = expected["ref"], expected["base"]  # host tensors: every comparison runs on the host
     run = _run_impl(case, impl, inputs, dtype, device, cp_mesh)
     res = run["res"]
     m = _Metrics(case.dtype)
 
-    pos = run["positions"].to(torch.int64)
+    def host(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.detach().cpu()
+
+    pos = run["positions"].to(torch.int64).cpu()
     pos = pos[0] if pos.dim() == 3 else pos  # [B, L]
-    padding = run["padding"].to(torch.bool)
+    padding = run["padding"].to(torch.bool).cpu()
     B = case.batch_size
-    b_idx = torch.arange(B, device=pos.device)[:, None].expand_as(pos)
+    b_idx = torch.arange(B)[:, None].expand_as(pos)
     real = ~padding
     rb, rp = b_idx[real], pos[real]  # global (row, position) of this rank's real rows
 
@@ -277,12 +280,12 @@ def check_case(
     def base_rows(name: str) -> Tensor | None:
         return None if base is None else rows_of(base[name])
 
-    out_local = _heads_view(res["out"].detach())
+    out_local = _heads_view(host(res["out"]))
     m.close("out", out_local[real], rows_of(ref["out"]), base_rows("out"))
     m.exact_zero("out_padding_rows", out_local[padding])
     qkv_scale = max(ref[f"d{n}"].abs().max().item() for n in ("q", "k", "v"))
     for n in ("q", "k", "v"):
-        g = res[n].grad
+        g = host(res[n].grad)
         m.close(f"d{n}", None if g is None else _heads_view(g)[real], rows_of(ref[f"d{n}"]), base_rows(f"d{n}"), qkv_scale)
         m.exact_zero(f"d{n}_padding_rows", None if g is None else _heads_view(g)[padding])
 
