@@ -112,7 +112,7 @@ def bench_balance(cps, S, seeds, step_cp, step_S, reps) -> dict:
             row = {"cp": cp, "S": S, "seed": seed}
             for layout in ("contiguous", "balanced"):
                 plan = plan_step(ids, cp, layout)
-                work, tokens = plan.work_per_rank(), plan.tokens_per_rank()
+                work, tokens = plan.work_per_rank(), plan.real_tokens_per_rank()
                 needed = plan.exchange(-1).needed_tokens()
                 row[layout] = {
                     "work_max_over_mean": max(work) / (sum(work) / cp),

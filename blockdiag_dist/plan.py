@@ -118,7 +118,7 @@ class ExchangePlan:
         return self.shards.world
 
     @property
-    def tokens_per_rank(self) -> int:
+    def local_tokens(self) -> int:
         return self.batch_size * self.shards.local_len
 
     @cached_property
@@ -141,7 +141,7 @@ class ExchangePlan:
 
     def allgather_tokens(self) -> int:
         """Per rank: tokens received (and sent) by an all-gather."""
-        return (self.world - 1) * self.tokens_per_rank
+        return (self.world - 1) * self.local_tokens
 
     def recv_flat_ids(self, rank: int) -> Tensor:
         """Flat ids ``rank`` receives, in arrival order of a needed-only exchange: by source rank, then flat id."""
@@ -266,7 +266,7 @@ class StepPlan:
         keys = torch.where(self.segments != 0, pos - start + 1, 0).view(-1, sp)  # [B, Sp]
         return keys.sum(0)[self.shards.positions].sum(1).tolist()
 
-    def tokens_per_rank(self) -> list[int]:
+    def real_tokens_per_rank(self) -> list[int]:
         """Real (non-padding) tokens held by each rank, over all rows."""
         real = (self.segments != 0).view(-1, self.shards.padded_len).sum(0)
         return real[self.shards.positions].sum(1).tolist()

@@ -61,10 +61,6 @@ def format_rows(rows: Rows) -> str:
     return "/".join(out)
 
 
-def rows_from_ids(ids: Sequence[Sequence[int]]) -> Rows:
-    return parse_rows("/".join(",".join(str(i) for i in row) for row in ids))
-
-
 @dataclass(frozen=True)
 class Case:
     """One verification case. ``None`` for kernel / exchange / layout means "the implementation's default"."""

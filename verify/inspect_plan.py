@@ -42,7 +42,7 @@ def inspect(doc_ids: torch.Tensor, cp: int, *, window: int = -1, layout: str = "
     bpt = hkv * 2 * dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
     mode, reason = choose_exchange(x, "auto")
     needed = x.needed_tokens()
-    work, tokens = plan.work_per_rank(window), plan.tokens_per_rank()
+    work, tokens = plan.work_per_rank(window), plan.real_tokens_per_rank()
     ag = x.allgather_tokens()
     ranks = []
     for r in range(cp):

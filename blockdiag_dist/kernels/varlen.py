@@ -72,10 +72,6 @@ class VarlenMeta:
     window_left: int = -1
     _flash_cache: dict = field(default_factory=dict, repr=False)
 
-    @property
-    def num_pieces(self) -> int:
-        return self.piece_q.shape[0]
-
     def to(self, device: torch.device) -> VarlenMeta:
         return VarlenMeta(
             buckets=tuple(b.to(device) for b in self.buckets),
