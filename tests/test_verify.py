@@ -193,3 +193,26 @@ def test_cli_exit_codes_for_a_failing_impl_and_a_missing_module():
     assert p.returncode == 1 and "FAIL" in p.stdout
     p = _verify("--impl", "no_such_module_here")
     assert p.returncode == 2 and "cannot use --impl no_such_module_here" in p.stdout
+
+
+def test_workers_exit_when_their_parent_dies():
+    """A killed verifier leaves no worker behind: each worker watches its parent."""
+    script = (
+        "import sys, time\n"
+        "from verify.pool import WorkerPool\n"
+        "pool = WorkerPool(2)\n"
+        "pool.start()\n"
+        "print(*pool.pids(), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in parent.stdout.readline().split()]
+        assert len(pids) == 2 and _alive(pids) == pids
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(pids) == []
