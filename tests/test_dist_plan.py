@@ -127,7 +127,7 @@ def kernel_pairs_varlen(meta) -> list[tuple[int, int]]:
         for i in range(n):
             for a in range(lq):
                 row = int(b.q_index[i, a])
-                if int(meta.out_index[row]) != base + i * lq + a:
+                if int(meta.out_rows[base + i * lq + a]) != row:
                     continue  # a padded slot: its output is dropped
                 m = allowed[a] if b.mask is None else b.mask[i, 0, a]
                 pairs += [(row, int(b.k_index[i, c])) for c in m.nonzero().flatten().tolist()]

@@ -60,7 +60,6 @@ class Bucket:
 @dataclass(frozen=True, eq=False)
 class VarlenMeta:
     buckets: tuple[Bucket, ...]
-    out_index: Tensor  # int64 [Tq]: row of each query token in cat(bucket outputs, one zero row)
     q_gather: Tensor  # int64: every bucket's q_index, flattened and concatenated (one gather for all)
     k_gather: Tensor  # int64: likewise for k_index
     out_rows: Tensor  # int64: for every bucket slot (same order), its query row, or Tq for a padded slot
@@ -75,7 +74,6 @@ class VarlenMeta:
     def to(self, device: torch.device) -> VarlenMeta:
         return VarlenMeta(
             buckets=tuple(b.to(device) for b in self.buckets),
-            out_index=self.out_index.to(device),
             q_gather=self.q_gather.to(device),
             k_gather=self.k_gather.to(device),
             out_rows=self.out_rows.to(device),
@@ -144,8 +142,6 @@ def plan_varlen(
 
     buckets: list[Bucket] = []
     slot_rows: list[Tensor] = []
-    out_index = torch.full((Tq,), -1, dtype=torch.int64)
-    base = 0
     for g, key in enumerate(keys.tolist()):
         is_masked, lq, lk = key >> 62, (key >> 31) & (2**31 - 1), key & (2**31 - 1)
         idx = (group_of == g).nonzero().flatten()
@@ -167,19 +163,17 @@ def plan_varlen(
             m |= ~valid_q & (c == 0)[:, None, :]  # padded query slots see one real key: finite, then dropped
             mask = m[:, None]
         valid = a < qlen
-        out_index[q_index[valid]] = base + (torch.arange(n)[:, None] * lq + a)[valid]
-        base += n * lq
         buckets.append(Bucket(q_index=q_index, k_index=k_index, mask=mask))
         slot_rows.append(torch.where(valid, q_index, Tq).flatten())
-    assert bool((out_index[real] >= 0).all()) and bool((out_index[~real] == -1).all())
-    out_index[~real] = base  # the zero row
     empty = torch.zeros(0, dtype=torch.int64)
+    out_rows = torch.cat(slot_rows) if slot_rows else empty
+    written = torch.bincount(out_rows[out_rows < Tq], minlength=Tq)
+    assert bool((written[real] == 1).all()) and bool((written[~real] == 0).all()), "varlen plan: a query row is not written exactly once"
     return VarlenMeta(
         buckets=tuple(buckets),
-        out_index=out_index,
         q_gather=torch.cat([b.q_index.flatten() for b in buckets]) if buckets else empty,
         k_gather=torch.cat([b.k_index.flatten() for b in buckets]) if buckets else empty,
-        out_rows=torch.cat(slot_rows) if slot_rows else empty,
+        out_rows=out_rows,
         pad_rows=(~real).nonzero().flatten(),
         piece_q=torch.stack([p_start, p_len], 1),
         piece_k=torch.stack([p_kflat0, p_klen], 1),
