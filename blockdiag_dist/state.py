@@ -152,11 +152,11 @@ class StepState:
 
     def _check_consensus(self, window_left: int, mode: str) -> None:
         """All-gather a fingerprint of the plan; raise naming the ranks that disagree (instead of hanging)."""
+        if self.group is None or self.world == 1:
+            return
         h = hashlib.sha256(self.plan.fingerprint())
         h.update(f"|{window_left}|{mode}|{self.kernel}".encode())
         mine = int.from_bytes(h.digest()[:8], "little", signed=True)
-        if self.group is None or self.world == 1:
-            return
         tensor = torch.tensor([mine], dtype=torch.int64, device=self.device)
         gathered = torch.empty(self.world, dtype=torch.int64, device=self.device)
         all_gather_tensor(gathered, tensor, group=self.group)

@@ -92,7 +92,7 @@ class Session:
         self.backend = backend
         self.in_process = in_process  # torchrun: run on the launched group instead of pools
         self.pools: dict[int, WorkerPool] = {}
-        self.timing: dict[int, dict[str, float]] = {}  # per CP size: pool start seconds, case seconds, cases
+        self.timing: dict[int, dict[str, float]] = {}  # per CP size: seconds spent running cases, cases run
 
     def throughput(self) -> dict[int, float]:
         """Cases per second per CP size, measured while the pool was running cases (its start excluded)."""
@@ -145,14 +145,12 @@ class Session:
         # The parent computes each case's reference once (not once per rank) while the workers run the
         # previous chunk.
         pool = self.pool(cp)
-        timing = self.timing.setdefault(cp, {"start": 0.0, "run": 0.0, "cases": 0})
-        t_start = time.perf_counter()
+        timing = self.timing.setdefault(cp, {"run": 0.0, "cases": 0})
         try:
-            pool.start()
+            pool.start()  # not counted in the throughput
         except Exception:  # noqa: BLE001 - reported per case below
             pass
-        timing["start"] += time.perf_counter() - t_start
-        t_run = time.perf_counter()
+        run_before, t_run = timing["run"], time.perf_counter()
         expected: dict[int, dict] = {}  # case index -> reference tensors (kept here for the summed checks)
         packed: dict[int, dict] = {}  # ... and as plain arrays for the workers
 
@@ -185,7 +183,7 @@ class Session:
                     break  # the pool was killed; the rest of the chunk goes to a fresh one
                 result = merge_ranks(cases[j], item, exp, now - t0, impl)
                 timing["cases"] += 1
-                timing["run"] = time.perf_counter() - t_run
+                timing["run"] = run_before + time.perf_counter() - t_run  # accumulates over calls of run()
                 yield result
                 t0 = time.perf_counter()
 
