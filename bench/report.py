@@ -105,6 +105,17 @@ def write_markdown(res: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def _grouped_bars(ax, labels: list[str], series: dict[str, list[float]], ylabel: str, title: str, *, rotation: int = 0) -> None:
+    """One group of bars per label, one bar per series."""
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x - 0.4 + (i + 0.5) * width for x in range(len(labels))], values, width, label=name)
+    ax.set_xticks(list(range(len(labels))), labels, rotation=rotation)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
 
@@ -112,74 +123,45 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
-    ax = axes[0, 0]
     if "kernel" in res:
         rows = res["kernel"]["rows"]
-        xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [r["dense_s"] for r in rows], 0.4, label="dense mask")
-        ax.bar([x + 0.2 for x in xs], [r["varlen_s"] for r in rows], 0.4, label="varlen")
-        ax.set_xticks(list(xs), [f"S={r['S']}\n{r['speedup_over_dense']:.1f}x" for r in rows])
-        ax.set_yscale("log")
-        ax.set_ylabel("fwd+bwd seconds")
-        ax.set_title("local kernel")
-        ax.legend()
-    ax = axes[0, 1]
+        _grouped_bars(axes[0, 0], [f"S={r['S']}\n{r['speedup_over_dense']:.1f}x" for r in rows],
+                      {"dense mask": [r["dense_s"] for r in rows], "varlen": [r["varlen_s"] for r in rows]},
+                      "fwd+bwd seconds", "local kernel")
+        axes[0, 0].set_yscale("log")
     if "scaling" in res:
-        rows = res["scaling"]["rows"]
+        ax, rows = axes[0, 1], res["scaling"]["rows"]
         ax.loglog([r["S"] for r in rows], [r["seconds"] for r in rows], "o-", label="varlen")
         ax.loglog([r["S"] for r in rows], [rows[0]["seconds"] * r["size_ratio"] for r in rows], "--", label="linear in S")
         ax.set_xlabel("S")
         ax.set_ylabel("seconds")
         ax.set_title("step time vs S")
         ax.legend()
-    ax = axes[0, 2]
     if "exchange" in res:
-        labels, series = [], {}
-        for row in res["exchange"]["rows"]:
-            labels.append(f"CP{row['cp']} S={row['S']}")
+        rows = res["exchange"]["rows"]
+        labels = [f"CP{row['cp']} S={row['S']}" for row in rows]
+        speedups: dict[str, list[float]] = {}
+        for row in rows:
             for name, m in row["modes"].items():
-                series.setdefault(name, []).append(m.get("speedup_over_allgather", 0.0))
-        width = 0.8 / max(1, len(series))
-        for i, (name, vals) in enumerate(series.items()):
-            ax.bar([x + i * width for x in range(len(labels))], vals, width, label=name)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_ylabel("speedup over all-gather")
-        ax.set_title("K/V exchange step time")
-        ax.legend()
-    ax = axes[1, 0]
-    if "exchange" in res:
-        labels, ag, needed, minimum = [], [], [], []
-        for row in res["exchange"]["rows"]:
-            labels.append(f"CP{row['cp']} S={row['S']}")
-            ag.append(max(row["modes"]["allgather"]["recv_bytes_per_rank"]) / 2**20)
-            needed.append(max(row["modes"]["a2a"]["recv_bytes_per_rank"]) / 2**20)
-            minimum.append(max(row["modes"]["a2a"]["min_recv_bytes_per_rank"]) / 2**20)
-        xs = range(len(labels))
-        ax.bar([x - 0.25 for x in xs], ag, 0.25, label="all-gather")
-        ax.bar(list(xs), needed, 0.25, label="a2a (needed-only)")
-        ax.bar([x + 0.25 for x in xs], minimum, 0.25, label="minimum")
-        ax.set_xticks(list(xs), labels)
-        ax.set_ylabel("max MiB received per rank")
-        ax.set_title("K/V bytes per step")
-        ax.legend()
-    ax = axes[1, 1]
+                speedups.setdefault(name, []).append(m.get("speedup_over_allgather", 0.0))
+        _grouped_bars(axes[0, 2], labels, speedups, "speedup over all-gather", "K/V exchange step time")
+        axes[0, 2].axhline(1.0, color="grey", lw=0.8)
+        mib = {
+            "all-gather": [max(row["modes"]["allgather"]["recv_bytes_per_rank"]) / 2**20 for row in rows],
+            "a2a (needed-only)": [max(row["modes"]["a2a"]["recv_bytes_per_rank"]) / 2**20 for row in rows],
+            "minimum": [max(row["modes"]["a2a"]["min_recv_bytes_per_rank"]) / 2**20 for row in rows],
+        }
+        _grouped_bars(axes[1, 0], labels, mib, "max MiB received per rank", "K/V bytes per step")
     if "balance" in res:
         plans = res["balance"]["plans"]
-        labels = [f"CP{p['cp']} s{p['seed']}" for p in plans]
-        xs = range(len(plans))
-        ax.bar([x - 0.2 for x in xs], [p["contiguous"]["work_max_over_mean"] for p in plans], 0.4, label="contiguous")
-        ax.bar([x + 0.2 for x in xs], [p["balanced"]["work_max_over_mean"] for p in plans], 0.4, label="balanced")
-        ax.axhline(1.05, color="grey", lw=0.8, ls="--")
-        ax.set_xticks(list(xs), labels, rotation=45)
-        ax.set_ylabel("max/mean attention work")
-        ax.set_title("load balance (long-tail)")
-        ax.legend()
-    ax = axes[1, 2]
+        _grouped_bars(axes[1, 1], [f"CP{p['cp']} s{p['seed']}" for p in plans],
+                      {layout: [p[layout]["work_max_over_mean"] for p in plans] for layout in ("contiguous", "balanced")},
+                      "max/mean attention work", "load balance (long-tail)", rotation=45)
+        axes[1, 1].axhline(GOALS["balanced_work_max_over_mean"], color="grey", lw=0.8, ls="--")
     if "verifier" in res:
-        v = res["verifier"]["cps"]
+        ax, v = axes[1, 2], res["verifier"]["cps"]
         ax.bar([f"CP {cp}" for cp in v], [x["cases_per_second"] for x in v.values()])
-        ax.axhline(50, color="grey", lw=0.8, ls="--")
+        ax.axhline(GOALS["verifier_cases_per_second"], color="grey", lw=0.8, ls="--")
         ax.set_ylabel("cases / s")
         ax.set_title("verifier throughput")
     fig.tight_layout()
