@@ -32,19 +32,26 @@ from .._stock import stock_sdpa
 __all__ = ["VarlenMeta", "plan_varlen", "size_class", "varlen_attention"]
 
 EXACT_ABOVE = 1024  # pieces longer than this run at their exact length
+EXACT_UP_TO = 16  # ... and so do pieces this short (see size_class)
 
 
 def size_class(n: Tensor) -> Tensor:
     """Round lengths up to a size class: multiples of 16 up to 128, then 1/8 of the enclosing power of two,
     exact above ``EXACT_ABOVE``. Padding wastes at most ~1/8 of a piece's length.
 
+    Lengths up to ``EXACT_UP_TO`` stay exact. Fused SDPA kernels pick their arithmetic per vector lane: torch's
+    CPU kernel computes ``exp`` with a vectorized approximation on whole lanes (8 or 16 floats) and with libm
+    on a row's remainder. A piece shorter than a lane is all remainder at its own length; padded to 16 it
+    would be all approximation, with up to ~10x the float32 gradient error on peaked softmax. Above 16 a
+    piece fills lanes at its own length too, and padding leaves its worst error unchanged.
+
     >>> size_class(torch.tensor([1, 16, 17, 130, 600, 1000, 1500]))
-    tensor([  16,   16,   32,  144,  640, 1024, 1500])
+    tensor([   1,   16,   32,  144,  640, 1024, 1500])
     """
     n = n.to(torch.int64)
     step = (2 ** torch.floor(torch.log2(n.clamp_min(1).double())).to(torch.int64) // 8).clamp_min(16)
     rounded = (n + step - 1) // step * step
-    return torch.where(n > EXACT_ABOVE, n, rounded)
+    return torch.where((n > EXACT_ABOVE) | (n <= EXACT_UP_TO), n, rounded)
 
 
 @dataclass(frozen=True, eq=False)
