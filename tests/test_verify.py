@@ -150,6 +150,50 @@ def test_verifier_reports_each_wrong_answer(session, bug):
         assert r.case.command(r.impl).endswith(f"--impl verify.mutants.{bug}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_small_relative_error_is_caught_at_every_cp_size(session, dtype):
+    """K and V off by 1e-4 (float32) or 1e-9 (float64) relative: the limits stay this sharp at every CP size,
+    with the baseline taken over every SDPA backend."""
+    cases = [Case(**{**BUGGY_CASE.__dict__, "dtype": dtype, "cp": cp}) for cp in (1, 2, 3, 4, 8)]
+    cases += [Case(**{**c.__dict__, "window": 2, "hq": 3, "hkv": 1, "seed": 5}) for c in cases]
+    for r in session.run(cases, impl="verify.mutants.kv_scale"):
+        assert r.status == "fail" and "out" in r.failed_metrics, (r.case.label(), r.status, r.details)
+
+
+PEAKED_CASE = Case(rows=parse_rows("1x2,0x2,2x2,0x1,3x2"), cp=1, hq=3, hkv=1, dim=3, window=0, kernel="varlen",
+                   exchange="a2a", layout="balanced", dtype="float32", seed=239, source="mask2d")  # peaked softmax
+
+
+@pytest.mark.parametrize("impl, status", [("blockdiag_dist", "pass"), ("verify.mutants.kv_scale", "fail")])
+def test_verdicts_agree_on_every_cpu_sdpa_backend(session, impl, status):
+    """The same cases with the implementation forced onto each CPU SDPA backend (and left to torch's choice)
+    get the same verdict: a correct run passes on all, a wrong one fails on all."""
+    from verify.tolerances import BASELINE_BACKENDS
+
+    base = [PEAKED_CASE, Case(**{**PEAKED_CASE.__dict__, "window": -1}), Case(**{**PEAKED_CASE.__dict__, "cp": 2}),
+            Case(**{**BUGGY_CASE.__dict__, "dtype": "float32", "kernel": "dense", "exchange": "allgather"}),
+            Case(**{**BUGGY_CASE.__dict__, "dtype": "float32", "cp": 4, "window": 1})]
+    if impl != "blockdiag_dist":
+        base = [Case(**{**c.__dict__, "kernel": None, "exchange": None, "layout": None}) for c in base]
+    for backend in (None, *BASELINE_BACKENDS["cpu"]):
+        for r in session.run([Case(**{**c.__dict__, "backend": backend}) for c in base], impl=impl):
+            assert r.status == status, (r.case.label(), r.details)
+            assert "baseline on math, flash_attention" in r.backends and (backend or "implementation on") in r.backends
+
+
+def test_baseline_is_the_worst_backend_and_inherited_error_is_reported(session):
+    from verify.runner import expected_results
+
+    exp = expected_results(PEAKED_CASE)
+    assert set(exp["base"]) == {"math", "flash_attention"} and exp["default_backend"] in exp["base"]
+    r = session.run_one(PEAKED_CASE)
+    for name in ("out", "dq", "dk", "dv", "dinputs_embeds", "dWv"):
+        row = r.metrics[name]
+        assert row["base"] == max(row["base_by_backend"].values()) == row["base_by_backend"][row["base_backend"]]
+        assert row["inherited"] == row["base_by_backend"][exp["default_backend"]]
+        assert row["limit"] == pytest.approx(2 * row["base"] + TOLERANCES["float32"].floor * row["scale"])
+
+
 @pytest.mark.parametrize(
     "bug, status, ranks, text",
     [

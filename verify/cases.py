@@ -80,6 +80,7 @@ class Case:
     source: str = "packed"  # how doc ids reach the implementation: _packed_seq_ids, a 4-D or a 2-D mask
     hidden: int = 6
     checkpoint: str = "none"  # activation checkpointing around the attention call: none | reentrant | nonreentrant
+    backend: str | None = None  # SDPA backend forced on the implementation (e.g. "math"); None = torch's choice
 
     def __post_init__(self) -> None:
         if self.cp < 1:
@@ -92,6 +93,10 @@ class Case:
             raise ValueError(f"source: expected one of {SOURCES}, got {self.source!r}")
         if self.checkpoint not in CHECKPOINTS:
             raise ValueError(f"checkpoint: expected one of {CHECKPOINTS}, got {self.checkpoint!r}")
+        if self.backend is not None:
+            from .tolerances import sdpa_backend
+
+            sdpa_backend(self.backend)
 
     @property
     def batch_size(self) -> int:
@@ -108,7 +113,8 @@ class Case:
         opts = "/".join(x for x in (self.kernel, self.exchange, self.layout) if x)
         win = f" w{self.window}" if self.window >= 0 else ""
         ckpt = f" ckpt-{self.checkpoint}" if self.checkpoint != "none" else ""
-        return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win} {opts} {self.dtype} {self.source}{ckpt}".replace("  ", " ")
+        sdpa = f" sdpa-{self.backend}" if self.backend else ""
+        return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win} {opts} {self.dtype} {self.source}{ckpt}{sdpa}".replace("  ", " ")
 
     def args(self) -> list[str]:
         """Command-line arguments of ``python -m verify case`` that replay exactly this case."""
@@ -119,6 +125,8 @@ class Case:
             a += ["--window", str(self.window)]
         if self.checkpoint != "none":
             a += ["--checkpoint", self.checkpoint]
+        if self.backend:
+            a += ["--sdpa-backend", self.backend]
         for flag, value in (("--kernel", self.kernel), ("--exchange", self.exchange), ("--layout", self.layout)):
             if value:
                 a += [flag, value]
@@ -151,6 +159,7 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=6)
     p.add_argument("--name", default="custom")
     p.add_argument("--checkpoint", default="none", choices=CHECKPOINTS)
+    p.add_argument("--sdpa-backend", default=None, help="force the implementation onto one SDPA backend (math, flash_attention, ...)")
 
 
 def case_from_args(ns: argparse.Namespace) -> Case:
@@ -158,7 +167,7 @@ def case_from_args(ns: argparse.Namespace) -> Case:
     return Case(
         rows=parse_rows(ns.rows), cp=ns.cp, name=ns.name, hq=int(hq), hkv=int(hkv or hq), dim=ns.dim,
         window=ns.window, kernel=ns.kernel, exchange=ns.exchange, layout=ns.layout, dtype=ns.dtype, seed=ns.seed,
-        source=ns.source, hidden=ns.hidden, checkpoint=ns.checkpoint,
+        source=ns.source, hidden=ns.hidden, checkpoint=ns.checkpoint, backend=ns.sdpa_backend,
     )
 
 

@@ -207,13 +207,16 @@ def print_case(result: CaseResult, console: Console) -> None:
     from rich.table import Table
 
     table = Table(title=f"{result.case.label()}: {result.status.upper()}" + (f" (exchange {result.mode})" if result.mode else ""))
-    for col in ("quantity", "error", "limit", "ref scale", "baseline err", "rank", "ok"):
+    for col in ("quantity", "error", "limit", "ref scale", "baseline err (worst backend)", "inherited", "rank", "ok"):
         table.add_column(col)
     for name, row in result.metrics.items():
-        base = row.get("base")
+        base, inherited = row.get("base"), row.get("inherited")
         table.add_row(name, f"{row['err']:.3e}", f"{row['limit']:.3e}", f"{row.get('scale', 0):.3e}",
-                      "-" if base is None else f"{base:.3e}", str(row.get("rank", "")), "yes" if row["ok"] else "NO")
+                      "-" if base is None else f"{base:.3e} ({row['base_backend']})",
+                      "-" if inherited is None else f"{inherited:.3e}", str(row.get("rank", "")), "yes" if row["ok"] else "NO")
     console.print(table)
+    if result.backends:
+        console.print(f"SDPA backends: {result.backends}", markup=False, soft_wrap=True)
     if result.details and result.status != "pass":
         console.print(result.details, markup=False, highlight=False)
     console.print(f"reproduce: {result.case.command(result.impl)}", markup=False, soft_wrap=True)
@@ -227,7 +230,7 @@ def _run_torchrun(args, info, console: Console, cases: list[Case] | None = None)
     import torch.distributed as dist
 
     from .launch import torchrun_env
-    from .runner import check_case, expected_results, pack_expected
+    from .runner import check_case, expected_results, pack_expected, unpack_expected
 
     mesh, rank, world, device = torchrun_env(args.backend)
     if cases is None:
@@ -256,7 +259,7 @@ def _run_torchrun(args, info, console: Console, cases: list[Case] | None = None)
         gathered: list = [None] * world
         dist.all_gather_object(gathered, mine)
         done.set()
-        return gathered, {k: None if v is None else {n: t.cpu() for n, t in v.items()} for k, v in expected.items()}
+        return gathered, unpack_expected(pack_expected(expected))
 
     reporter = Reporter(quiet, full_table=getattr(args, "full_table", False))
     t0 = time.perf_counter()
