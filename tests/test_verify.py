@@ -260,3 +260,39 @@ def test_workers_exit_when_their_parent_dies():
     while _alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _alive(pids) == []
+
+
+# ---- long layouts --------------------------------------------------------------------------------------
+def _bucket_lengths(case: Case) -> set[tuple[int, int, bool]]:
+    """(query length, key length, masked) of every varlen bucket of every rank of a case."""
+    import torch
+
+    from blockdiag_dist.plan import plan_step
+    from blockdiag_dist.state import StepState
+
+    plan = plan_step(torch.tensor(case.doc_ids()), case.cp, case.layout or "contiguous")
+    out = set()
+    for rank in range(case.cp):
+        state = StepState(plan, rank=rank, group=None, device=torch.device("cpu"), kv_exchange="a2a", kernel="varlen")
+        for b in state.window_plan(case.window).kernel_meta.buckets:
+            out.add((b.q_index.shape[1], b.k_index.shape[1], b.mask is not None))
+    return out
+
+
+def test_long_cases_reach_every_size_class_regime_and_the_exact_path():
+    from verify.cases import long_cases
+
+    from blockdiag_dist.kernels.varlen import EXACT_ABOVE, EXACT_UP_TO
+
+    cases = long_cases(layouts=("contiguous", "balanced"))
+    lengths = set().union(*(_bucket_lengths(c) for c in cases))
+    q_lens = {lq for lq, _, _ in lengths}
+    regimes = [(1, EXACT_UP_TO), (EXACT_UP_TO + 1, 128), (129, 256), (257, 512), (513, EXACT_ABOVE)]
+    for lo, hi in regimes:
+        assert any(lo <= n <= hi for n in q_lens), (lo, hi, sorted(q_lens))
+    assert any(n > EXACT_ABOVE for n in q_lens), sorted(q_lens)  # a whole long document, exact length
+    # a document longer than EXACT_ABOVE cut by a rank boundary: a masked piece whose keys start on another rank
+    for layout in ("contiguous", "balanced"):
+        cut = [c for c in cases if c.name == "exact-path" and c.cp == 2 and c.window < 0 and c.layout == layout]
+        assert cut and any(lk > EXACT_ABOVE and masked for _, lk, masked in _bucket_lengths(cut[0])), layout
+    assert {c.window for c in cases} >= {-1, 64, 100} and {c.dtype for c in cases} == {"float64", "float32"}

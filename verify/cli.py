@@ -20,7 +20,9 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from .cases import GROWTH_LIMIT, Case, add_case_arguments, case_from_args, default_matrix, error_growth, growth_cases
+from .cases import (
+    GROWTH_LIMIT, Case, add_case_arguments, case_from_args, default_matrix, error_growth, growth_cases, long_cases,
+)
 from .launch import under_torchrun
 from .report import Reporter, make_console, write_json
 from .runner import impl_info
@@ -65,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--examples", type=int, default=200)
     fuzz.add_argument("--seed", type=int, default=0)
     fuzz.add_argument("--max-cp", type=int, default=8)
-    fuzz.add_argument("--max-len", type=int, default=40, help="longest sequence drawn")
+    fuzz.add_argument("--max-len", type=int, default=None, help="longest sequence drawn (default 40; 1300 with --long)")
+    fuzz.add_argument("--long", action="store_true", help="long rows: documents up to 1,100 tokens, small heads")
+    fuzz.add_argument("--budget", type=float, default=None, help="stop drawing new cases after this many seconds")
 
     plan = sub.add_parser("plan", help="inspect the exchange plan of a layout: needed tokens, bytes per mode, work per rank")
     plan.add_argument("--seqlens", help="document lengths of one row, e.g. 300,20,700 (rows separated by /)")
@@ -139,6 +143,8 @@ def build_matrix(info, args) -> list[Case]:
         c for c in default_matrix(cps=cps, dtypes=dtypes, kernels=kernels, exchanges=exchanges, layouts=layouts)
         if applicable(info, c)
     ]
+    long_kernel = "varlen" if "varlen" in kernels else kernels[0]  # the size classes are the varlen kernel's
+    cases += [c for c in long_cases(cps=cps, dtypes=dtypes, layouts=layouts, kernel=long_kernel) if applicable(info, c)]
     if "float32" in dtypes and 1 in cps and max(cps) > 1:  # float32 error must not grow with the CP size
         cases += [c for c in growth_cases(cps=sorted({1, *cps})) if applicable(info, c)]
     if args.filter:

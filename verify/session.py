@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cases import Case
+from .exchange_check import exchange_metrics
 from .pool import TaskFailure, WorkerPool
 from .runner import expected_results, pack_expected, run_case, summed_metrics, warm_up
 
@@ -52,7 +53,7 @@ def merge_ranks(case: Case, per_rank: Sequence[dict], expected: dict, seconds: f
     summed over ranks, checked here against ``expected`` (unpacked tensors)."""
     metrics: dict[str, dict[str, Any]] = {}
     bad_ranks: set[int] = set()
-    summed = {"metrics": summed_metrics(case, list(per_rank), expected)}
+    summed = {"metrics": {**summed_metrics(case, list(per_rank), expected), **exchange_metrics(case, per_rank)}}
     for rank, info in [*enumerate(per_rank), ("sum", summed)]:
         for name, row in info["metrics"].items():
             row = dict(row, rank=rank)
