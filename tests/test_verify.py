@@ -232,6 +232,16 @@ def test_cli_case_replays_and_writes_json(tmp_path):
     assert doc["results"][0]["metrics"]["out"]["ok"] is True
 
 
+def test_cli_help_lists_every_subcommand(capsys):
+    from verify.cli import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for sub in ("run", "case", "fuzz", "plan"):
+        assert f"    {sub} " in out, out
+    assert "the case matrix (default command)" in out
+
+
 def test_cli_exit_codes_for_a_failing_impl_and_a_missing_module():
     p = _verify("case", *BUGGY_CASE.args(), "--impl", "verify.mutants.off_by_one")
     assert p.returncode == 1 and "FAIL" in p.stdout

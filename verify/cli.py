@@ -2,7 +2,7 @@
 
     python -m verify [run] [--impl MODULE] [--cp 1,2,3,4,8] [--dtypes float64,float32] [--json PATH] ...
     python -m verify case --rows 1x5,2x2,0x3 --cp 4 [--heads 4:2 --dim 5 --window 2 ...]
-    python -m verify fuzz --examples 200 --seed 0
+    python -m verify fuzz --examples 200 --seed 0      (or --long --budget 600: documents up to 1,100 tokens)
     python -m verify plan --seqlens 300,20,700 --pad 4 --cp 4
 
 Exit status: 0 iff every case passed (2 for a usage error).
@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):  # the subcommands, not only run's options
+        _parser().print_help()
+        return 0
     if not argv or argv[0].startswith("-"):
         argv = ["run", *argv]
     args = _parser().parse_args(argv)
