@@ -96,14 +96,13 @@ def fuzz(
     info = impl_info(impl)
     results: list[CaseResult] = []
     failures: list[CaseResult] = []
+    t0 = time.perf_counter()
 
     @seed(seed_value)
     @settings(
         max_examples=examples, database=None, deadline=None, derandomize=False, print_blob=False,
         suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink],
     )
-    t0 = time.perf_counter()
-
     @given(case_strategy(info, max_cp, max_len, applicable, long))
     def check(case: Case) -> None:
         if budget is not None and not failures and time.perf_counter() - t0 > budget:
