@@ -284,14 +284,18 @@ def expected_results(case: Case, device: torch.device | str = "cpu") -> dict[str
     return {"ref": ref, "base": base, "default_backend": _default_backend(case, dtype, device), "refused": refused}
 
 
-def _default_backend(case: Case, dtype: torch.dtype, device: torch.device) -> str:
-    """The backend torch picks by itself for the baseline's SDPA call (same shapes, dtype and mask kind)."""
+def _default_backend(case: Case, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The backend torch picks by itself for the baseline's SDPA call (same shapes, dtype and mask kind);
+    None if this torch cannot say."""
+    from torch.nn.attention import SDPBackend
+
     q = torch.zeros(case.batch_size, case.hq, case.seq_len, case.dim, dtype=dtype, device=device)
     k = torch.zeros(case.batch_size, case.hkv, case.seq_len, case.dim, dtype=dtype, device=device)
     mask = torch.ones(case.seq_len, case.seq_len, dtype=torch.bool, device=device)
-    from torch.nn.attention import SDPBackend
-
-    return SDPBackend(torch._fused_sdp_choice(q, k, k, mask, 0.0, False, enable_gqa=True)).name.lower()
+    try:
+        return SDPBackend(torch._fused_sdp_choice(q, k, k, mask, 0.0, False, enable_gqa=True)).name.lower()
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
 
 
 def _tensors(v: dict | None, fn) -> dict | None:

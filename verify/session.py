@@ -198,7 +198,8 @@ def backends_used(case: Case, expected: dict) -> str:
         return ""
     refused = "".join(f"; {b} refused ({why})" for b, why in expected.get("refused", {}).items())
     how = "forced" if case.backend else "torch's choice"
-    return f"baseline on {', '.join(expected['base'])}{refused}; implementation on {case.backend or expected['default_backend']} ({how})"
+    used = case.backend or expected.get("default_backend") or "an unnamed backend"
+    return f"baseline on {', '.join(expected['base'])}{refused}; implementation on {used} ({how})"
 
 
 def _failure_result(case: Case, failure: TaskFailure, seconds: float, impl: str) -> CaseResult:
