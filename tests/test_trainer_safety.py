@@ -91,3 +91,41 @@ def test_flash_path_engages_under_autocast(monkeypatch):
     assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16
     ref = reference_attention(q.bfloat16(), k.bfloat16(), v, ids, enable_gqa=True)
     assert (out.double() - ref).abs().max() <= 2e-2
+
+
+# ---- 5. documents from position_ids ----------------------------------------------------------------------
+def test_position_id_resets_give_the_documents():
+    from blockdiag_ref import doc_ids_from_batch
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [5, 6, 7, 8, 0, 1, 2, 3]])
+    assert doc_ids_from_batch({"position_ids": pos}, 8, 2).tolist() == [[1, 1, 1, 2, 2, 3, 3, 3], [1, 1, 1, 1, 2, 2, 2, 2]]
+    # the seed's order stays above: _packed_seq_ids, then a 4-D mask, then a 2-D indexed mask
+    packed = torch.tensor([[1] * 8, [1] * 8])
+    assert torch.equal(doc_ids_from_batch({"position_ids": pos, "_packed_seq_ids": packed}, 8, 2), packed)
+    indexed = torch.tensor([[1, 1, 2, 2, 2, 2, 2, 0], [3] * 8])
+    assert torch.equal(doc_ids_from_batch({"position_ids": pos, "attention_mask": indexed}, 8, 2), indexed)
+    # a 0/1 validity mask says which tokens are real, not where documents start: the resets split it
+    valid = torch.tensor([[1] * 7 + [0], [1] * 8])
+    got = doc_ids_from_batch({"position_ids": pos, "attention_mask": valid}, 8, 2)
+    assert got.tolist() == [[1, 1, 1, 2, 2, 3, 3, 0], [1, 1, 1, 1, 2, 2, 2, 2]]
+    # [n, B, S] positions (mRoPE) do not mark documents
+    assert doc_ids_from_batch({"position_ids": pos.expand(3, 2, 8)}, 8, 2).tolist() == [[1] * 8] * 2
+    with pytest.raises(ValueError, match="position_ids: expected integer positions, got dtype torch.float32"):
+        doc_ids_from_batch({"position_ids": pos.float()}, 8, 2)
+
+
+def test_flattening_collator_batch_attends_per_document(one_thread):
+    """transformers' DataCollatorWithFlattening signals packing by position_ids alone; each document attends
+    only to itself (it attended across all of them before)."""
+    transformers = pytest.importorskip("transformers")
+    docs = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    batch = transformers.DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d} for d in docs])
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, batch)
+    assert ctx.state.plan.layout.doc_ids.tolist() == [[1] * 4 + [2] * 3 + [3] * 5]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    with ctx():
+        out = cp_blockdiag_sdpa(q, k, v, is_causal=True)
+    ref = reference_attention(q, k, v, ctx.state.plan.layout.doc_ids)
+    assert (out - ref).abs().max() <= 1e-12
