@@ -60,6 +60,7 @@ def cp_blockdiag_sdpa(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
         )
+    state.attention_calls += 1
     left = normalize_window(window_size)
     query, key, value = _autocast_like_sdpa(query, key, value)
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)

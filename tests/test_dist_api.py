@@ -128,7 +128,7 @@ def test_context_replaces_mask_and_records_it():
 def test_state_is_active_only_inside_the_context_and_visible_from_other_threads():
     import threading
 
-    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of(), expect_attention=False)
     seen = []
     with ctx():
         t = threading.Thread(target=lambda: seen.append(current_state()))

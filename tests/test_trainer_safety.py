@@ -203,3 +203,38 @@ def test_recompute_that_left_no_step_in_the_graph_is_refused_after_the_context()
         out = torch.utils.checkpoint.checkpoint(lambda a, b, c: cp_blockdiag_sdpa(a, b, c, is_causal=True) * w, q, k, v, use_reentrant=False)
     with pytest.raises(RuntimeError, match="expected backward to run inside `with train_ctx\\(\\):`"):
         out.sum().backward()
+
+
+# ---- 3. attention that never reaches cp_blockdiag_sdpa ------------------------------------------------------
+def test_a_step_whose_attention_bypassed_the_routing_fails_at_exit():
+    """A module that bound SDPA by name before sdpa_routing() attends within the shard only: the context's exit
+    raises (after backward ran, before an optimizer step can use the gradients)."""
+    from blockdiag_dist import AttentionNotRoutedError, sdpa_routing
+
+    bound = torch.nn.functional.scaled_dot_product_attention  # bound before the routing: never rerouted
+    q = torch.randn(2, 2, 7, 4, requires_grad=True)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(2, 7, 1)})
+    with pytest.raises(AttentionNotRoutedError, match="without any attention call reaching cp_blockdiag_sdpa.*expect_attention=False"):
+        with ctx(), sdpa_routing():
+            bound(q, q, q, is_causal=True).sum().backward()
+    # a model without attention opts out; a step that routed its attention exits normally
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(2, 7, 1)}, expect_attention=False)
+    with ctx():
+        q.sum().backward()
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(2, 7, 1)})
+    with ctx(), sdpa_routing():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    assert ctx.state.attention_calls == 1
+
+
+def test_a_transformers_model_on_eager_attention_fails_at_exit():
+    transformers = pytest.importorskip("transformers")
+    from blockdiag_dist import AttentionNotRoutedError
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(1, 9, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])})
+    with pytest.raises(AttentionNotRoutedError):
+        with ctx():
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.sum().backward()
