@@ -183,7 +183,7 @@ def make_cp_blockdiag_batch_and_ctx(
     if substitution:
         state.note(f"kernel {kernel_requested!r}: {substitution}")
     for left in lefts:
-        state.window_plan(left)
+        state.agreed_window_plan(left)
 
     # ---- mutation starts here: everything above may raise, nothing below does ---------------------------
     shards = plan.shards

@@ -77,7 +77,7 @@ def cp_blockdiag_sdpa(
     left = normalize_window(window_size)
     query, key, value = _autocast_like_sdpa(query, key, value)
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)
-    wp = state.window_plan(left)
+    wp = state.agreed_window_plan(left)
     B, Hq, L, D = query.shape
     Hkv, Dv = key.shape[1], value.shape[-1]
     kv_tok = torch.cat(
