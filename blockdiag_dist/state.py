@@ -66,7 +66,7 @@ class StepState:
         device: torch.device,
         kv_exchange: str,
         kernel: str,
-        check_consensus: bool = False,
+        check_consensus: bool = True,
         expect_attention: bool = True,
     ) -> None:
         self.plan = plan

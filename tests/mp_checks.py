@@ -99,6 +99,21 @@ def fingerprint(case_dict: dict) -> str:
     return h.hexdigest()
 
 
+def consensus_by_default(check_consensus: bool | None) -> str:
+    """Rank 1 is given other doc ids (a sampler bug). By default every rank raises PlanMismatchError naming
+    the ranks; with the check turned off the batch function returns (and attention would be wrong)."""
+    info = worker_info()
+    ids = torch.tensor([[1, 1, 1, 1, 1, 1, 2, 2]])
+    if info["rank"] == 1:
+        ids = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2]])
+    kwargs = {} if check_consensus is None else {"check_consensus": check_consensus}
+    try:
+        make_cp_blockdiag_batch_and_ctx(info["cp_mesh"], None, _batch(ids), **kwargs)
+    except PlanMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
 def lone_report_and_inplace_output() -> dict:
     """Rank 0 alone logs the comm report of a window not planned yet (no collective may happen: the others
     are not there); then every rank attends under that window and modifies the output in place. The last rank

@@ -269,6 +269,15 @@ def test_a_bidirectional_layer_under_routing_is_refused_or_runs_locally_when_ask
     assert any("noncausal='local'" in n for n in ctx.state.notes)
 
 
+# ---- 6. ranks given different batches ---------------------------------------------------------------------
+def test_disagreeing_ranks_raise_by_default_and_can_opt_out(session):
+    import mp_checks
+
+    for m in session.pool(3).run(mp_checks.consensus_by_default, args=(None,), timeout=60, name="consensus default"):
+        assert "CP plan consensus failed" in m and "ranks [0, 2] have" in m and "ranks [1] have" in m
+    assert session.pool(3).run(mp_checks.consensus_by_default, args=(False,), timeout=60, name="consensus off") == ["no error"] * 3
+
+
 # ---- 7. one rank alone: reports, in-place ops on a padding-only rank ---------------------------------------
 def test_a_report_from_one_rank_and_inplace_ops_on_a_padding_only_rank(session):
     import mp_checks
