@@ -68,6 +68,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     dtype: str = "float64"
     checkpointing: str | None = None  # None | "reentrant" | "non_reentrant"
+    expect_attention: bool = True  # False: attention not routed on purpose (an oracle on stock attention at CP 1)
     seed: int = 0
     model: TinyConfig = field(default_factory=TinyConfig)
 
@@ -119,12 +120,17 @@ def make_mesh(dp: int, cp: int, device_type: str = "cpu"):
 
 
 def train_step(
-    model: nn.Module, batch: dict[str, Tensor], mesh, forward: Forward = tiny_forward, layout: str = "contiguous"
+    model: nn.Module,
+    batch: dict[str, Tensor],
+    mesh,
+    forward: Forward = tiny_forward,
+    layout: str = "contiguous",
+    expect_attention: bool = True,
 ) -> tuple[float, str]:
     """Forward and backward of one replica's rows ``batch`` (``[B, S]`` tensors, not yet CP-sharded); leaves
     the gradient summed over the mesh in every ``.grad``. Returns (global loss, K/V exchange used)."""
     cp_mesh = None if mesh is None else mesh["cp"]
-    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch, layout=layout)
+    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch, layout=layout, expect_attention=expect_attention)
     num_tokens = global_token_count(batch["labels"], mesh)
     with train_ctx():  # backward inside too: checkpoint recompute and the exchange's backward need the state
         loss = causal_lm_loss(forward(model, batch), batch["labels"], num_tokens)
@@ -145,7 +151,7 @@ def train(model: nn.Module, cfg: TrainConfig, mesh=None, forward: Forward = tiny
     for step in range(cfg.steps):
         rows = slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
         batch = {k: v[rows] for k, v in synthetic_batch(cfg, step).items()}
-        loss, mode = train_step(model, batch, mesh, forward, cfg.layout)
+        loss, mode = train_step(model, batch, mesh, forward, cfg.layout, cfg.expect_attention)
         if step == 0:  # kept for parity checks
             grads = {name: p.grad.detach().cpu().numpy().copy() for name, p in model.named_parameters()}
         optimizer.step()

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -51,7 +52,7 @@ def config(dtype: str, checkpointing: str | None = None) -> TrainConfig:
 
 @functools.lru_cache(maxsize=None)
 def cp1(family: str, dtype: str, checkpointing: str | None, attn: str | None = None) -> TrainResult:
-    cfg = config(dtype, checkpointing)
+    cfg = dataclasses.replace(config(dtype, checkpointing), expect_attention=attn is None)  # attn: not routed
     return train(build_tiny_hf(cfg, family, attn), cfg, forward=hf_forward)
 
 
