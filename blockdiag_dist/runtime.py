@@ -23,6 +23,10 @@ from .state import StepState, current_state, last_exited_state
 __all__ = ["cp_blockdiag_sdpa", "sdpa_routing"]
 
 
+# torch.compile: one graph break at each call instead of tracing into the step state (a lock, a per-step object
+# that would be guarded on and recompiled every step) and the exchanges' collectives; runs eagerly, compiled
+# code before and after it is kept.
+@torch.compiler.disable(reason="cp_blockdiag_sdpa reads the per-step CP state and runs collectives")
 def cp_blockdiag_sdpa(
     query: Tensor,
     key: Tensor,
