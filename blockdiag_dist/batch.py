@@ -42,7 +42,9 @@ def _cp_blockdiag_doc_ids(batch: dict, seq_len: int, device, batch_size: int) ->
     """Resolve per-position document ids ``[B, S]`` (int64, 0 == padding) for the mask.
 
     Prefers ``_packed_seq_ids``; else a 4-D block-causal ``attention_mask`` (every document in it is
-    recovered); else a 2-D validity / indexed ``attention_mask``; else one document per row.
+    recovered); else a 2-D indexed ``attention_mask``, or a validity one split where 2-D ``position_ids``
+    restart at 0; else documents from 2-D ``position_ids`` restarting at 0 (transformers'
+    ``DataCollatorWithFlattening``); else one document per row.
     Delegates to :func:`blockdiag_ref.doc_ids_from_batch`.
     """
     return doc_ids_from_batch(batch, seq_len, batch_size, device)

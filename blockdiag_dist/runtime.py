@@ -50,7 +50,9 @@ def cp_blockdiag_sdpa(
     per-document mask rebuilt from the doc ids (a replaced ``attn_mask`` is recorded in the state's notes); ``scale``,
     ``enable_gqa`` and ``window_size=(left, right <= 0)`` are honoured. ``dropout_p > 0`` uses torch's RNG
     inside the kernel: it trains as SDPA dropout does, but no reference can reproduce its draws. Padding rows
-    are exactly 0; keys and values at padding positions get exactly 0 gradient.
+    are exactly 0; keys and values at padding positions get exactly 0 gradient. Under ``torch.autocast``,
+    q/k/v are cast as autocast casts them for stock SDPA (to the autocast dtype, float64 excepted), so that
+    e.g. float32 q/k after RoPE and a bf16 v are accepted, and the output has the autocast dtype.
     """
     state = current_state()
     if state is None:
@@ -63,6 +65,7 @@ def cp_blockdiag_sdpa(
             enable_gqa=enable_gqa,
         )
     left = normalize_window(window_size)
+    query, key, value = _autocast_like_sdpa(query, key, value)
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)
     if attn_mask is not None:  # is_causal=True alone is what a causal model passes: per-document causal refines it
         state.note("cp_blockdiag_sdpa: attn_mask replaced by the per-document causal mask")
@@ -87,6 +90,22 @@ def cp_blockdiag_sdpa(
     return out.view(B, L, Hq, Dv).transpose(1, 2)
 
 
+def _autocast_like_sdpa(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Cast q/k/v as autocast casts them for stock SDPA (a lower-precision op on CPU and CUDA): while autocast
+    is on for their device type, every floating tensor but float64 goes to the autocast dtype. Outside
+    autocast they are returned unchanged (and must share one dtype, as SDPA requires)."""
+    device_type = q.device.type if isinstance(q, Tensor) else None
+    if device_type is None or not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: Tensor) -> Tensor:
+        eligible = isinstance(t, Tensor) and t.device.type == device_type and t.is_floating_point()
+        return t.to(dtype) if eligible and t.dtype != torch.float64 else t
+
+    return cast(q), cast(k), cast(v)
+
+
 def _check_inputs(state: StepState, q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, dropout_p: float) -> None:
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
@@ -109,7 +128,10 @@ def _check_inputs(state: StepState, q: Tensor, k: Tensor, v: Tensor, enable_gqa:
     if hq != hkv and not enable_gqa:
         raise ValueError(f"cp_blockdiag_sdpa: Hq={hq} != Hkv={hkv} needs enable_gqa=True (as in SDPA)")
     if len({q.dtype, k.dtype, v.dtype}) != 1:
-        raise ValueError(f"cp_blockdiag_sdpa: expected one dtype for query/key/value, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(
+            f"cp_blockdiag_sdpa: expected one dtype for query/key/value, got {q.dtype}, {k.dtype}, {v.dtype} "
+            "(as stock SDPA outside autocast; under torch.autocast they are cast to its dtype)"
+        )
     devices = {q.device, k.device, v.device}
     if len(devices) != 1:
         raise ValueError(f"cp_blockdiag_sdpa: expected one device for query/key/value, got {sorted(map(str, devices))}")

@@ -47,6 +47,7 @@ BATCH_ROWS = [
     ("labels-batch", "`labels` with another batch size", lambda b: b.update(labels=torch.zeros(3, 7, dtype=torch.long)), {}, r"labels: expected shape \[B, S\] = \[2, 7\] like inputs_embeds, got \(3, 7\)"),
     ("position-ids-rank", "`position_ids` of a wrong rank", lambda b: b.update(position_ids=torch.zeros(7, dtype=torch.long)), {}, r"position_ids: expected \[B, S\] = \[2, 7\] or \[n, B, S\]"),
     ("position-ids-mrope", "`position_ids [3, B, S']` with another length", lambda b: b.update(position_ids=torch.zeros(3, 2, 6, dtype=torch.long)), {}, r"position_ids: expected \[B, S\] = \[2, 7\] or \[n, B, S\].*got \(3, 2, 6\)"),
+    ("position-ids-float", "float `position_ids` read for documents (no doc ids, no mask)", lambda b: (b.pop("_packed_seq_ids"), b.pop("attention_mask"), b.update(position_ids=b["position_ids"].float())), {}, "position_ids: expected integer positions, got dtype torch.float32"),
     ("doc-ids-negative", "negative doc ids", lambda b: b.update(_packed_seq_ids=-b["_packed_seq_ids"]), {}, "_packed_seq_ids: expected ids >= 0 .*got a negative id"),
     ("doc-ids-float", "float doc ids", lambda b: b.update(_packed_seq_ids=b["_packed_seq_ids"].float()), {}, "_packed_seq_ids: expected bool or integer ids, got dtype torch.float32"),
     ("doc-ids-shape", "doc ids of another shape", lambda b: b.update(_packed_seq_ids=torch.ones(2, 8, dtype=torch.long)), {}, r"_packed_seq_ids: expected shape \[B, S\] = \[2, 7\] like inputs_embeds, got \(2, 8\)"),
