@@ -10,9 +10,10 @@ from .options import configure_cp_varlen
 from .plan import ExchangePlan, ShardPlan, StepPlan, plan_exchange, plan_shards, plan_step
 from .runtime import cp_blockdiag_sdpa, sdpa_routing
 from .sharding import gather_sequence, shard_tensor, unshard
-from .state import PlanMismatchError, StepState, current_state
+from .state import AttentionNotRoutedError, PlanMismatchError, StepState, current_state
 
 __all__ = [
+    "AttentionNotRoutedError",
     "ExchangePlan",
     "PlanMismatchError",
     "ShardPlan",

@@ -123,6 +123,7 @@ def make_cp_blockdiag_batch_and_ctx(
     layout: str = "contiguous",
     window_sizes: Sequence[Sequence[int] | None] | None = None,
     check_consensus: bool | None = None,
+    expect_attention: bool = True,
 ) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
     """Shard a packed batch for block-diagonal CP and build the step state.
 
@@ -146,6 +147,9 @@ def make_cp_blockdiag_batch_and_ctx(
             the unwindowed one). A window not listed is planned on its first use in the step.
         check_consensus: all-gather a fingerprint of each plan and raise ``PlanMismatchError`` naming the
             disagreeing ranks (debug switch; default from ``BLOCKDIAG_CHECK_CONSENSUS=1``).
+        expect_attention: a normal exit of ``train_ctx()`` raises ``AttentionNotRoutedError`` when no attention
+            call reached ``cp_blockdiag_sdpa`` in the step (attention that bypasses it attends only within the
+            rank's shard); ``False`` for a model without attention.
 
     Returns:
         ``(train_ctx, batch)``: ``train_ctx()`` is a context manager activating the step state (run forward
@@ -160,6 +164,8 @@ def make_cp_blockdiag_batch_and_ctx(
     kernel_name = resolve_kernel(kernel_requested)
     layout = resolve_layout(layout)
     lefts = [-1] if window_sizes is None else sorted({normalize_window(w) for w in window_sizes})
+    if not isinstance(expect_attention, bool):
+        raise ValueError(f"expect_attention: expected a bool, got {type(expect_attention).__name__}")
     if not isinstance(padding_token_id, int):
         raise ValueError(f"padding_token_id: expected an int, got {type(padding_token_id).__name__}")
     group, world, rank = _mesh_info(cp_mesh)
@@ -171,7 +177,7 @@ def make_cp_blockdiag_batch_and_ctx(
     plan = plan_step(doc_ids, world, layout)
     state = StepState(
         plan, rank=rank, group=group, device=device, kv_exchange=kv_exchange, kernel=kernel_name,
-        check_consensus=check_consensus,
+        check_consensus=check_consensus, expect_attention=expect_attention,
     )
     substitution = kernel_substitution(kernel_requested)
     if substitution:

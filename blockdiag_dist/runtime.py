@@ -17,6 +17,7 @@ from blockdiag_ref import normalize_window
 
 from ._stock import stock_sdpa
 from .kernels.dense import dense_attention
+from .binding import bind_output, bind_reentrant_forward, in_backward, recompute_state
 from .kernels.varlen import flash_unusable_reason, varlen_attention
 from .state import StepState, current_state, last_exited_state
 
@@ -54,9 +55,8 @@ def cp_blockdiag_sdpa(
     q/k/v are cast as autocast casts them for stock SDPA (to the autocast dtype, float64 excepted), so that
     e.g. float32 q/k after RoPE and a bf16 v are accepted, and the output has the autocast dtype.
     """
-    state = current_state()
+    state = _step_of_call(query)
     if state is None:
-        _refuse_recompute_outside_context(query)
         if window_size is not None:
             attn_mask = _with_band(query, key, attn_mask, normalize_window(window_size))
             is_causal = False
@@ -64,6 +64,7 @@ def cp_blockdiag_sdpa(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
         )
+    state.attention_calls += 1
     left = normalize_window(window_size)
     query, key, value = _autocast_like_sdpa(query, key, value)
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)
@@ -87,7 +88,28 @@ def cp_blockdiag_sdpa(
             q_tok, kv_buf, wp.kernel_meta, heads_kv=Hkv, dim_v=Dv, dropout_p=dropout_p, scale=scale,
             use_flash=why_not is None,
         )
+    if torch.is_grad_enabled():
+        bind_output(out, query, state)
     return out.view(B, L, Hq, Dv).transpose(1, 2)
+
+
+def _step_of_call(query: Tensor) -> StepState | None:
+    """The step this call computes under: in a checkpoint recompute (during backward), the step its forward
+    used, found in the autograd graph; otherwise the active one (None: stock SDPA)."""
+    if in_backward():
+        bound = recompute_state()
+        if bound is not None:
+            return bound
+        state = current_state()
+        if state is None:
+            _refuse_recompute_outside_context(query)
+        else:
+            state.note("a recompute found no step in its autograd graph (its forward left none): the active step was used")
+        return state
+    state = current_state()
+    if state is not None and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        bind_reentrant_forward(state)
+    return state
 
 
 def _autocast_like_sdpa(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -142,15 +164,16 @@ def _check_inputs(state: StepState, q: Tensor, k: Tensor, v: Tensor, enable_gqa:
 
 
 def _refuse_recompute_outside_context(query: Tensor) -> None:
-    """Activation checkpointing recomputes the forward during backward. If that happens after the step
-    context exited, stock SDPA would silently attend across documents: refuse instead."""
+    """A recompute in backward whose forward left no step in the autograd graph, with no context active: if it
+    looks like the last step's shard, stock SDPA would silently attend across documents; refuse instead."""
     state = last_exited_state()
-    if state is None or torch._C._current_graph_task_id() == -1:
+    if state is None:
         return
     if query.dim() == 4 and query.shape[0] == state.batch_size and query.shape[2] == state.local_len:
         raise RuntimeError(
-            "cp_blockdiag_sdpa: called during backward (an activation-checkpoint recompute) after the step's "
-            "train_ctx() exited; expected backward to run inside `with train_ctx():`, got no active step state"
+            "cp_blockdiag_sdpa: called during backward (an activation-checkpoint recompute) whose forward left "
+            "no step state in the autograd graph, after the step's train_ctx() exited; expected backward to run "
+            "inside `with train_ctx():`, got no active step state"
         )
 
 

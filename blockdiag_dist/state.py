@@ -26,13 +26,17 @@ from .kernels.dense import DenseMeta, plan_dense
 from .kernels.varlen import VarlenMeta, plan_varlen
 from .plan import ExchangePlan, StepPlan
 
-__all__ = ["PlanMismatchError", "StepState", "WindowPlan", "activate", "current_state"]
+__all__ = ["AttentionNotRoutedError", "PlanMismatchError", "StepState", "WindowPlan", "activate", "current_state"]
 
 log = logging.getLogger("blockdiag_dist")
 
 
 class PlanMismatchError(RuntimeError):
     """Ranks of one CP group derived different plans (they were given different batches or options)."""
+
+
+class AttentionNotRoutedError(RuntimeError):
+    """A step's context exited without any attention call reaching ``cp_blockdiag_sdpa``."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,6 +67,7 @@ class StepState:
         kv_exchange: str,
         kernel: str,
         check_consensus: bool = False,
+        expect_attention: bool = True,
     ) -> None:
         self.plan = plan
         self.rank = rank
@@ -72,6 +77,8 @@ class StepState:
         self.kv_exchange = kv_exchange  # requested: auto | allgather | halo | a2a
         self.kernel = "varlen" if kernel == "auto" else kernel
         self.check_consensus = check_consensus
+        self.expect_attention = expect_attention
+        self.attention_calls = 0  # calls of cp_blockdiag_sdpa that computed under this step
         self.traffic = TrafficLog()
         self.notes: list[str] = []  # fallbacks and substitutions that happened, with their reasons
         self._windows: dict[int, WindowPlan] = {}
@@ -98,6 +105,18 @@ class StepState:
             if message not in self.notes:
                 self.notes.append(message)
                 _log_once(message)
+
+    def check_attention_seen(self) -> None:
+        """Raise when the step expects attention and none reached ``cp_blockdiag_sdpa`` (checked at context exit)."""
+        if self.expect_attention and self.attention_calls == 0:
+            raise AttentionNotRoutedError(
+                "train_ctx(): the step's context exited without any attention call reaching cp_blockdiag_sdpa; "
+                "expected at least one. The batch is sharded, so attention that bypasses it (attn_implementation "
+                "'eager' / 'flash_attention_2', or a module that bound scaled_dot_product_attention by name before "
+                "sdpa_routing()) attends only within this rank's shard. Route it through cp_blockdiag_sdpa "
+                "(sdpa_routing(), register_transformers_attention()), or pass expect_attention=False to "
+                "make_cp_blockdiag_batch_and_ctx for a model without attention."
+            )
 
     # ---- per-window plans -----------------------------------------------------------------------------
     def window_plan(self, window_left: int) -> WindowPlan:
@@ -272,7 +291,8 @@ def last_exited_state() -> StepState | None:
 
 @contextlib.contextmanager
 def activate(state: StepState) -> Iterator[StepState]:
-    """Make ``state`` the active step state for the duration of the block."""
+    """Make ``state`` the active step state for the duration of the block; on a normal exit, raise
+    :class:`AttentionNotRoutedError` if the step expects attention and no call reached it."""
     global _last_exited
     with _active_lock:
         _active.append(state)
@@ -286,3 +306,4 @@ def activate(state: StepState) -> Iterator[StepState]:
                     del _active[i]
                     break
             _last_exited = weakref.ref(state)
+    state.check_attention_seen()  # not reached when the block raised: its error is the one to see

@@ -129,3 +129,112 @@ def test_flattening_collator_batch_attends_per_document(one_thread):
         out = cp_blockdiag_sdpa(q, k, v, is_causal=True)
     ref = reference_attention(q, k, v, ctx.state.plan.layout.doc_ids)
     assert (out - ref).abs().max() <= 1e-12
+
+
+# ---- 2. checkpoint recompute bound to its forward's step ---------------------------------------------------
+def _grads(model):
+    out = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _assert_grads_equal(got, want):
+    for name in want:
+        assert (got[name] - want[name]).abs().max() <= 1e-12 * want[name].abs().max().clamp_min(1), name
+
+
+IDS_A = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1] * 11])
+DOCS_A = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2], [1] * 11])
+DOCS_B = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 3], [1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2]])
+
+
+def _reference_grads(ids, docs):
+    """Grads of one step of the un-checkpointed model, backward inside its context."""
+    model = tiny_model().double()
+    ctx, batch = _packed(ids, docs)
+    with ctx():
+        model(batch["input_ids"], batch["position_ids"]).pow(2).mean().backward()
+    return _grads(model)
+
+
+def _packed(ids, docs):
+    batch = {"input_ids": ids.clone(), "_packed_seq_ids": docs, "position_ids": torch.arange(ids.shape[1]).expand_as(ids).clone()}
+    return make_cp_blockdiag_batch_and_ctx(None, None, batch)
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non_reentrant"])
+def test_backward_after_the_context_was_exited_and_deleted(one_thread, checkpointing):
+    want = _reference_grads(IDS_A, DOCS_A)
+    model = tiny_model(checkpointing).double()
+    train_ctx, batch = _packed(IDS_A, DOCS_A)
+    with train_ctx():
+        loss = model(batch["input_ids"], batch["position_ids"]).pow(2).mean()
+    del train_ctx
+    loss.backward()  # outside any context: the recompute finds the step in the autograd graph
+    _assert_grads_equal(_grads(model), want)
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non_reentrant"])
+def test_pipeline_order_a_forward_b_forward_a_backward(one_thread, checkpointing):
+    """Micro-batch A's forward, then B's forward in B's context, then A's backward while B's context is active
+    (as pipeline schedules do): A's recompute runs under A's documents."""
+    ids_b = IDS_A.flip(1)
+    want_a, want_b = _reference_grads(IDS_A, DOCS_A), _reference_grads(ids_b, DOCS_B)
+    model = tiny_model(checkpointing).double()
+    ctx_a, batch_a = _packed(IDS_A, DOCS_A)
+    ctx_b, batch_b = _packed(ids_b, DOCS_B)
+    with ctx_a():
+        loss_a = model(batch_a["input_ids"], batch_a["position_ids"]).pow(2).mean()
+    with ctx_b():
+        loss_b = model(batch_b["input_ids"], batch_b["position_ids"]).pow(2).mean()
+        loss_a.backward()
+        _assert_grads_equal(_grads(model), want_a)
+    loss_b.backward()
+    _assert_grads_equal(_grads(model), want_b)
+
+
+def test_recompute_that_left_no_step_in_the_graph_is_refused_after_the_context():
+    """Non-reentrant checkpointing of attention over inputs that need no grad leaves no autograd node to carry
+    the step: a recompute after the context exited raises (it would silently attend across documents)."""
+    ctx, _ = _packed(IDS_A, DOCS_A)
+    q, k, v = (torch.randn(2, 2, 11, 4, dtype=torch.float64) for _ in range(3))
+    w = torch.ones((), dtype=torch.float64, requires_grad=True)
+    with ctx():
+        out = torch.utils.checkpoint.checkpoint(lambda a, b, c: cp_blockdiag_sdpa(a, b, c, is_causal=True) * w, q, k, v, use_reentrant=False)
+    with pytest.raises(RuntimeError, match="expected backward to run inside `with train_ctx\\(\\):`"):
+        out.sum().backward()
+
+
+# ---- 3. attention that never reaches cp_blockdiag_sdpa ------------------------------------------------------
+def test_a_step_whose_attention_bypassed_the_routing_fails_at_exit():
+    """A module that bound SDPA by name before sdpa_routing() attends within the shard only: the context's exit
+    raises (after backward ran, before an optimizer step can use the gradients)."""
+    from blockdiag_dist import AttentionNotRoutedError, sdpa_routing
+
+    bound = torch.nn.functional.scaled_dot_product_attention  # bound before the routing: never rerouted
+    q = torch.randn(2, 2, 7, 4, requires_grad=True)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(2, 7, 1)})
+    with pytest.raises(AttentionNotRoutedError, match="without any attention call reaching cp_blockdiag_sdpa.*expect_attention=False"):
+        with ctx(), sdpa_routing():
+            bound(q, q, q, is_causal=True).sum().backward()
+    # a model without attention opts out; a step that routed its attention exits normally
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(2, 7, 1)}, expect_attention=False)
+    with ctx():
+        q.sum().backward()
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(2, 7, 1)})
+    with ctx(), sdpa_routing():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    assert ctx.state.attention_calls == 1
+
+
+def test_a_transformers_model_on_eager_attention_fails_at_exit():
+    transformers = pytest.importorskip("transformers")
+    from blockdiag_dist import AttentionNotRoutedError
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(1, 9, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])})
+    with pytest.raises(AttentionNotRoutedError):
+        with ctx():
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.sum().backward()
