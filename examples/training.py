@@ -214,12 +214,14 @@ def train_step(
     micro_batches: int = 1,
     schedule: str = "interleaved",
     autocast: str | None = None,
+    expect_attention: bool = True,
 ) -> tuple[float, str]:
     """Forward and backward of one replica's rows ``batch`` (``[B, S]`` tensors, not yet CP-sharded) in
     ``micro_batches`` micro-batches, each with its own ``train_ctx``; the loss of every micro-batch is divided by
     the step's global target count, so the accumulated gradient is the whole step's. Leaves the gradient summed
     over the mesh in every ``.grad`` (by DDP / FSDP2 when ``model`` is wrapped). Returns (global loss, K/V
-    exchange used by the last micro-batch)."""
+    exchange used by the last micro-batch). ``expect_attention=False`` for a model whose attention does not go
+    through ``cp_blockdiag_sdpa`` (transformers' own SDPA as a single-process oracle)."""
     cp_mesh = None if mesh is None else mesh["cp"]
     rows = batch["labels"].shape[0]
     if rows % micro_batches:
@@ -227,7 +229,8 @@ def train_step(
     size = rows // micro_batches
     steps = [
         make_cp_blockdiag_batch_and_ctx(
-            cp_mesh, None, {k: v[i * size : (i + 1) * size] for k, v in batch.items()}, layout=layout
+            cp_mesh, None, {k: v[i * size : (i + 1) * size] for k, v in batch.items()}, layout=layout,
+            expect_attention=expect_attention,
         )
         for i in range(micro_batches)
     ]
@@ -252,7 +255,9 @@ def train_step(
     return float(all_reduce_sum_(total, mesh)), steps[-1][0].state.window_plan(-1).mode
 
 
-def train(model: nn.Module, cfg: TrainConfig, mesh=None, forward: Forward = tiny_forward) -> TrainResult:
+def train(
+    model: nn.Module, cfg: TrainConfig, mesh=None, forward: Forward = tiny_forward, *, expect_attention: bool = True
+) -> TrainResult:
     """``cfg.steps`` AdamW steps. ``mesh``: a ``("dp", "cp")`` DeviceMesh (see :func:`make_mesh`) or ``None``
     for one process. DP replica ``d`` trains on rows ``[d * R / dp, (d + 1) * R / dp)`` of each global batch."""
     dp_rank, dp = (0, 1) if mesh is None else (mesh.get_local_rank("dp"), mesh["dp"].size())
@@ -269,6 +274,7 @@ def train(model: nn.Module, cfg: TrainConfig, mesh=None, forward: Forward = tiny
         loss, mode = train_step(
             model, batch, mesh, forward, cfg.layout,
             micro_batches=cfg.micro_batches, schedule=cfg.schedule, autocast=cfg.autocast,
+            expect_attention=expect_attention,
         )
         if step == 0:  # kept for parity checks
             grads = {name: _host(p.grad) for name, p in named}

@@ -63,7 +63,8 @@ def config(dtype: str, checkpointing: str | None = None) -> TrainConfig:
 @functools.lru_cache(maxsize=None)
 def cp1(family: str, dtype: str, checkpointing: str | None, attn: str | None = None) -> TrainResult:
     cfg = config(dtype, checkpointing)
-    return train(build_tiny_hf(cfg, family, attn), cfg, forward=hf_forward)
+    # transformers' own attention (attn="sdpa") is the oracle: it does not go through cp_blockdiag_sdpa
+    return train(build_tiny_hf(cfg, family, attn), cfg, forward=hf_forward, expect_attention=attn is None)
 
 
 def test_collator_labels_equal_transformers_shifted_labels():
@@ -154,7 +155,7 @@ def test_flattening_collator_batches_at_cp2_match_transformers_sdpa(pool2):
     batch = synthetic_batch(cfg, 0)
     assert sorted(batch) == ["input_ids", "labels", "position_ids"] and batch["input_ids"].shape[0] == 1
     assert int((batch["position_ids"] == 0).sum()) > 4, "expected several documents in the flattened row"
-    theirs = train(build_tiny_hf(cfg, "llama", "sdpa"), cfg, forward=hf_forward)
+    theirs = train(build_tiny_hf(cfg, "llama", "sdpa"), cfg, forward=hf_forward, expect_attention=False)
     args = (cfg, 1, 2, functools.partial(build_tiny_hf, family="llama"), hf_forward)
     got = pool2.run(run_distributed, args=args, timeout=TASK_TIMEOUT_S, name="llama flattening collator at CP 2")[0]
     assert any(mode != "local" for mode in got.modes), got.modes
