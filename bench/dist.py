@@ -32,7 +32,7 @@ def _step_fn(ids: torch.Tensor, mesh, config: dict, seed: int):
 
     def step() -> None:
         with ctx():
-            out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+            out = cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True)
             torch.autograd.grad(out, (q, k, v), grad_out)
 
     return ctx.state, step

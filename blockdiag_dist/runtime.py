@@ -7,6 +7,7 @@ Shape legend: B batch rows, L rows held by this rank, Hq / Hkv heads, D / Dv hea
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -38,6 +39,8 @@ def cp_blockdiag_sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
     window_size: Sequence[int] | None = None,
+    *,
+    noncausal: str = "raise",
 ) -> Tensor:
     """Scaled dot-product attention, per document and across CP ranks while a step context is active.
 
@@ -47,9 +50,13 @@ def cp_blockdiag_sdpa(
 
     With an active context (``with train_ctx():``): ``query [B, Hq, L, D]``, ``key [B, Hkv, L, D]`` and
     ``value [B, Hkv, L, Dv]`` are this rank's rows; the result ``[B, Hq, L, Dv]`` is causal attention inside
-    each document over the whole (sharded) sequence. ``attn_mask`` and ``is_causal`` are replaced by the
-    per-document mask rebuilt from the doc ids (a replaced ``attn_mask`` is recorded in the state's notes); ``scale``,
-    ``enable_gqa`` and ``window_size=(left, right <= 0)`` are honoured. ``dropout_p > 0`` uses torch's RNG
+    each document over the whole (sharded) sequence. A call must be causal (``is_causal=True`` or a
+    ``window_size``, no ``attn_mask``); any other raises ``ValueError`` unless ``noncausal`` opts in:
+    ``"causal"`` computes per-document causal attention anyway (a causal decoder passing its own mask; the
+    replacement is recorded in the state's notes), ``"local"`` runs stock SDPA on the tensors as given, with
+    their mask (attention over tensors CP does not shard: encoders, vision towers, cross-attention; recorded
+    too). Bidirectional attention per document is not offered. ``scale``, ``enable_gqa`` and
+    ``window_size=(left, right <= 0)`` are honoured. ``dropout_p > 0`` uses torch's RNG
     inside the kernel: it trains as SDPA dropout does, but no reference can reproduce its draws. Padding rows
     are exactly 0; keys and values at padding positions get exactly 0 gradient. Under ``torch.autocast``,
     q/k/v are cast as autocast casts them for stock SDPA (to the autocast dtype, float64 excepted), so that
@@ -65,11 +72,15 @@ def cp_blockdiag_sdpa(
             enable_gqa=enable_gqa,
         )
     state.attention_calls += 1
+    if attn_mask is not None or not (is_causal or window_size is not None):
+        if _non_causal_call(state, query, attn_mask, is_causal, noncausal) == "local":
+            return stock_sdpa(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa,
+            )
     left = normalize_window(window_size)
     query, key, value = _autocast_like_sdpa(query, key, value)
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)
-    if attn_mask is not None:  # is_causal=True alone is what a causal model passes: per-document causal refines it
-        state.note("cp_blockdiag_sdpa: attn_mask replaced by the per-document causal mask")
     wp = state.window_plan(left)
     B, Hq, L, D = query.shape
     Hkv, Dv = key.shape[1], value.shape[-1]
@@ -91,6 +102,29 @@ def cp_blockdiag_sdpa(
     if torch.is_grad_enabled():
         bind_output(out, query, state)
     return out.view(B, L, Hq, Dv).transpose(1, 2)
+
+
+NONCAUSAL = ("raise", "causal", "local")
+
+
+def _non_causal_call(state: StepState, query: Tensor, attn_mask: Tensor | None, is_causal: bool, noncausal: str) -> str:
+    """What a call that is not plainly causal does under a step: raise, or the opted-in ``noncausal`` mode."""
+    if noncausal not in NONCAUSAL:
+        raise ValueError(f"cp_blockdiag_sdpa: noncausal expected one of {NONCAUSAL}, got {noncausal!r}")
+    what = f"is_causal={is_causal}" + ("" if attn_mask is None else f" with an attn_mask of shape {tuple(attn_mask.shape)}")
+    if noncausal == "raise":
+        raise ValueError(
+            f"cp_blockdiag_sdpa: expected causal attention under an active CP step (is_causal=True or a window_size, "
+            f"no attn_mask), got {what}; block-diagonal CP computes causal attention per document. Opt in with "
+            "noncausal='causal' (per-document causal attention replaces it: a causal decoder passing its own mask) "
+            "or noncausal='local' (stock SDPA on this rank's tensors as given: encoders, vision towers, "
+            "cross-attention over tensors CP does not shard), on the call or on sdpa_routing()"
+        )
+    if noncausal == "causal":
+        state.note(f"cp_blockdiag_sdpa: {what} replaced by per-document causal attention (noncausal='causal')")
+    else:
+        state.note(f"cp_blockdiag_sdpa: {what} ran stock SDPA on local tensors of shape {tuple(query.shape)} (noncausal='local')")
+    return noncausal
 
 
 def _step_of_call(query: Tensor) -> StepState | None:
@@ -192,15 +226,22 @@ def _with_band(query: Tensor, key: Tensor, attn_mask: Tensor | None, left: int) 
 
 
 @contextlib.contextmanager
-def sdpa_routing() -> Iterator[None]:
+def sdpa_routing(*, noncausal: str = "raise") -> Iterator[None]:
     """Rebind ``torch.nn.functional.scaled_dot_product_attention`` to :func:`cp_blockdiag_sdpa` for the block,
     so that an unmodified model routes its attention through it; the original is restored on exit.
+    ``noncausal`` is given to every routed call (``"local"``: bidirectional layers, e.g. a vision tower, run
+    stock SDPA on their own tensors while causal ones attend per document).
 
     Only calls that look the function up on ``torch.nn.functional`` at call time are rerouted (a name bound
-    with ``from torch.nn.functional import scaled_dot_product_attention`` before entry is not).
+    with ``from torch.nn.functional import scaled_dot_product_attention`` before entry is not; a step that
+    saw no routed call raises at its context's exit).
     """
+    if noncausal not in NONCAUSAL:
+        raise ValueError(f"sdpa_routing: noncausal expected one of {NONCAUSAL}, got {noncausal!r}")
     original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = cp_blockdiag_sdpa
+    F.scaled_dot_product_attention = (
+        cp_blockdiag_sdpa if noncausal == "raise" else functools.partial(cp_blockdiag_sdpa, noncausal=noncausal)
+    )
     try:
         yield
     finally:

@@ -83,6 +83,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     dtype: str = "float64"
     checkpointing: str | None = None  # None | "reentrant" | "non_reentrant"
+    expect_attention: bool = True  # False: attention not routed on purpose (an oracle on stock attention at CP 1)
     seed: int = 0
     model: TinyConfig = field(default_factory=TinyConfig)
     autocast: str | None = None  # the forward under torch.autocast to this dtype ("bfloat16"); weights in `dtype`
@@ -255,9 +256,7 @@ def train_step(
     return float(all_reduce_sum_(total, mesh)), steps[-1][0].state.window_plan(-1).mode
 
 
-def train(
-    model: nn.Module, cfg: TrainConfig, mesh=None, forward: Forward = tiny_forward, *, expect_attention: bool = True
-) -> TrainResult:
+def train(model: nn.Module, cfg: TrainConfig, mesh=None, forward: Forward = tiny_forward) -> TrainResult:
     """``cfg.steps`` AdamW steps. ``mesh``: a ``("dp", "cp")`` DeviceMesh (see :func:`make_mesh`) or ``None``
     for one process. DP replica ``d`` trains on rows ``[d * R / dp, (d + 1) * R / dp)`` of each global batch."""
     dp_rank, dp = (0, 1) if mesh is None else (mesh.get_local_rank("dp"), mesh["dp"].size())
@@ -274,7 +273,7 @@ def train(
         loss, mode = train_step(
             model, batch, mesh, forward, cfg.layout,
             micro_batches=cfg.micro_batches, schedule=cfg.schedule, autocast=cfg.autocast,
-            expect_attention=expect_attention,
+            expect_attention=cfg.expect_attention,
         )
         if step == 0:  # kept for parity checks
             grads = {name: _host(p.grad) for name, p in named}

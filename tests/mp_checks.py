@@ -58,7 +58,7 @@ def traffic_per_mode(mode: str) -> dict:
     L = batch["inputs_embeds"].shape[1]
     q, k, v = (torch.randn(1, 2, L, 4, generator=g, requires_grad=True) for _ in range(3))
     with ctx():
-        cp_blockdiag_sdpa(q, k, v).sum().backward()
+        cp_blockdiag_sdpa(q, k, v, is_causal=True).sum().backward()
     state = ctx.state
     return {
         "mode": state.window_plan(-1).mode,

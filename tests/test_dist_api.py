@@ -87,7 +87,7 @@ def test_cp1_attention_equals_reference(kernel, window):
     ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, batch, kernel=kernel, window_sizes=[window])
     q, k, v = qkv()
     with ctx():
-        out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True, window_size=window)
+        out = cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True, window_size=window)
         grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
     ref = reference_attention(q, k, v, ids, enable_gqa=True, window_size=window)
     ref_grads = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))
@@ -113,16 +113,17 @@ def test_window_without_context_is_a_causal_band():
     assert torch.equal(cp_blockdiag_sdpa(q, k, v, window_size=(2, 0)), F.scaled_dot_product_attention(q, k, v, attn_mask=band))
 
 
-def test_context_replaces_mask_and_records_it():
+def test_context_replaces_a_mask_only_when_asked_and_records_it():
     ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
     q, k, v = qkv(Hkv=4)
     with ctx():
         a = cp_blockdiag_sdpa(q, k, v, is_causal=True)
-        b = cp_blockdiag_sdpa(q, k, v)
+        w = cp_blockdiag_sdpa(q, k, v, window_size=(-1, 0))  # a window is causal attention
         assert ctx.state.notes == []  # is_causal alone is the normal case of a causal model: nothing to record
-        c = cp_blockdiag_sdpa(q, k, v, attn_mask=torch.ones(7, 7, dtype=torch.bool))
-    assert torch.equal(a, b) and torch.equal(a, c)
-    assert any("attn_mask replaced" in n for n in ctx.state.notes)
+        b = cp_blockdiag_sdpa(q, k, v, noncausal="causal")
+        c = cp_blockdiag_sdpa(q, k, v, attn_mask=torch.ones(7, 7, dtype=torch.bool), noncausal="causal")
+    assert torch.equal(a, w) and torch.equal(a, b) and torch.equal(a, c)
+    assert sum("replaced by per-document causal attention" in n for n in ctx.state.notes) == 2
 
 
 def test_state_is_active_only_inside_the_context_and_visible_from_other_threads():
@@ -144,7 +145,7 @@ def test_routing_helper_rebinds_and_restores():
     with ctx(), sdpa_routing():
         assert F.scaled_dot_product_attention is cp_blockdiag_sdpa
         routed = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        direct = cp_blockdiag_sdpa(q, k, v)
+        direct = cp_blockdiag_sdpa(q, k, v, is_causal=True)
     assert F.scaled_dot_product_attention is original
     assert torch.equal(routed, direct)
     with pytest.raises(RuntimeError), sdpa_routing():

@@ -12,8 +12,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import replace
 
 import pytest
 import torch
@@ -62,9 +62,8 @@ def config(dtype: str, checkpointing: str | None = None) -> TrainConfig:
 
 @functools.lru_cache(maxsize=None)
 def cp1(family: str, dtype: str, checkpointing: str | None, attn: str | None = None) -> TrainResult:
-    cfg = config(dtype, checkpointing)
-    # transformers' own attention (attn="sdpa") is the oracle: it does not go through cp_blockdiag_sdpa
-    return train(build_tiny_hf(cfg, family, attn), cfg, forward=hf_forward, expect_attention=attn is None)
+    cfg = dataclasses.replace(config(dtype, checkpointing), expect_attention=attn is None)  # attn: not routed
+    return train(build_tiny_hf(cfg, family, attn), cfg, forward=hf_forward)
 
 
 def test_collator_labels_equal_transformers_shifted_labels():
@@ -151,11 +150,12 @@ def test_flattening_collator_batches_at_cp2_match_transformers_sdpa(pool2):
     """``DataCollatorWithFlattening`` output (labels in transformers' convention, pre-shifted by ``shift_labels``;
     no doc ids, no mask: the documents are the ``position_ids`` restarts) at CP 2 with blockdiag's attention
     against transformers' own SDPA in one process on the same batches."""
-    cfg = replace(config("float64"), collator="hf_flattening")
+    cfg = dataclasses.replace(config("float64"), collator="hf_flattening")
     batch = synthetic_batch(cfg, 0)
     assert sorted(batch) == ["input_ids", "labels", "position_ids"] and batch["input_ids"].shape[0] == 1
     assert int((batch["position_ids"] == 0).sum()) > 4, "expected several documents in the flattened row"
-    theirs = train(build_tiny_hf(cfg, "llama", "sdpa"), cfg, forward=hf_forward, expect_attention=False)
+    oracle = dataclasses.replace(cfg, expect_attention=False)  # transformers' SDPA: not routed, on purpose
+    theirs = train(build_tiny_hf(oracle, "llama", "sdpa"), oracle, forward=hf_forward)
     args = (cfg, 1, 2, functools.partial(build_tiny_hf, family="llama"), hf_forward)
     got = pool2.run(run_distributed, args=args, timeout=TASK_TIMEOUT_S, name="llama flattening collator at CP 2")[0]
     assert any(mode != "local" for mode in got.modes), got.modes

@@ -238,3 +238,32 @@ def test_a_transformers_model_on_eager_attention_fails_at_exit():
     with pytest.raises(AttentionNotRoutedError):
         with ctx():
             model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.sum().backward()
+
+
+# ---- 4. bidirectional calls and masks ---------------------------------------------------------------------
+def test_a_bidirectional_layer_under_routing_is_refused_or_runs_locally_when_asked():
+    """Under sdpa_routing() an encoder-style layer (is_causal=False, or its own mask) no longer becomes causal
+    silently: it raises naming the opt-in; with noncausal='local' it is stock SDPA on its own tensors, while a
+    causal layer in the same step attends per document."""
+    from blockdiag_dist import sdpa_routing
+
+    ids = torch.tensor([[1, 1, 1, 2, 2, 2, 2]])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 7, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(7, 7, generator=g) > 0.5
+    F = torch.nn.functional
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(1, 7, 1), "_packed_seq_ids": ids})
+    with ctx(), sdpa_routing():
+        with pytest.raises(ValueError, match="got is_causal=False; block-diagonal CP computes causal attention per document.*noncausal='local'"):
+            F.scaled_dot_product_attention(q, k, v)
+        with pytest.raises(ValueError, match="with an attn_mask of shape"):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with ctx(), sdpa_routing(noncausal="local"):
+        bidir = F.scaled_dot_product_attention(q, k, v)
+        masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    sdpa = torch._C._nn.scaled_dot_product_attention
+    assert torch.equal(bidir, sdpa(q, k, v)) and torch.equal(masked, sdpa(q, k, v, attn_mask=mask))
+    assert (causal - reference_attention(q, k, v, ids)).abs().max() <= 1e-12
+    assert any("noncausal='local'" in n for n in ctx.state.notes)

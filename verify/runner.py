@@ -165,7 +165,7 @@ def _run_impl(case: Case, impl: ImplInfo, inputs: dict[str, Tensor], dtype, devi
     if "window_sizes" in impl.make_params:
         opts["window_sizes"] = [(case.window, 0) if case.window >= 0 else None]
     train_ctx, batch = impl.make(cp_mesh, None, batch, **opts)
-    sdpa_kwargs: dict[str, Any] = {"enable_gqa": case.hq != case.hkv}
+    sdpa_kwargs: dict[str, Any] = {"is_causal": True, "enable_gqa": case.hq != case.hkv}
     if case.window >= 0:
         sdpa_kwargs["window_size"] = (case.window, 0)
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -65,6 +65,7 @@ def blockdiag_attention_forward(
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
         window_size=None if sliding_window is None else (sliding_window - 1, 0),
+        noncausal="causal",  # the layer is causal (checked above): a mask it was given is per-document under a step
     )
     return out.transpose(1, 2).contiguous(), None
 
