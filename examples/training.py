@@ -61,7 +61,7 @@ __all__ = [
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 PARITY_RTOL = {"float64": 1e-10, "float32": 1e-5}  # relative, CP n vs CP 1: losses, first-step grads, final weights
-AUTOCAST = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTOCAST = {None: None, "bfloat16": torch.bfloat16}
 PARALLEL = ("manual", "ddp", "fsdp")
 SCHEDULES = ("interleaved", "deferred")
 COLLATORS = ("blockdiag", "hf_flattening")
@@ -90,8 +90,9 @@ class TrainConfig:
     parallel: str = "manual"  # gradient sum over the mesh: "manual" (all_reduce_grads) | "ddp" | "fsdp"
     compile: str | None = None  # torch.compile backend of every block ("eager", "aot_eager", "inductor")
     micro_batches: int = 1  # gradient accumulation: each replica's rows in this many micro-batches per step
-    schedule: str = "interleaved"  # "interleaved": each micro-batch's backward right after its forward, inside
-    # its context; "deferred": every forward (each in its context), then the backwards, outside any context
+    # "interleaved": each micro-batch's backward right after its forward, inside its context; "deferred"
+    # (pipeline-style): every micro-batch's forward in its context, then the backwards, outside any context
+    schedule: str = "interleaved"
     collator: str = "blockdiag"  # "blockdiag" (pack_documents, `rows` rows) | "hf_flattening" (one row)
 
     def __post_init__(self) -> None:

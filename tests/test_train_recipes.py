@@ -31,7 +31,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 STEPS = 3
 TASK_TIMEOUT_S = 240.0  # per run on every rank (the first compile is slow on a loaded machine); not a speed limit
-BF16_FLOOR = 2.0**-8  # bf16 epsilon: the floor of the lower-precision rule (DESIGN.md, verification policy)
+# the floor of the lower-precision rule (DESIGN.md, verification policy): a quarter of bf16's epsilon 2^-8. The
+# loss is a mean over ~150 targets whose rounding partly cancels in one process (its bf16 error there is ~2e-5),
+# which says little about another summation order; gradients and weights sit far above the floor (~1e-2)
+BF16_FLOOR = 1e-3
 BLOCK_GRAPH_BREAKS = 3  # per TinyDecoder block, all at cp_blockdiag_sdpa (README, "Use it in your trainer")
 
 

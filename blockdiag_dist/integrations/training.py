@@ -148,9 +148,9 @@ allreduce_sum_hook.__annotations__.update({"bucket": dist.GradBucket, "return": 
 
 
 def fsdp_sum_gradients(module: torch.nn.Module) -> int:
-    """Make every FSDP2 (``fully_shard``) module under ``module`` reduce gradients by a plain sum (divide factor
-    1, SUM collectives only: gloo has neither AVG nor PREMUL_SUM). Returns how many modules were changed; raises
-    ``ValueError`` when there is none (the model was not sharded yet)."""
+    """Make every FSDP2 (``fully_shard``) module under ``module`` reduce gradients by a plain sum: divide factor
+    1 with SUM collectives only (the divide factor alone makes FSDP2 use PREMUL_SUM, which gloo lacks). Returns
+    how many modules were changed; raises ``ValueError`` when there is none (the model was not sharded yet)."""
     from torch.distributed.fsdp import FSDPModule
 
     sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
