@@ -22,7 +22,7 @@ from blockdiag_dist.plan import plan_step
 from verify.pool import WorkerPool
 from verify.report import make_console
 
-from .dist import peak_memory, timed_steps
+from .dist import consensus_cost, peak_memory, timed_steps
 from .kernel import D, H, HKV, attention_step, bench_kernel, bench_scaling
 from .workloads import interleaved, layout_of, long_tail
 
@@ -71,6 +71,14 @@ def bench_cp_efficiency(cps, S, reps, seed=0) -> dict:
         rows.append({"cp": cp, "S": S, "cp_seconds": t, "single_seconds": single, "speedup": single / t,
                      "cores": torch.get_num_threads()})
     return {"rows": rows}
+
+
+def bench_consensus(cp, S, reps, seed=0) -> dict:
+    """The plan consensus check (on by default): batch function with / without it, and its cost per step."""
+    with WorkerPool(cp) as pool:
+        per_rank = pool.run(consensus_cost, args=(S, seed, reps), timeout=1800, name=f"consensus cp{cp}")
+    t = {k: max(r[k] for r in per_rank) for k in ("on", "off", "step")}
+    return {"cp": cp, "S": S, "seconds": t, "batch_fn_ratio": t["on"] / t["off"], "added_over_step": (t["on"] - t["off"]) / t["step"]}
 
 
 def bench_memory(S, cp, seed=0) -> dict:
@@ -139,6 +147,7 @@ def run(quick: bool) -> dict:
         ("exchange", lambda: bench_exchange((2, 4), (8192,) if quick else (8192, 32768), reps=2 if quick else 3)),
         ("cp_efficiency", lambda: bench_cp_efficiency((2, 4), 8192 if quick else 32768, reps=2 if quick else 3)),
         ("balance", lambda: bench_balance((4, 8), 32768, (0, 1, 2), step_cp=2, step_S=8192 if quick else 32768, reps=2 if quick else 3)),
+        ("consensus", lambda: bench_consensus(4, 8192 if quick else 32768, reps=3 if quick else 5)),
         ("verifier", lambda: bench_verifier((2, 4), 60 if quick else 200)),
     ]
     if not quick:

@@ -50,6 +50,12 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                              _mib(max(m["recv_bytes_per_rank"])), _mib(max(m["min_recv_bytes_per_rank"])), f"{m['bytes_over_minimum']:.2f}"])
         out.append(("K/V exchange: attention step fwd+bwd, and the exchange alone fwd+bwd (slowest rank), gloo",
                     ["CP", "S", "mode", "step ms", "step vs all-gather", "exchange ms", "exchange vs all-gather", "max MiB recv/rank", "max MiB minimum", "bytes / minimum"], rows))
+    if "consensus" in res:
+        c = res["consensus"]
+        out.append((f"Plan consensus check (on by default), CP {c['cp']}, S={c['S']}, slowest rank",
+                    ["batch fn ms, check on", "check off", "on / off", "step ms (fwd+bwd)", "added / step"],
+                    [[f"{c['seconds']['on'] * 1e3:.1f}", f"{c['seconds']['off'] * 1e3:.1f}", f"{c['batch_fn_ratio']:.2f}x",
+                      f"{c['seconds']['step'] * 1e3:.0f}", f"{c['added_over_step']:.3f}"]]))
     if "cp_efficiency" in res:
         rows = [[str(r["cp"]), str(r["S"]), f"{r['single_seconds'] * 1e3:.0f}", f"{r['cp_seconds'] * 1e3:.0f}", f"{r['speedup']:.2f}x"] for r in res["cp_efficiency"]["rows"]]
         out.append((f"CP efficiency: CP step (W processes x 1 thread) against one process with {res['cp_efficiency']['rows'][0]['cores']} threads doing the same work, on the same {res['cp_efficiency']['rows'][0]['cores']} cores",

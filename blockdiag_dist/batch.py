@@ -145,8 +145,10 @@ def make_cp_blockdiag_batch_and_ctx(
             ``balanced`` (equal rows, equalised attention work; see :mod:`blockdiag_dist.balance`).
         window_sizes: the windows the model's attention calls use; their plans are built here (default:
             the unwindowed one). A window not listed is planned on its first use in the step.
-        check_consensus: all-gather a fingerprint of each plan and raise ``PlanMismatchError`` naming the
-            disagreeing ranks (debug switch; default from ``BLOCKDIAG_CHECK_CONSENSUS=1``).
+        check_consensus: all-gather a fingerprint of each window's plan on its first use in the step and raise
+            ``PlanMismatchError`` on every rank, naming the disagreeing ranks (ranks given different batches
+            would otherwise compute wrong attention or hang). Default on (``BLOCKDIAG_CHECK_CONSENSUS=0``
+            turns the default off); ``False`` saves one small all-gather per window and step.
         expect_attention: a normal exit of ``train_ctx()`` raises ``AttentionNotRoutedError`` when no attention
             call reached ``cp_blockdiag_sdpa`` in the step (attention that bypasses it attends only within the
             rank's shard); ``False`` for a model without attention.
@@ -172,7 +174,7 @@ def make_cp_blockdiag_batch_and_ctx(
     key, B, S, device = _validate_batch(batch, loss_mask)
     doc_ids = _cp_blockdiag_doc_ids(batch, S, device, B)
     if check_consensus is None:
-        check_consensus = os.environ.get("BLOCKDIAG_CHECK_CONSENSUS", "0") not in ("", "0")
+        check_consensus = os.environ.get("BLOCKDIAG_CHECK_CONSENSUS", "1") not in ("", "0")
 
     plan = plan_step(doc_ids, world, layout)
     state = StepState(
@@ -183,7 +185,7 @@ def make_cp_blockdiag_batch_and_ctx(
     if substitution:
         state.note(f"kernel {kernel_requested!r}: {substitution}")
     for left in lefts:
-        state.window_plan(left)
+        state.agreed_window_plan(left)
 
     # ---- mutation starts here: everything above may raise, nothing below does ---------------------------
     shards = plan.shards

@@ -17,12 +17,14 @@ from torch import Tensor
 from blockdiag_ref import normalize_window
 
 from ._stock import stock_sdpa
-from .kernels.dense import dense_attention
 from .binding import bind_output, bind_reentrant_forward, in_backward, recompute_state
+from .kernels.dense import dense_attention
 from .kernels.varlen import flash_unusable_reason, varlen_attention
 from .state import StepState, current_state, last_exited_state
 
 __all__ = ["cp_blockdiag_sdpa", "sdpa_routing"]
+
+NONCAUSAL = ("raise", "causal", "local")  # what a non-causal call does under a step (see cp_blockdiag_sdpa)
 
 
 # torch.compile: one graph break at each call instead of tracing into the step state (a lock, a per-step object
@@ -63,6 +65,10 @@ def cp_blockdiag_sdpa(
     e.g. float32 q/k after RoPE and a bf16 v are accepted, and the output has the autocast dtype.
     """
     state = _step_of_call(query)
+    if state is not None:
+        state.attention_calls += 1
+    if noncausal not in NONCAUSAL:
+        raise ValueError(f"cp_blockdiag_sdpa: noncausal expected one of {NONCAUSAL}, got {noncausal!r}")
     if state is None:
         if window_size is not None:
             attn_mask = _with_band(query, key, attn_mask, normalize_window(window_size))
@@ -71,7 +77,6 @@ def cp_blockdiag_sdpa(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
         )
-    state.attention_calls += 1
     if attn_mask is not None or not (is_causal or window_size is not None):
         if _non_causal_call(state, query, attn_mask, is_causal, noncausal) == "local":
             return stock_sdpa(
@@ -81,7 +86,7 @@ def cp_blockdiag_sdpa(
     left = normalize_window(window_size)
     query, key, value = _autocast_like_sdpa(query, key, value)
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)
-    wp = state.window_plan(left)
+    wp = state.agreed_window_plan(left)
     B, Hq, L, D = query.shape
     Hkv, Dv = key.shape[1], value.shape[-1]
     kv_tok = torch.cat(
@@ -104,13 +109,8 @@ def cp_blockdiag_sdpa(
     return out.view(B, L, Hq, Dv).transpose(1, 2)
 
 
-NONCAUSAL = ("raise", "causal", "local")
-
-
 def _non_causal_call(state: StepState, query: Tensor, attn_mask: Tensor | None, is_causal: bool, noncausal: str) -> str:
     """What a call that is not plainly causal does under a step: raise, or the opted-in ``noncausal`` mode."""
-    if noncausal not in NONCAUSAL:
-        raise ValueError(f"cp_blockdiag_sdpa: noncausal expected one of {NONCAUSAL}, got {noncausal!r}")
     what = f"is_causal={is_causal}" + ("" if attn_mask is None else f" with an attn_mask of shape {tuple(attn_mask.shape)}")
     if noncausal == "raise":
         raise ValueError(

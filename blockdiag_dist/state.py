@@ -66,7 +66,7 @@ class StepState:
         device: torch.device,
         kv_exchange: str,
         kernel: str,
-        check_consensus: bool = False,
+        check_consensus: bool = True,
         expect_attention: bool = True,
     ) -> None:
         self.plan = plan
@@ -82,6 +82,7 @@ class StepState:
         self.traffic = TrafficLog()
         self.notes: list[str] = []  # fallbacks and substitutions that happened, with their reasons
         self._windows: dict[int, WindowPlan] = {}
+        self._agreed: set[int] = set()  # windows whose plan the CP group compared (check_consensus)
         self._lock = threading.RLock()
 
     # ---- shapes ---------------------------------------------------------------------------------------
@@ -120,7 +121,8 @@ class StepState:
 
     # ---- per-window plans -----------------------------------------------------------------------------
     def window_plan(self, window_left: int) -> WindowPlan:
-        """The plan for a window, built on first use in the step (then cached; thread-safe)."""
+        """The plan for a window, built on first use in the step (then cached; thread-safe). Never communicates:
+        every decision in it derives from the replicated doc ids, so one rank may call it alone (reports)."""
         wp = self._windows.get(window_left)
         if wp is None:
             with self._lock:
@@ -130,11 +132,20 @@ class StepState:
                     self._windows[window_left] = wp
         return wp
 
+    def agreed_window_plan(self, window_left: int) -> WindowPlan:
+        """:meth:`window_plan`, compared across the CP group on the window's first use in the step when
+        ``check_consensus`` (one all-gather of a fingerprint; every rank calls it at the same point)."""
+        wp = self.window_plan(window_left)
+        if self.check_consensus and window_left not in self._agreed:
+            with self._lock:
+                if window_left not in self._agreed:
+                    self._check_consensus(window_left, wp.mode)
+                    self._agreed.add(window_left)
+        return wp
+
     def _build_window_plan(self, window_left: int) -> WindowPlan:
         xplan = self.plan.exchange(window_left)
         mode, reason = choose_exchange(xplan, self.kv_exchange)
-        if self.check_consensus:
-            self._check_consensus(window_left, mode)
         local = self.plan.local_flat_ids(self.rank)
         send_rows, send_splits, recv_splits = None, [], []
         if mode == "local":
@@ -206,7 +217,8 @@ class StepState:
     # ---- reports --------------------------------------------------------------------------------------
     def comm_report(self, window_left: int = -1, *, bytes_per_token: int = 1) -> dict:
         """Tokens (or bytes, with ``bytes_per_token = Hkv * (D + Dv) * element_size``) received and sent
-        per rank by the chosen exchange and by the minimum (needed-only), for one window."""
+        per rank by the chosen exchange and by the minimum (needed-only), for one window. Never communicates
+        (a window not planned yet is planned here from the replicated doc ids), so one rank may log it alone."""
         wp = self.window_plan(window_left)
         x = wp.exchange
         needed, sent = x.needed_tokens(), x.sent_tokens()

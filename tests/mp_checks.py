@@ -97,3 +97,49 @@ def fingerprint(case_dict: dict) -> str:
     for t in tensors:
         h.update(t.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def consensus_by_default(check_consensus: bool | None) -> str:
+    """Rank 1 is given other doc ids (a sampler bug). By default every rank raises PlanMismatchError naming
+    the ranks; with the check turned off the batch function returns (and attention would be wrong)."""
+    info = worker_info()
+    ids = torch.tensor([[1, 1, 1, 1, 1, 1, 2, 2]])
+    if info["rank"] == 1:
+        ids = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2]])
+    kwargs = {} if check_consensus is None else {"check_consensus": check_consensus}
+    try:
+        make_cp_blockdiag_batch_and_ctx(info["cp_mesh"], None, _batch(ids), **kwargs)
+    except PlanMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def lone_report_and_inplace_output() -> dict:
+    """Rank 0 alone logs the comm report of a window not planned yet (no collective may happen: the others
+    are not there); then every rank attends under that window and modifies the output in place. The last rank
+    holds only padding. Returns this rank's max error of outputs and query grads against the reference."""
+    from blockdiag_ref import reference_attention
+
+    info = worker_info()
+    ids = torch.tensor([[1] * 9 + [2] * 6 + [0] * 5])  # CP 4, L = 5: rank 3 holds only padding
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(info["cp_mesh"], None, _batch(ids), check_consensus=True)
+    state = ctx.state
+    report = state.comm_report(2) if info["rank"] == 0 else None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 20, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    rows = state.positions.clamp(max=19)
+    real = (state.positions < 20)[None, None, :, None]
+    local = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
+    with ctx():
+        out = cp_blockdiag_sdpa(*local, is_causal=True, window_size=(2, 0))
+        out.mul_(2)  # an ordinary tensor on every rank, padding-only included
+        (out * real).sum().backward()
+    qf = q.clone().requires_grad_()
+    ref = reference_attention(qf, k, v, ids, window_size=(2, 0)) * 2
+    (ref[:, :, rows] * real).sum().backward()
+    return {
+        "report_mode": None if report is None else report["mode"],
+        "out_err": float(((out - ref[:, :, rows]) * real).abs().max()),
+        "dq_err": float(((local[0].grad - qf.grad[:, :, rows]) * real).abs().max()),
+        "out_stride": tuple(out.stride()),
+    }

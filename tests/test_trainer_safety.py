@@ -267,3 +267,33 @@ def test_a_bidirectional_layer_under_routing_is_refused_or_runs_locally_when_ask
     assert torch.equal(bidir, sdpa(q, k, v)) and torch.equal(masked, sdpa(q, k, v, attn_mask=mask))
     assert (causal - reference_attention(q, k, v, ids)).abs().max() <= 1e-12
     assert any("noncausal='local'" in n for n in ctx.state.notes)
+
+
+# ---- 6. ranks given different batches ---------------------------------------------------------------------
+def test_disagreeing_ranks_raise_by_default_and_can_opt_out(session):
+    import mp_checks
+
+    for m in session.pool(3).run(mp_checks.consensus_by_default, args=(None,), timeout=60, name="consensus default"):
+        assert "CP plan consensus failed" in m and "ranks [0, 2] have" in m and "ranks [1] have" in m
+    assert session.pool(3).run(mp_checks.consensus_by_default, args=(False,), timeout=60, name="consensus off") == ["no error"] * 3
+
+
+# ---- 7. one rank alone: reports, in-place ops on a padding-only rank ---------------------------------------
+def test_a_report_from_one_rank_and_inplace_ops_on_a_padding_only_rank(session):
+    import mp_checks
+
+    results = session.pool(4).run(mp_checks.lone_report_and_inplace_output, timeout=30, name="lone report")
+    assert results[0]["report_mode"] is not None
+    for r in results:
+        assert r["out_err"] <= 1e-12 and r["dq_err"] <= 1e-12, r
+        assert 0 not in r["out_stride"], r
+
+
+def test_padding_only_output_is_an_ordinary_tensor():
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(1, 6, 1), "_packed_seq_ids": torch.zeros(1, 6, dtype=torch.long)})
+    q = torch.randn(1, 2, 6, 4, requires_grad=True)
+    with ctx():
+        out = cp_blockdiag_sdpa(q, q, q, is_causal=True)
+        assert 0 not in out.stride() and bool((out == 0).all())
+        out.add_(1).sum().backward()
+    assert bool((q.grad == 0).all())

@@ -281,7 +281,9 @@ class _ScatterOutputs(torch.autograd.Function):
             out.index_copy_(0, rows[o : o + n * lq], t.transpose(1, 2).reshape(n * lq, hq, dv))
             o += n * lq
         out.index_fill_(0, pad_rows, 0.0)
-        return out[:num_queries]
+        # the first rows over the same storage, as a tensor rather than a view: autograd forbids in-place ops
+        # on views made inside a custom Function, and the caller may modify the attention output in place
+        return out.new_empty(0).set_(out.untyped_storage(), 0, (num_queries, hq, dv), (hq * dv, dv, 1))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -335,7 +337,7 @@ def _zero_rows(q_tok: Tensor, kv_buf: Tensor, rows: int, Hq: int, Dv: int) -> Te
     gradient), so that a rank holding only padding runs the exchange's backward like every other rank."""
     anchor = q_tok[:1, :1, :1].sum() + kv_buf[:1, :1].sum()
     zero = torch.where(torch.zeros((), dtype=torch.bool, device=q_tok.device), anchor, 0.0)
-    return zero.expand(rows, Hq, Dv)
+    return zero.expand(rows, Hq, Dv).clone(memory_format=torch.contiguous_format)  # writable, like other ranks' output
 
 
 def _flash_varlen(q_tok, k_buf, v_buf, meta: VarlenMeta, *, dropout_p: float, scale: float | None) -> Tensor:
