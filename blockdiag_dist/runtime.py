@@ -27,6 +27,10 @@ __all__ = ["cp_blockdiag_sdpa", "sdpa_routing"]
 NONCAUSAL = ("raise", "causal", "local")  # what a non-causal call does under a step (see cp_blockdiag_sdpa)
 
 
+# torch.compile: one graph break at each call instead of tracing into the step state (a lock, a per-step object
+# that would be guarded on and recompiled every step) and the exchanges' collectives; runs eagerly, compiled
+# code before and after it is kept.
+@torch.compiler.disable(reason="cp_blockdiag_sdpa reads the per-step CP state and runs collectives")
 def cp_blockdiag_sdpa(
     query: Tensor,
     key: Tensor,
