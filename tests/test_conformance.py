@@ -85,6 +85,30 @@ def test_a_hang_is_classed_hang_within_the_deadline():
     assert time.monotonic() - t0 < 5.0 + 60
 
 
+def _error(ranks, lines):
+    from verify.session import CaseResult
+
+    details = "case: raised\n" + "\n".join(
+        f"--- rank {r} ---\nTraceback (most recent call last):\n  File \"x.py\", line 1\n{line}" for r, line in zip(ranks, lines))
+    return CaseResult(case=REUSED, status="error", ranks=list(ranks), details=details)
+
+
+@pytest.mark.parametrize(
+    "ranks, lines, cls, message",
+    [
+        pytest.param([0, 1], ["ValueError: B > 1", "ValueError: B > 1"], "unsupported", "ValueError: B > 1", id="every-rank"),
+        pytest.param([1, 0], ["torch.x.NotImplementedError: no rule", "NotImplementedError: no rule"], "unsupported",
+                     "NotImplementedError: no rule", id="module-qualified"),
+        pytest.param([1], ["ValueError: B > 1"], "crash", "ValueError: B > 1", id="one-rank-strands-the-other"),
+        pytest.param([0, 1], ["ValueError", "ValueError"], "crash", "ValueError: ", id="no-message"),
+        pytest.param([0, 1], ["RuntimeError: overflow", "RuntimeError: overflow"], "crash", "RuntimeError: overflow", id="unclear"),
+    ],
+)
+def test_refusals_need_a_clear_error_on_every_rank(ranks, lines, cls, message):
+    verdict = classify(_error(ranks, lines))
+    assert (verdict.cls, verdict.message) == (cls, message)
+
+
 # ---- the reference under declared conventions ----------------------------------------------------------
 def test_convention_groups():
     case = Case(rows=parse_rows("1x2,2x1,1x1,0x1,3x1"), cp=1, source="mask4d")

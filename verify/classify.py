@@ -4,7 +4,8 @@
 - ``contract``: fails against our reference, passes when re-checked against a reference built under the
   implementation's declared conventions (:class:`verify.adapters.Conventions`); the verdict names them.
 - ``unsupported``: refused the input with a clear error (``ValueError``, ``NotImplementedError`` or an
-  adapter's ``Unsupported``, with a message), on every rank that failed; the message is quoted.
+  adapter's ``Unsupported``, with a message) on every rank; the message is quoted. A refusal on some ranks
+  only (the others left waiting in a collective) is a ``crash``.
 - ``bug``: real rows' outputs or gradients wrong even under the declared conventions.
 - ``crash``: any other exception, or a rank that died. ``hang``: the case's deadline passed.
 
@@ -141,12 +142,12 @@ def _failing(result: CaseResult, exempt: tuple[str, ...]) -> list[str]:
     return [n for n in result.failed_metrics if n not in exempt]
 
 
-def _numbers(result: CaseResult, names: list[str]) -> str:
-    parts = []
-    for n in names:
-        row = result.metrics[n]
-        parts.append(f"{n}: err {row['err']:.3g} > limit {row['limit']:.3g} (rank {row.get('rank')})")
-    return "; ".join(parts)
+def _numbers(result: CaseResult, names: list[str], most: int = 4) -> str:
+    """The worst failing quantities (by error over limit), with their numbers."""
+    rows = sorted(names, key=lambda n: -result.metrics[n]["err"] / max(result.metrics[n]["limit"], 1e-300))
+    parts = [f"{n}: err {result.metrics[n]['err']:.3g} > limit {result.metrics[n]['limit']:.3g} "
+             f"(rank {result.metrics[n].get('rank')})" for n in rows[:most]]
+    return "; ".join(parts) + (f"; +{len(rows) - most} more" if len(rows) > most else "")
 
 
 def classify(
@@ -164,7 +165,8 @@ def classify(
         return Verdict("hang", f"deadline passed on rank(s) {result.ranks}")
     if status in ("error", "crash"):
         excs = [_last_exception(tb) for tb in _rank_tracebacks(result.details)] if status == "error" else []
-        if excs and all(t in REFUSALS and msg for t, msg in excs):
+        every_rank = sorted(result.ranks) == list(range(result.case.cp))  # a refusal on some ranks strands the others
+        if excs and every_rank and all(t in REFUSALS and msg for t, msg in excs):
             t, msg = excs[0]
             return Verdict("unsupported", f"{t} on rank(s) {result.ranks}", message=f"{t}: {msg}")
         line = f"{excs[0][0]}: {excs[0][1]}" if excs else (result.details.splitlines()[-1] if result.details else status)
