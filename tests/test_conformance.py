@@ -163,7 +163,7 @@ def test_adapter_names_resolve_and_unavailable_ones_say_why():
             impl_info("ring_flash_attn")
 
 
-def _step(impl: str):
+def _step(impl: str, dtype=torch.float64, hkv: int = 2, one_doc: bool = False):
     """Worker: one attention step through an adapter on CP-sharded q, k, v; errors against the reference."""
     from blockdiag_ref import reference_attention
     from verify.adapters import attention_step
@@ -172,16 +172,17 @@ def _step(impl: str):
 
     env = worker_info()
     g = torch.Generator().manual_seed(0)
-    ids = torch.tensor([[1] * 5 + [2] * 4 + [3] * 3])
-    q, k, v = (torch.randn(1, 2, 12, 4, generator=g, dtype=torch.float64) for _ in range(3))
-    res = attention_step(info(impl).module, env["cp_mesh"], q, k, v, ids)
+    ids = torch.ones(1, 12, dtype=torch.int64) if one_doc else torch.tensor([[1] * 5 + [2] * 4 + [3] * 3])
+    q = torch.randn(1, 4, 12, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, hkv, 12, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    res = attention_step(info(impl).module, env["cp_mesh"], q.to(dtype), k.to(dtype), v.to(dtype), ids)
     rows = res["positions"][~res["padding"]]
-    ref = reference_attention(q, k, v, ids)
+    ref = reference_attention(q, k, v, ids, enable_gqa=True)
     qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
-    reference_attention(qf, kf, vf, ids).backward(torch.ones_like(q))
-    out = res["out"].transpose(1, 2)[~res["padding"]]
+    reference_attention(qf, kf, vf, ids, enable_gqa=True).backward(torch.ones_like(q))
+    out = res["out"].double().transpose(1, 2)[~res["padding"]]
     return {"out": (out - ref.transpose(1, 2)[0, rows]).abs().max().item(),
-            "grads": [g.numpy() for g in (res["dq"], res["dk"], res["dv"])],
+            "grads": [g.double().numpy() for g in (res["dq"], res["dk"], res["dv"])],
             "ref_grads": [t.grad.numpy() for t in (qf, kf, vf)]}
 
 
@@ -195,6 +196,17 @@ def test_attention_step_runs_one_call_outside_the_verifier(impl):
     for i in range(3):
         total = sum(r["grads"][i] for r in per_rank)
         assert abs(total - per_rank[0]["ref_grads"][i]).max() < 1e-12
+
+
+@needs_peers
+def test_ring_attention_adapter_pairs_gqa_heads_like_sdpa():
+    """ring-attention-pytorch pairs query head j with key/value head j % Hkv; the adapter reorders heads so
+    that SDPA's pairing (j // (Hq / Hkv)) holds: one causal document, CP 1 (a one-member ring), float32."""
+    with WorkerPool(1) as pool:
+        (r,) = pool.run(_step, args=("ring_attention", torch.float32, 2, True), timeout=120)
+    assert r["out"] < 1e-5
+    for got, ref in zip(r["grads"], r["ref_grads"]):
+        assert abs(got - ref).max() < 1e-5
 
 
 # ---- the report -----------------------------------------------------------------------------------------

@@ -153,6 +153,8 @@ class WorkerPool:
         every rank (so no rank is left inside a collective) does not cost a respawn; useful where whole
         families of inputs are refused on purpose (judging third-party code)."""
         self.keep_after_uniform_error = keep_after_uniform_error
+        # the others' errors may come later than the first on a busy machine: waiting longer for them saves a respawn
+        self.error_grace = 5 * _GRACE_S if keep_after_uniform_error else _GRACE_S
         self.world = world
         self.init = init
         self.backend = backend
@@ -305,7 +307,7 @@ class WorkerPool:
         by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
         while pending:
             if errors:
-                deadline = min(deadline, time.monotonic() + _GRACE_S)
+                deadline = min(deadline, time.monotonic() + self.error_grace)
             left = deadline - time.monotonic()
             if left <= 0:
                 if errors:  # ranks in the order their errors arrived: the first is the likely cause

@@ -8,7 +8,8 @@ transposes.
 
 Conventions (the library models one causal sequence per row; with ``causal=True`` the key mask is
 ignored, as its code says): document = the whole row; padding rows are ordinary tokens (not zeroed);
-doc ids in any source are not read; B > 1 and GQA are native; CP 1 is a one-member ring; no windows
+doc ids in any source are not read; B > 1 is native; GQA pairs query head j with key/value head j mod Hkv
+(the adapter reorders query heads to SDPA's pairing, j // (Hq / Hkv)); CP 1 is a one-member ring; no windows
 (``max_lookback_seq_len`` is a bucket-granular lookback, not a per-token window).
 """
 
@@ -102,7 +103,12 @@ def cp_blockdiag_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tens
             enable_gqa=enable_gqa)
     if scale is not None and scale != query.shape[-1] ** -0.5:
         raise ValueError(f"ring_flash_attn uses scale = D ** -0.5 = {query.shape[-1] ** -0.5}, got scale={scale}")
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    B, Hq, L, D = query.shape
+    Hkv = key.shape[1]
+    g = Hq // Hkv
+    # the library pairs query head j with key/value head j % Hkv (einops '(g h)'); SDPA pairs j with j // g
+    q = query.view(B, Hkv, g, L, D).transpose(1, 2).reshape(B, Hq, L, D)
+    q, k, v = (t.transpose(1, 2) for t in (q, key, value))
     world = _active["world"]  # RingAttention.forward reduces around the ring only when distributed (world > 1)
-    out = _ring_flash_attn(q, k, v, None, True, 1024, world > 1, False, None, world)
-    return out.transpose(1, 2)
+    out = _ring_flash_attn(q, k, v, None, True, 1024, world > 1, False, None, world).transpose(1, 2)
+    return out.reshape(B, g, Hkv, L, D).transpose(1, 2).reshape(B, Hq, L, D)
