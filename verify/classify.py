@@ -47,10 +47,11 @@ class Verdict:
     conventions: list[str] = field(default_factory=list)  # the declared conventions this case needed
     message: str = ""  # the refusal or exception line, quoted
     recheck: CaseResult | None = None  # the re-run under the conventions, when one was needed
+    failing: list[str] = field(default_factory=list)  # a bug's failing quantities, under its conventions
 
     def to_dict(self) -> dict[str, Any]:
         return {"class": self.cls, "why": self.why, "conventions": self.conventions, "message": self.message,
-                "recheck": None if self.recheck is None else self.recheck.to_dict()}
+                "failing": self.failing, "recheck": None if self.recheck is None else self.recheck.to_dict()}
 
 
 # ---- the reference under declared conventions -----------------------------------------------------------
@@ -181,9 +182,10 @@ def classify(
         left = _failing(result, exempt)
         if not left:
             return Verdict("contract", "differs only by " + ", ".join(used), conventions=used)
-        return Verdict("bug", _numbers(result, left), conventions=used)
+        return Verdict("bug", _numbers(result, left), conventions=used, failing=left)
     if recheck is None or (conv.document == "id" and result.case.window >= 0):
-        return Verdict("bug", _numbers(result, result.failed_metrics) + " (not re-checked under its conventions)")
+        return Verdict("bug", _numbers(result, result.failed_metrics) + " (not re-checked under its conventions)",
+                       failing=list(result.failed_metrics))
     again = recheck(result.case, lambda case: convention_expected(case, conv))
     if again.status != "pass" and again.status != "fail":
         sub = classify(again, OURS)
@@ -191,4 +193,5 @@ def classify(
     left = _failing(again, exempt)
     if not left:
         return Verdict("contract", "differs only by " + ", ".join(used), conventions=used, recheck=again)
-    return Verdict("bug", _numbers(again, left) + " (under " + ", ".join(used) + ")", conventions=used, recheck=again)
+    return Verdict("bug", _numbers(again, left) + " (under " + ", ".join(used) + ")", conventions=used, recheck=again,
+                   failing=left)

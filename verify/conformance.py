@@ -146,6 +146,8 @@ def write_markdown(path: str, data: dict[str, Any]) -> None:
         if e["unavailable"]:
             continue
         lines += ["", f"## `{name}`", ""]
+        notes = (e.get("conventions") or {}).get("notes") or ()
+        lines += [f"Adapter note: {n}" for n in notes] + ([""] if notes else [])
         lines += _matrix(e["cells"])
         lines += _findings(name, e)
     skipped = [(n, e) for n, e in data["impls"].items() if e["unavailable"]]
@@ -189,7 +191,7 @@ def _findings(name: str, e: dict) -> list[str]:
         else:
             out.append(f"- **{cls}** ({len(cs)} cases; {where}): `{key}`. Example: `{cs[0]['reproduce']}`")
     if bugs:
-        metrics = Counter(m for c in bugs for m in c["failed_metrics"])
+        metrics = Counter(m for c in bugs for m in c.get("failing") or c["failed_metrics"])
         out.append(f"- **bug** ({len(bugs)} cases; {_where(bugs)}; {name} {version}): wrong under its own declared "
                    f"conventions. Failing quantities (cases): " + ", ".join(f"{m} ({n})" for m, n in metrics.most_common())
                    + ". Every bug, with its numbers and replay command:")
@@ -226,6 +228,11 @@ def main(args) -> int:
             f.write(json.dumps(_plain(data), indent=1, allow_nan=False) + "\n")
     if args.md:
         write_markdown(args.md, data)
+    return _exit_status(data, console)
+
+
+def _exit_status(data: dict[str, Any], console) -> int:
+    """Print the one-line summary; 1 when our own implementation failed a case (third parties never fail it)."""
     console.print(f"conformance: {data['wall_seconds']} s; " + "; ".join(
         f"{n}: " + (", ".join(f"{c} {k}" for c, k in e["counts"].items() if k) if not e["unavailable"] else "skipped")
         for n, e in data["impls"].items()), markup=False)

@@ -46,7 +46,14 @@ CONVENTIONS = Conventions(
     cp1="a ring of one rank (no communication)",
     layouts="contiguous shards, S padded to a multiple of CP",
     windows="none",
-    notes=("the CPU path: ring_flash_attn, the pure-PyTorch flash/ring kernel (the CUDA kernel needs triton)",),
+    notes=(
+        "the CPU path is ring_flash_attn, the pure-PyTorch flash/ring kernel (the CUDA kernel needs triton).",
+        "source of 0.5.20, RingFlashAttentionFunction.backward: the last `dkv = ring_pass(..., dkv)` returns the "
+        "pair (received, sent), each a stacked [2, B, L, H, D] (dk, dv) tensor, and `dk, dv = dkv` unpacks that "
+        "pair; autograd sums each [2, ...] gradient to k's shape. CP 1 takes no ring pass (ring_reduce_col off).",
+        "source of 0.5.20, forward: row sums and maxima are allocated in the default dtype (float32) and filled "
+        "with -finfo(q.dtype).max; for float64 inputs torch.full raises RuntimeError (overflow).",
+    ),
 )
 
 _SEQ_KEYS = {"inputs_embeds": 0, "input_ids": 0, "labels": -100, "position_ids": 0, "_packed_seq_ids": 0,
