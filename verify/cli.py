@@ -4,6 +4,10 @@
     python -m verify case --rows 1x5,2x2,0x3 --cp 4 [--heads 4:2 --dim 5 --window 2 ...]
     python -m verify fuzz --examples 200 --seed 0      (or --long --budget 600: documents up to 1,100 tokens)
     python -m verify plan --seqlens 300,20,700 --pad 4 --cp 4
+    python -m verify conformance [--impls nemo,ring_attention] [--md CONFORMANCE.md] [--json PATH]
+
+--impl takes a module path or an adapter's short name (verify/adapters: nemo, ring_attention, torch_cp,
+ring_flash_attn).
 
 Exit status: 0 iff every case passed (2 for a usage error).
 """
@@ -42,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
 
     def common(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--impl", default="blockdiag_dist", help="module under test (default: blockdiag_dist)")
+        q.add_argument("--impl", default="blockdiag_dist",
+                       help="module under test, or an adapter name: nemo, ring_attention, torch_cp, ring_flash_attn")
         q.add_argument("--case-timeout", type=float, default=60.0, help="deadline of one case, seconds")
         q.add_argument("--backend", default=None, help="gloo (default on CPU) or nccl (under torchrun on GPUs)")
         q.add_argument("--json", metavar="PATH", help="write per-case results, wall time and cases/s ('-' = stdout)")
@@ -71,6 +76,16 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--long", action="store_true", help="long rows: documents up to 1,100 tokens, small heads")
     fuzz.add_argument("--budget", type=float, default=None, help="stop drawing new cases after this many seconds")
 
+    conf = sub.add_parser("conformance", help="every implementation x layout x doc-id source x CP x dtype, each case classed")
+    conf.add_argument("--impls", default=None, help="comma-separated (default: ours and every adapter)")
+    conf.add_argument("--cp", default="1,2,4")
+    conf.add_argument("--dtypes", default="float64,float32")
+    conf.add_argument("--layouts", default=None, help="comma-separated named layouts (default: all)")
+    conf.add_argument("--case-timeout", type=float, default=60.0, help="deadline of one case, seconds")
+    conf.add_argument("--backend", default=None)
+    conf.add_argument("--md", metavar="PATH", help="write the Markdown report here")
+    conf.add_argument("--json", metavar="PATH", help="write the JSON report here")
+
     plan = sub.add_parser("plan", help="inspect the exchange plan of a layout: needed tokens, bytes per mode, work per rank")
     plan.add_argument("--seqlens", help="document lengths of one row, e.g. 300,20,700 (rows separated by /)")
     plan.add_argument("--pad", type=int, default=0, help="trailing padding tokens per row")
@@ -97,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .inspect_plan import main as plan_main
 
         return plan_main(args)
+    if args.command == "conformance":
+        from .conformance import main as conformance_main
+
+        return conformance_main(args)
     if args.command == "fuzz":
         from .fuzz import main as fuzz_main
 

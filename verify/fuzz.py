@@ -1,5 +1,6 @@
 """``python -m verify fuzz``: cases drawn by hypothesis; a failure is shrunk to a minimal case and printed as
-a one-line command that replays exactly that case.
+a one-line command that replays exactly that case. For a third party (an adapter declaring conventions) a
+failure is a case the verifier classes ``bug`` (:mod:`verify.classify`): contracts and refusals are not shrunk.
 
 Drawn: CP size, batch rows, sequence length, document runs (ids 0-4, so padding anywhere and reused ids),
 heads (MHA / GQA / MQA), head dim, window, and every kernel / exchange / layout the implementation offers,
@@ -93,10 +94,17 @@ def fuzz(
     before still is)."""
     from .cli import applicable
 
+    from .adapters import OURS
+    from .classify import classify
+
     info = impl_info(impl)
     results: list[CaseResult] = []
     failures: list[CaseResult] = []
     t0 = time.perf_counter()
+    third_party = info.conventions is not OURS  # judged by class: only a bug fails (see verify.classify)
+
+    def recheck(case: Case, reference) -> CaseResult:
+        return session.run_one(case, impl=impl, reference=reference)
 
     @seed(seed_value)
     @settings(
@@ -111,9 +119,15 @@ def fuzz(
         results.append(result)
         if on_result:
             on_result(result)
-        if not result.ok:
-            failures.append(result)
-            raise AssertionError(result.details or result.status)
+        if result.ok:
+            return
+        if third_party:
+            verdict = classify(result, info.conventions, recheck)
+            if verdict.cls != "bug":
+                return
+            result.details = f"bug: {verdict.why}"
+        failures.append(result)
+        raise AssertionError(result.details or result.status)
 
     try:
         check()
@@ -140,7 +154,8 @@ def main(args) -> int:
             console.print(f"fuzz: {done['n']} cases run", markup=False)
 
     t0 = time.perf_counter()
-    with Session(args.impl, case_timeout=args.case_timeout, backend=args.backend or "gloo") as session:
+    with Session(args.impl, case_timeout=args.case_timeout, backend=args.backend or "gloo",
+                 keep_after_uniform_error=args.impl != "blockdiag_dist") as session:
         max_len = args.max_len or (1300 if args.long else 40)
         results, minimal = fuzz(session, args.impl, examples=args.examples, seed_value=args.seed, max_cp=args.max_cp,
                                 max_len=max_len, on_result=progress, long=args.long, budget=args.budget)

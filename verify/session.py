@@ -89,12 +89,14 @@ class Session:
         chunk: int = 32,
         backend: str = "gloo",
         in_process: Callable[[Case], tuple[list[dict], dict]] | None = None,
+        keep_after_uniform_error: bool = False,
     ) -> None:
         self.impl = impl
         self.case_timeout = case_timeout
         self.chunk = chunk
         self.backend = backend
         self.in_process = in_process  # torchrun: run on the launched group instead of pools
+        self.keep_after_uniform_error = keep_after_uniform_error  # see WorkerPool
         self.pools: dict[int, WorkerPool] = {}
         self.timing: dict[int, dict[str, float]] = {}  # per CP size: seconds spent running cases, cases run
 
@@ -116,30 +118,33 @@ class Session:
     def pool(self, cp: int) -> WorkerPool:
         if cp not in self.pools:
             self.pools[cp] = WorkerPool(
-                cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout), init=warm_up
+                cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout), init=warm_up,
+                keep_after_uniform_error=self.keep_after_uniform_error,
             )
         return self.pools[cp]
 
     def run(
-        self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None, *, impl: str | None = None
+        self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None, *, impl: str | None = None,
+        reference: Callable[[Case], dict] | None = None,
     ) -> list[CaseResult]:
         """Run cases grouped by CP size (order kept within a size); call ``on_result`` after each. ``impl``
-        overrides the session's module under test (the pools serve any module)."""
+        overrides the session's module under test (the pools serve any module); ``reference`` replaces
+        :func:`verify.runner.expected_results` (e.g. a reference under a third party's declared conventions)."""
         by_cp: dict[int, list[Case]] = {}
         for c in cases:
             by_cp.setdefault(c.cp, []).append(c)
         results: list[CaseResult] = []
         for cp in sorted(by_cp):
-            for r in self._run_cp(cp, by_cp[cp], impl or self.impl):
+            for r in self._run_cp(cp, by_cp[cp], impl or self.impl, reference or expected_results):
                 results.append(r)
                 if on_result:
                     on_result(r)
         return results
 
-    def run_one(self, case: Case, *, impl: str | None = None) -> CaseResult:
-        return self.run([case], impl=impl)[0]
+    def run_one(self, case: Case, *, impl: str | None = None, reference: Callable[[Case], dict] | None = None) -> CaseResult:
+        return self.run([case], impl=impl, reference=reference)[0]
 
-    def _run_cp(self, cp: int, cases: list[Case], impl: str):
+    def _run_cp(self, cp: int, cases: list[Case], impl: str, reference: Callable[[Case], dict]):
         if self.in_process is not None:
             for case in cases:
                 t0 = time.perf_counter()
@@ -161,7 +166,7 @@ class Session:
         def prepare(lo: int) -> None:
             for j in range(lo, min(lo + self.chunk, len(cases))):
                 if j not in expected:
-                    expected[j] = expected_results(cases[j])
+                    expected[j] = reference(cases[j])
                     packed[j] = pack_expected(expected[j])
 
         i = 0
@@ -184,7 +189,10 @@ class Session:
                 packed.pop(j)
                 if isinstance(item, TaskFailure):
                     yield _failure_result(cases[j], item, now - t0, impl)
-                    break  # the pool was killed; the rest of the chunk goes to a fresh one
+                    if not pool.alive:
+                        break  # the pool was killed; the rest of the chunk goes to a fresh one
+                    t0 = time.perf_counter()
+                    continue
                 result = merge_ranks(cases[j], item, exp, now - t0, impl)
                 timing["cases"] += 1
                 timing["run"] = run_before + time.perf_counter() - t_run  # accumulates over calls of run()
