@@ -4,6 +4,7 @@
     python -m verify case --rows 1x5,2x2,0x3 --cp 4 [--heads 4:2 --dim 5 --window 2 ...]
     python -m verify fuzz --examples 200 --seed 0
     python -m verify plan --seqlens 300,20,700 --pad 4 --cp 4
+    python -m verify gpu --out DIR [--device cpu|cuda] [--quick]
 
 Exit status: 0 iff every case passed (2 for a usage error).
 """
@@ -78,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--dim", type=int, default=64)
     plan.add_argument("--dtype", default="bfloat16")
     plan.add_argument("--json", metavar="PATH")
+
+    from .gpu import add_arguments as add_gpu_arguments
+
+    add_gpu_arguments(sub.add_parser("gpu", help="the GPU check: CP 1 matrix, multi-rank cases, kernel benchmark on the device"))
     return p
 
 
@@ -90,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .inspect_plan import main as plan_main
 
         return plan_main(args)
+    if args.command == "gpu":
+        from .gpu import main as gpu_main
+
+        return gpu_main(args)
     if args.command == "fuzz":
         from .fuzz import main as fuzz_main
 

@@ -243,8 +243,14 @@ def expected_results(case: Case, device: torch.device | str = "cpu") -> dict[str
 
 
 def pack_expected(expected: dict) -> dict:
-    """Plain numpy arrays, to travel to the workers by value (no shared-memory tensors)."""
-    return {k: None if v is None else {n: t.detach().cpu().numpy() for n, t in v.items()} for k, v in expected.items()}
+    """Plain numpy arrays, to travel to the workers by value (no shared-memory tensors). numpy has no
+    bfloat16: such tensors travel as float32, which holds every bfloat16 value exactly."""
+
+    def array(t: Tensor):
+        t = t.detach().cpu()
+        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+    return {k: None if v is None else {n: array(t) for n, t in v.items()} for k, v in expected.items()}
 
 
 def unpack_expected(packed: dict) -> dict:

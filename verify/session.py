@@ -85,11 +85,14 @@ class Session:
         chunk: int = 32,
         backend: str = "gloo",
         in_process: Callable[[Case], tuple[list[dict], dict]] | None = None,
+        device: str | None = None,
     ) -> None:
+        """``device``: where the pools' ranks keep their tensors (see :class:`WorkerPool`)."""
         self.impl = impl
         self.case_timeout = case_timeout
         self.chunk = chunk
         self.backend = backend
+        self.device = device
         self.in_process = in_process  # torchrun: run on the launched group instead of pools
         self.pools: dict[int, WorkerPool] = {}
         self.timing: dict[int, dict[str, float]] = {}  # per CP size: seconds spent running cases, cases run
@@ -112,7 +115,8 @@ class Session:
     def pool(self, cp: int) -> WorkerPool:
         if cp not in self.pools:
             self.pools[cp] = WorkerPool(
-                cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout), init=warm_up
+                cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout), init=warm_up,
+                device=self.device,
             )
         return self.pools[cp]
 
