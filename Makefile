@@ -10,7 +10,7 @@ JOBS   ?= 2
 EXAMPLES ?= 200
 SEED   ?= 0
 
-.PHONY: install test verify fuzz bench bench-quick train-demo
+.PHONY: install test verify fuzz bench bench-quick train-demo gpu-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,3 +41,10 @@ bench-quick: $(STAMP)
 # A few steps of the tiny decoder at CP 1 and CP 2 (CPU, gloo); the last line is the loss parity, exit 1 if it fails.
 train-demo: $(STAMP)
 	$(PY) -m examples.demo --cp 2
+
+# The GPU check (README "On a GPU"): report.json and summary.txt in $(OUT), under 8 minutes. No install: on a
+# GPU machine it runs the working tree on that machine's python3 (torch, numpy); here the venv's python if any.
+OUT ?= results/gpu
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) -m verify gpu --out $(OUT) $(ARGS)

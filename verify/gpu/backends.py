@@ -1,9 +1,9 @@
 """Which SDPA backend torch picks for each ``scaled_dot_product_attention`` call made inside a block.
 
 A ``TorchFunctionMode`` sees every call of torch's SDPA (the implementation binds the same builtin) and asks
-torch's own selector, ``torch._fused_sdp_choice``, with the call's arguments: the backend the call then runs
-(flash, memory-efficient, cuDNN, math, or the CPU fused kernel, which torch names FLASH_ATTENTION on CPU).
-A bool mask is turned into the additive mask SDPA itself builds before it asks the selector.
+torch's own selector, ``torch._fused_sdp_choice``, with the call's arguments, as SDPA itself does before it
+dispatches: the backend the call then runs (flash, memory-efficient, cuDNN, math, or the CPU fused kernel,
+which torch names FLASH_ATTENTION on CPU). Nothing is allocated: a mask is passed on as it came.
 """
 
 from __future__ import annotations
@@ -27,9 +27,6 @@ def _backend_name(args: tuple, kwargs: dict) -> str:
         return "unknown (this torch has no torch._fused_sdp_choice)"
     q, k, v, *rest = args
     opts = dict(zip(_ARGS, rest), **kwargs)
-    mask = opts.get("attn_mask")
-    if mask is not None and mask.dtype == torch.bool:
-        opts["attn_mask"] = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     try:
         index = choose(q, k, v, **opts)
         from torch.nn.attention import SDPBackend

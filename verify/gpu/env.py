@@ -32,10 +32,18 @@ def run(ctx: StepContext) -> str:
         d.update(
             gpus=torch.cuda.device_count(), gpu=props.name, capability=list(torch.cuda.get_device_capability(0)),
             gpu_memory_bytes=props.total_memory, cudnn=torch.backends.cudnn.version(),
-            nccl_version=".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else None,
+            nccl_version=_nccl_version(),
         )
         torch.ones(1, device="cuda").add_(1).item()  # a context and one kernel: the device works
     return "pass"
+
+
+def _nccl_version() -> str | None:
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - a build without NCCL
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 def _version(module: str) -> str | None:

@@ -62,8 +62,8 @@ def _measure(make: Callable[[], Callable[[], None]], device: torch.device, reps:
         fn = _synced(make(), device)
         rec = BackendRecorder()
         with rec.role("step"):
-            fn()  # also a warm-up
-        seconds = interleaved({"step": fn}, reps)["step"]
+            fn()  # the warm-up
+        seconds = interleaved({"step": fn}, reps, warmup=0)["step"]
         peak = torch.cuda.max_memory_allocated(device) if cuda else None
         return {"seconds": seconds, "peak_bytes": peak, "sdpa_backends": rec.counts().get("step", {})}
     except Exception as exc:  # noqa: BLE001 - reported per kernel; the next kernel runs
@@ -89,8 +89,8 @@ def run(ctx: StepContext) -> str:
     ctx.save()
     kernels = {
         "varlen": lambda L: attention_step(L, "varlen", DTYPE, device, heads=(hq, hkv), dim=cfg["dim"]),
-        "dense": lambda L: attention_step(L, "dense", DTYPE, device, heads=(hq, hkv), dim=cfg["dim"]),
         "per_doc_sdpa": lambda L: per_document_sdpa_step(L, DTYPE, device, heads=(hq, hkv), dim=cfg["dim"]),
+        "dense": lambda L: attention_step(L, "dense", DTYPE, device, heads=(hq, hkv), dim=cfg["dim"]),  # last: largest
     }
     ok = True
     for S in cfg["sizes"]:

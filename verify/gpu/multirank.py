@@ -10,6 +10,7 @@ unsupported, with the collective's error and the error of one of its cases, run 
 
 from __future__ import annotations
 
+import time
 import traceback
 
 import torch
@@ -97,11 +98,9 @@ def _probe_once(op: str, dtype: torch.dtype, device: torch.device) -> None:
     assert torch.equal(got.cpu(), want.cpu()), f"{op}: wrong values arrived: {got.cpu().tolist()} != {want.cpu().tolist()}"
 
 
-def probe(op: str) -> dict[str, str]:
+def probe(op: str, device_type: str) -> dict[str, str]:
     """On every rank of a pool: ``op`` in each probe dtype; 'ok' or the error's last line, per dtype."""
-    from ..pool import worker_info
-
-    device = torch.device(worker_info()["device_type"])
+    device = torch.device(device_type)
     out = {}
     for name in PROBE_DTYPES:
         try:
@@ -129,19 +128,21 @@ def exchange_mode(case: Case) -> str | None:
 
 
 def cases(cp: int, quick: bool) -> list[Case]:
-    """float32 over every kernel x exchange x layout; bfloat16 with the default exchange and layout."""
-    out = [*default_matrix(cps=(cp,), dtypes=("float32",), kernels=KERNELS, exchanges=EXCHANGES, layouts=tuple(LAYOUTS)),
-           *default_matrix(cps=(cp,), dtypes=("bfloat16",), kernels=KERNELS, exchanges=("auto",), layouts=("contiguous",))]
+    """bfloat16 with the default exchange and layout, then float32 over every kernel x exchange x layout (the
+    first layout only when ``quick``)."""
+    layouts = tuple(LAYOUTS)[:1] if quick else tuple(LAYOUTS)
+    out = [*default_matrix(cps=(cp,), dtypes=("bfloat16",), kernels=KERNELS, exchanges=("auto",), layouts=("contiguous",)),
+           *default_matrix(cps=(cp,), dtypes=("float32",), kernels=KERNELS, exchanges=EXCHANGES, layouts=layouts)]
     out = [c for c in out if exchange_mode(c) is not None]
     return [c for c in out if c.name in QUICK_LAYOUTS] if quick else out
 
 
-def _probe_all(pool: WorkerPool, timeout: float) -> dict[str, dict[str, str]]:
+def _probe_all(pool: WorkerPool, device: str, timeout: float) -> dict[str, dict[str, str]]:
     """{op: {dtype: 'ok' | error}}; a rank that died or hung fails the op in every dtype."""
     result = {}
     for op in PROBES:
         try:
-            per_rank = pool.run(probe, args=(op,), timeout=timeout, name=f"probe {op}")
+            per_rank = pool.run(probe, args=(op, device), timeout=timeout, name=f"probe {op}")
             result[op] = {d: next((r[d] for r in per_rank if r[d] != "ok"), "ok") for d in PROBE_DTYPES}
         except PoolError as exc:
             why = f"{exc.failure.kind}: " + _last_line(next(iter(exc.failure.details.values()), ""))
@@ -154,12 +155,13 @@ def _short(r: CaseResult) -> dict:
             "reproduce": r.case.command(r.impl)}
 
 
-def _run_cp(ctx: StepContext, cp: int, backend: str) -> None:
+def _run_cp(ctx: StepContext, cp: int, backend: str, finish_by: float) -> None:
+    """Probe, then the cases of one CP size; no new chunk of cases starts after ``finish_by`` (monotonic)."""
     out: dict = {"backend": backend, "device": ctx.device, "probe": {}, "planned": 0, "run": 0, "passed": 0,
                  "by_exchange": {}, "failed": [], "unsupported": {}}
     ctx.data["cps"][str(cp)] = out  # saved as it grows
     with Session(IMPL, case_timeout=30 if ctx.device == "cuda" else 60, backend=backend, device=ctx.device) as session:
-        out["probe"] = _probe_all(session.pool(cp), timeout=60)  # the pool the cases then run on
+        out["probe"] = _probe_all(session.pool(cp), ctx.device, timeout=60)  # the pool the cases then run on
         todo, skipped = [], []
         for c in cases(cp, ctx.quick):
             mode = exchange_mode(c)
@@ -169,13 +171,13 @@ def _run_cp(ctx: StepContext, cp: int, backend: str) -> None:
         ctx.save()
         for mode in sorted({m for _, m, _ in skipped}):
             mine = [(c, e) for c, m, e in skipped if m == mode]
-            example = session.run_one(mine[0][0]) if ctx.time_left() > 0 else None
+            example = session.run_one(mine[0][0]) if time.monotonic() < finish_by else None
             out["unsupported"][mode] = {
                 "collective_errors": mine[0][1], "cases_not_run": len(mine),
                 "example": None if example is None else _short(example),
             }
         for i in range(0, len(todo), CHUNK):
-            if ctx.time_left() <= 0:
+            if time.monotonic() >= finish_by:
                 out["stopped"] = f"step deadline near: {out['run']} of {len(todo)} cases run"
                 break
             for r in session.run([c for c, _, _ in todo[i:i + CHUNK]]):
@@ -192,14 +194,15 @@ def _run_cp(ctx: StepContext, cp: int, backend: str) -> None:
 def run(ctx: StepContext) -> str:
     gpus = torch.cuda.device_count() if ctx.device == "cuda" else 0
     ctx.data["cps"] = {}
-    for cp in CPS:
+    for i, cp in enumerate(CPS):
         if ctx.time_left() <= 0:
             ctx.data["stopped"] = f"step deadline near: CP {cp} not run"
             break
+        finish_by = time.monotonic() + ctx.time_left() / (len(CPS) - i)  # an equal share of what is left
         backend = "nccl" if ctx.device == "cuda" and gpus >= cp else "gloo"
         if ctx.device == "cuda" and backend == "gloo":
             ctx.data["why_gloo"] = f"{gpus} GPU(s) for {cp} ranks: NCCL cannot run several ranks on one GPU"
-        _run_cp(ctx, cp, backend)
+        _run_cp(ctx, cp, backend, finish_by)
         ctx.save()
     per_cp = ctx.data["cps"].values()
     if any(d["failed"] or d["run"] > d["passed"] for d in per_cp):
