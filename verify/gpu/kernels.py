@@ -120,14 +120,14 @@ def run(ctx: StepContext) -> str:
 
 
 def summarize(d: dict) -> list[str]:
-    lines = [f"bfloat16, H={d['heads'][0]}, Hkv={d['heads'][1]}, D={d['head_dim']}; matmul {d['matmul_tflops']:.1f} TFLOP/s "
+    lines = [f"bfloat16, H={d['heads'][0]}, Hkv={d['heads'][1]}, D={d['head_dim']}; matmul {d['matmul_tflops']:.3g} TFLOP/s "
              f"(n={d['matmul_n']})"] if "matmul_tflops" in d else []
     for row in d.get("rows", []):
         parts = []
         for name, m in row["kernels"].items():
             if "seconds" in m:
                 mem = f", peak {m['peak_bytes'] / 2**30:.1f} GiB" if m.get("peak_bytes") is not None else ""
-                parts.append(f"{name} {m['seconds'] * 1e3:.1f} ms ({m['useful_tflops']:.2f} TFLOP/s = {m['of_matmul']:.2f} of matmul{mem})")
+                parts.append(f"{name} {m['seconds'] * 1e3:.1f} ms ({m['useful_tflops']:.3g} TFLOP/s = {m['of_matmul']:.2f} of matmul{mem})")
             else:
                 parts.append(f"{name} {m['error'][:120]}")
         speed = f"; varlen {row['varlen_speedup_over_dense']:.1f}x dense" if "varlen_speedup_over_dense" in row else ""

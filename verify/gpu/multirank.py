@@ -160,8 +160,12 @@ def _run_cp(ctx: StepContext, cp: int, backend: str, finish_by: float) -> None:
     out: dict = {"backend": backend, "device": ctx.device, "probe": {}, "planned": 0, "run": 0, "passed": 0,
                  "by_exchange": {}, "failed": [], "unsupported": {}}
     ctx.data["cps"][str(cp)] = out  # saved as it grows
+    t0 = time.monotonic()
     with Session(IMPL, case_timeout=30 if ctx.device == "cuda" else 60, backend=backend, device=ctx.device) as session:
+        session.pool(cp).start()
+        out["seconds"] = {"pool_start": time.monotonic() - t0}
         out["probe"] = _probe_all(session.pool(cp), ctx.device, timeout=60)  # the pool the cases then run on
+        out["seconds"]["probe"] = time.monotonic() - t0 - out["seconds"]["pool_start"]
         todo, skipped = [], []
         for c in cases(cp, ctx.quick):
             mode = exchange_mode(c)
@@ -188,6 +192,7 @@ def _run_cp(ctx: StepContext, cp: int, backend: str, finish_by: float) -> None:
                 ex["passed"] += r.ok
                 if not r.ok and len(out["failed"]) < 10:
                     out["failed"].append(_short(r))
+            out["seconds"]["cases"] = time.monotonic() - t0 - out["seconds"]["pool_start"] - out["seconds"]["probe"]
             ctx.save()
 
 
@@ -217,8 +222,10 @@ def summarize(d: dict) -> list[str]:
     for cp, s in d.get("cps", {}).items():
         bad = [f"{op} ({', '.join(f'{k}: {v}' for k, v in by.items() if v != 'ok')})"
                for op, by in s["probe"].items() if any(v != "ok" for v in by.values())]
+        took = ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in s.get("seconds", {}).items())
         lines.append(f"CP {cp} over {s['backend']} ({s['device']} tensors): {s['passed']}/{s['run']} cases passed "
-                     f"of {s['planned']} runnable; collectives failing: {'; '.join(bad) or 'none'}")
+                     f"of {s['planned']} runnable ({took}); collectives failing: {'; '.join(bad) or 'none'}"
+                     + (f"; {s['stopped']}" if s.get("stopped") else ""))
         for mode, u in s["unsupported"].items():
             ex = u["example"]
             lines.append(f"  exchange {mode} unsupported here: {u['cases_not_run']} cases not run"
