@@ -66,17 +66,18 @@ def dtype_summary(dtype: str, results: Iterable[CaseResult], device: str) -> dic
         for name, m in r.metrics.items():
             if m.get("exact") or "bytes" in name:
                 continue
-            ratio = m["err"] / m["limit"] if m["limit"] > 0 else (0.0 if m["err"] == 0 else float("inf"))
+            err, limit = m.get("err", float("inf")), m.get("limit", 0.0)
+            ratio = err / limit if limit > 0 else (0.0 if err == 0 else float("inf"))
             over = max(over, ratio)
             w = worst.setdefault(name, {"err": 0.0, "rel": 0.0, "err_over_limit": 0.0})
-            if m["err"] >= w["err"]:
-                w.update(err=m["err"], limit=m["limit"], baseline_err=m.get("base"), case=r.case.label())
+            if err >= w["err"]:
+                w.update(err=err, limit=limit, baseline_err=m.get("base"), case=r.case.label())
             w["rel"] = max(w["rel"], r.rel(name))
             w["err_over_limit"] = max(w["err_over_limit"], ratio)
     bad = [r for r in results if not r.ok]
     return {
         "cases": len(results), "passed": len(results) - len(bad), "max_err_over_limit": over,
-        "exact_zero_failures": sum(1 for r in results for n, m in r.metrics.items() if m.get("exact") and not m["ok"]),
+        "exact_zero_failures": sum(1 for r in results for m in r.metrics.values() if m.get("exact") and not m.get("ok")),
         "tolerance": tolerance_entry(dtype), "worst": worst,
         "sources": sorted({r.case.source for r in results}), "kernels": sorted({r.case.kernel for r in results}),
         "failed": [_failure(r, device) for r in bad[:MAX_LISTED]],

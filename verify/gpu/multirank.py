@@ -162,7 +162,11 @@ def _run_cp(ctx: StepContext, cp: int, backend: str, finish_by: float) -> None:
     ctx.data["cps"][str(cp)] = out  # saved as it grows
     t0 = time.monotonic()
     with Session(IMPL, case_timeout=30 if ctx.device == "cuda" else 60, backend=backend, device=ctx.device) as session:
-        session.pool(cp).start()
+        try:
+            session.pool(cp).start()
+        except PoolError as exc:  # e.g. the ranks could not join a group with this backend and device
+            out["error"] = f"the {cp} ranks could not start: {exc}"[-3000:]
+            return
         out["seconds"] = {"pool_start": time.monotonic() - t0}
         out["probe"] = _probe_all(session.pool(cp), ctx.device, timeout=60)  # the pool the cases then run on
         out["seconds"]["probe"] = time.monotonic() - t0 - out["seconds"]["pool_start"]
@@ -212,6 +216,8 @@ def run(ctx: StepContext) -> str:
     per_cp = ctx.data["cps"].values()
     if any(d["failed"] or d["run"] > d["passed"] for d in per_cp):
         return "fail"
+    if any("error" in d for d in per_cp):
+        return "error"
     if "stopped" in ctx.data or any("stopped" in d for d in per_cp):
         return "incomplete"
     return "pass" if any(d["run"] for d in per_cp) else "unsupported"
@@ -231,4 +237,6 @@ def summarize(d: dict) -> list[str]:
             lines.append(f"  exchange {mode} unsupported here: {u['cases_not_run']} cases not run"
                          + (f"; e.g. {ex['label']}: {ex['status']}: {ex['error']}" if ex else ""))
         lines += [f"  FAILED {f['label']}: {f['status']}\n    {f['reproduce']}" for f in s["failed"]]
+        if s.get("error"):
+            lines.append(f"  ERROR {s['error'].strip().splitlines()[-1]}")
     return lines
