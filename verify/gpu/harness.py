@@ -1,6 +1,6 @@
 """The parent of the GPU check: runs each step in its own process under its own deadline, and writes the
-report (``report.json``, ``summary.txt``, ``logs/<step>.log``) after every step, so that whatever finished is
-on disk even if the whole run is cut short.
+report (``report.json``, ``summary.txt``, ``logs/<step>.log``: six files, nothing deeper than one folder) after
+every step, so that whatever finished is on disk even if the whole run is cut short.
 
 A step's process is the leader of its own process group: at its deadline the group is killed (pool workers
 included) and the step is reported as ``timeout`` with what it had saved; the next step still runs.
@@ -14,9 +14,11 @@ import importlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -83,10 +85,9 @@ def _tail(path: Path, chars: int = 3000) -> str:
         return ""
 
 
-def _run_step(name: str, out: Path, device: str, quick: bool, seconds: float, inject: str | None) -> dict:
-    """One step in its own process group; its record for the report."""
-    result_file, log = out / "steps" / f"{name}.json", out / "logs" / f"{name}.log"
-    result_file.unlink(missing_ok=True)
+def _run_step(name: str, out: Path, work: Path, device: str, quick: bool, seconds: float, inject: str | None) -> dict:
+    """One step in its own process group; its record for the report (the step's own file lives in ``work``)."""
+    result_file, log = work / f"{name}.json", out / "logs" / f"{name}.log"
     cmd = [sys.executable, "-m", "verify.gpu", name, "--out", str(result_file), "--device", device,
            "--seconds", f"{seconds:.1f}", *(["--quick"] if quick else []), *(["--inject", inject] if inject else [])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -170,8 +171,8 @@ def run_check(out: Path | str, *, device: str | None = None, quick: bool = False
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: expected a CUDA device for --device cuda, got torch.cuda.is_available() == False")
     out = Path(out)
-    for sub in ("steps", "logs"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="blockdiag-gpu-check-"))
     limits = dict(DEADLINES, **(deadlines or {}))
     report: dict = {
         "schema": 1, "device": device, "quick": quick, "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -179,14 +180,17 @@ def run_check(out: Path | str, *, device: str | None = None, quick: bool = False
         "total_s": total, "verdict": "running", "wall_seconds": 0.0, "steps": {},
     }
     t0 = time.monotonic()
-    for name in steps:
-        left = total - (time.monotonic() - t0)
-        if left < MIN_STEP_S:
-            report["steps"][name] = {"status": "skipped", "error": f"only {left:.0f} s of the check's {total:.0f} s left", "data": {}}
-        else:
-            report["steps"][name] = _run_step(name, out, device, quick, min(limits[name], left), (inject or {}).get(name))
-        report["wall_seconds"] = time.monotonic() - t0
-        _write(out, report)
+    try:
+        for name in steps:
+            left = total - (time.monotonic() - t0)
+            if left < MIN_STEP_S:
+                report["steps"][name] = {"status": "skipped", "error": f"only {left:.0f} s of the check's {total:.0f} s left", "data": {}}
+            else:
+                report["steps"][name] = _run_step(name, out, work, device, quick, min(limits[name], left), (inject or {}).get(name))
+            report["wall_seconds"] = time.monotonic() - t0
+            _write(out, report)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     report["verdict"] = _verdict([r["status"] for r in report["steps"].values()])
     _write(out, report)
     print((out / "summary.txt").read_text(), end="")
