@@ -12,7 +12,7 @@ SEED   ?= 0
 LONG_EXAMPLES ?= 40
 LONG_BUDGET   ?= 600
 
-.PHONY: install peers test verify fuzz fuzz-long bench bench-quick train-demo conformance
+.PHONY: install peers test verify fuzz fuzz-long bench bench-quick train-demo conformance gpu-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,3 +65,10 @@ train-demo: $(STAMP)
 # each case classed pass / contract / unsupported / bug / crash / hang: CONFORMANCE.md and results/conformance.json.
 conformance: $(PEERS_STAMP)
 	$(PY) -m verify conformance --md CONFORMANCE.md --json results/conformance.json $(ARGS)
+
+# The GPU check (README "On a GPU"): report.json and summary.txt in $(OUT), under 8 minutes. No install: on a
+# GPU machine it runs the working tree on that machine's python3 (torch, numpy); here the venv's python if any.
+OUT ?= results/gpu
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) -m verify gpu --out $(OUT) $(ARGS)

@@ -5,6 +5,7 @@
     python -m verify fuzz --examples 200 --seed 0      (or --long --budget 600: documents up to 1,100 tokens)
     python -m verify plan --seqlens 300,20,700 --pad 4 --cp 4
     python -m verify conformance [--impls nemo,ring_attention] [--md CONFORMANCE.md] [--json PATH]
+    python -m verify gpu --out DIR [--device cpu|cuda] [--quick]
 
 --impl takes a module path or an adapter's short name (verify/adapters: nemo, ring_attention, torch_cp,
 ring_flash_attn).
@@ -97,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--dim", type=int, default=64)
     plan.add_argument("--dtype", default="bfloat16")
     plan.add_argument("--json", metavar="PATH")
+
+    from .gpu import add_arguments as add_gpu_arguments
+
+    add_gpu_arguments(sub.add_parser("gpu", help="the GPU check: CP 1 matrix, multi-rank cases, kernel benchmark on the device"))
     return p
 
 
@@ -116,6 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .conformance import main as conformance_main
 
         return conformance_main(args)
+    if args.command == "gpu":
+        from .gpu import main as gpu_main
+
+        return gpu_main(args)
     if args.command == "fuzz":
         from .fuzz import main as fuzz_main
 

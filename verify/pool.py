@@ -80,13 +80,12 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _worker_main(rank: int, world: int, store_path: str, backend: str, conn: Connection, progress, threads: int,
-                 parent_pid: int, timeout_s: float, init: Callable[[], None] | None) -> None:
+                 parent_pid: int, timeout_s: float, init: Callable[[], None] | None, device_type: str) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    device_type = "cuda" if backend == "nccl" else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
@@ -147,17 +146,23 @@ class WorkerPool:
         collective_timeout: float = 300.0,
         init: Callable[[], None] | None = None,
         keep_after_uniform_error: bool = False,
+        device: str | None = None,
     ) -> None:
         """``init``: a picklable top-level function every worker runs once after joining the group (warm-up
         that belongs to start-up, not to the first task). ``keep_after_uniform_error``: a task that raised on
         every rank (so no rank is left inside a collective) does not cost a respawn; useful where whole
-        families of inputs are refused on purpose (judging third-party code)."""
+        families of inputs are refused on purpose (judging third-party code). ``device``: where the workers'
+        tensors live, ``cpu`` or ``cuda`` (default: ``cuda`` under NCCL, else ``cpu``; gloo carries some
+        collectives of CUDA tensors too, staged through host memory)."""
+        if device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device: expected 'cpu', 'cuda' or None, got {device!r}")
         self.keep_after_uniform_error = keep_after_uniform_error
         # the others' errors may come later than the first on a busy machine: waiting longer for them saves a respawn
         self.error_grace = 5 * _GRACE_S if keep_after_uniform_error else _GRACE_S
         self.world = world
         self.init = init
         self.backend = backend
+        self.device = device or ("cuda" if backend == "nccl" else "cpu")
         self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world)
         self.start_timeout = start_timeout
         self.collective_timeout = collective_timeout
@@ -192,7 +197,7 @@ class WorkerPool:
             p = self._ctx.Process(
                 target=_worker_main,
                 args=(rank, self.world, store, self.backend, child_conn, self._progress, self.threads, os.getpid(),
-                      self.collective_timeout, self.init),
+                      self.collective_timeout, self.init, self.device),
                 daemon=True,
                 name=f"blockdiag-rank{rank}",
             )

@@ -309,10 +309,16 @@ def _tensors(v: dict | None, fn) -> dict | None:
 
 
 def pack_expected(expected: dict) -> dict:
-    """Plain numpy arrays, to travel to the workers by value (no shared-memory tensors)."""
+    """Plain numpy arrays, to travel to the workers by value (no shared-memory tensors). numpy has no
+    bfloat16: such tensors travel as float32, which holds every bfloat16 value exactly."""
+
+    def array(t: Tensor):
+        t = t.detach().cpu()
+        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
     base = expected["base"]
-    return {**expected, "ref": _tensors(expected["ref"], lambda t: t.detach().cpu().numpy()),
-            "base": None if base is None else {b: _tensors(r, lambda t: t.detach().cpu().numpy()) for b, r in base.items()}}
+    return {**expected, "ref": _tensors(expected["ref"], array),
+            "base": None if base is None else {b: _tensors(r, array) for b, r in base.items()}}
 
 
 def unpack_expected(packed: dict) -> dict:

@@ -90,11 +90,14 @@ class Session:
         backend: str = "gloo",
         in_process: Callable[[Case], tuple[list[dict], dict]] | None = None,
         keep_after_uniform_error: bool = False,
+        device: str | None = None,
     ) -> None:
+        """``device``: where the pools' ranks keep their tensors (see :class:`WorkerPool`)."""
         self.impl = impl
         self.case_timeout = case_timeout
         self.chunk = chunk
         self.backend = backend
+        self.device = device
         self.in_process = in_process  # torchrun: run on the launched group instead of pools
         self.keep_after_uniform_error = keep_after_uniform_error  # see WorkerPool
         self.pools: dict[int, WorkerPool] = {}
@@ -120,6 +123,7 @@ class Session:
             self.pools[cp] = WorkerPool(
                 cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout), init=warm_up,
                 keep_after_uniform_error=self.keep_after_uniform_error,
+                device=self.device,
             )
         return self.pools[cp]
 
