@@ -8,7 +8,7 @@ import torch
 
 from blockdiag_dist.balance import SNAP_TARGET, TARGET, balanced_positions, doc_boundaries, position_work, snapped_positions
 from blockdiag_dist.kernels.dense import plan_dense
-from blockdiag_dist.kernels.varlen import plan_varlen, size_class
+from blockdiag_dist.kernels.varlen import BAND_MIN, plan_varlen, size_class
 from blockdiag_dist.plan import LAYOUT_COST, StepPlan, choose_layout, cut_pieces_per_rank, modelled_cost, plan_shards, plan_step
 from blockdiag_dist.sharding import shard_tensor, unshard
 from blockdiag_dist.state import StepState, choose_exchange
@@ -154,7 +154,23 @@ def test_kernels_compute_exactly_the_allowed_pairs(ids, world, mode, sharding):
                 got = [(q, int(key_flat[k])) for q, k in kernel_pairs_varlen(bucket_plan)]
                 assert len(got) == len(set(got)), f"{name}: a pair is computed twice"
                 assert set(got) == expected, f"{name}: rank {rank}, window {left}"
-            assert not any(b.mask is not None for b in meta.blocks.buckets), "a mask in the maskless plan"
+            assert all(b.mask is None for b in meta.blocks.buckets) or 0 < left < BAND_MIN, "a mask in the maskless plan"
+
+
+@pytest.mark.parametrize("ids", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_window_bands_compute_exactly_the_allowed_pairs(ids, world, sharding):
+    """Windows as causal squares plus reversed-causal bands (forced down to width 1), no mask."""
+    plan = plan_step(ids, world, sharding)
+    for left in (1, 2, 3, 5):
+        for rank in range(world):
+            local, key_flat = plan.local_flat_ids(rank), plan.allgather_flat_ids()
+            meta = plan_varlen(local, key_flat, plan.segments, plan.doc_starts, plan.shards.padded_len, left, band_min=1)
+            assert all(b.mask is None for b in meta.blocks.buckets)
+            got = [(q, int(key_flat[k])) for q, k in kernel_pairs_varlen(meta.blocks)]
+            assert len(got) == len(set(got)), "a pair is computed twice"
+            assert set(got) == allowed_pairs(ids, world, rank, left, sharding), f"rank {rank}, window {left}"
             dense = plan_dense(plan.local_flat_ids(rank), key_flat, plan.segments, sp, left)
             dense_pairs = {(q, int(key_flat[k])) for q, k in dense.mask[0, 0].nonzero().tolist()}
             assert dense_pairs == expected

@@ -27,6 +27,8 @@ CASES = [
     pytest.param(_ids([(1, 130), (2, 3), (3, 60)]), 3, "contiguous", 1, 2, 2, id="window-1"),
     pytest.param(_ids([(1, 64), (2, 64)]), 2, "balanced", 0, 2, 2, id="window-0"),
     pytest.param(_ids([(1, 100), (2, 40)]), 2, "contiguous", 40, 2, 2, id="window-binding-on-one-doc-only"),
+    pytest.param(_ids([(1, 400), (2, 70), (3, 90)]), 2, "contiguous", 64, 4, 2, id="window-64-bands"),
+    pytest.param(_ids([(1, 30), (2, 500)]), 3, "balanced", 100, 2, 1, id="window-100-bands-balanced"),
 ]
 
 

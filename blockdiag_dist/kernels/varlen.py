@@ -12,7 +12,8 @@ are merged by log-sum-exp (the ring-attention merge):
 - under a window that binds, the piece is cut into chunks of ``left`` positions aligned to the document
   start; a chunk is a causal square on its own positions plus, on the ``left`` positions before it, a band
   that is causal once queries and keys are both taken in reverse order (query ``t`` sees key ``j`` iff
-  ``j >= t``), so it needs no mask either.
+  ``j >= t``), so it needs no mask either. Windows narrower than ``BAND_MIN`` (tiny blocks, mostly padding)
+  run each cut piece as one block with its band mask instead.
 
 Blocks of one kind and size class are batched into one fused call, so many small documents cost one call,
 not one each. Queries and keys are right-padded to the size class; a padded query slot repeats a real row and
@@ -42,6 +43,9 @@ from .._stock import stock_sdpa
 __all__ = ["VarlenMeta", "fused_unusable_reason", "plan_varlen", "size_class", "varlen_attention"]
 
 EXACT_ABOVE = 1024  # pieces longer than this run at their exact length
+EXACT_UP_TO = 16  # ... and so do pieces this short (see size_class)
+BAND_MIN = 64  # windows narrower than this run as one masked block per piece instead of bands
+FULL, CAUSAL, MASKED = 0, 1, 2  # block kinds of the maskless plan
 _fused_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fused_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -50,20 +54,26 @@ def size_class(n: Tensor) -> Tensor:
     """Round lengths up to a size class: multiples of 16 up to 128, then 1/8 of the enclosing power of two,
     exact above ``EXACT_ABOVE``. Padding wastes at most ~1/8 of a piece's length.
 
+    Lengths up to ``EXACT_UP_TO`` stay exact. Fused SDPA kernels pick their arithmetic per vector lane: torch's
+    CPU kernel computes ``exp`` with a vectorized approximation on whole lanes (8 or 16 floats) and with libm
+    on a row's remainder. A piece shorter than a lane is all remainder at its own length; padded to 16 it
+    would be all approximation, with up to ~10x the float32 gradient error on peaked softmax. Above 16 a
+    piece fills lanes at its own length too, and padding leaves its worst error unchanged.
+
     >>> size_class(torch.tensor([1, 16, 17, 130, 600, 1000, 1500]))
-    tensor([  16,   16,   32,  144,  640, 1024, 1500])
+    tensor([   1,   16,   32,  144,  640, 1024, 1500])
     """
     n = n.to(torch.int64)
     step = (2 ** torch.floor(torch.log2(n.clamp_min(1).double())).to(torch.int64) // 8).clamp_min(16)
     rounded = (n + step - 1) // step * step
-    return torch.where(n > EXACT_ABOVE, n, rounded)
+    return torch.where((n > EXACT_ABOVE) | (n <= EXACT_UP_TO), n, rounded)
 
 
 @dataclass(frozen=True, eq=False)
 class Bucket:
     q_index: Tensor  # int64 [n, Lq] rows of q_tok
     k_index: Tensor  # int64 [n, Lk] rows of the key buffer
-    mask: Tensor | None  # bool [n, 1, Lq, Lk] (masked plan only); None: see ``causal``
+    mask: Tensor | None  # bool [n, 1, Lq, Lk] (masked plan, and narrow windows); None: see ``causal``
     causal: bool = True  # without a mask: top-left causal (True) or unmasked (False)
 
     def to(self, device: torch.device) -> Bucket:
@@ -162,9 +172,11 @@ def _ranges(starts: Tensor, lens: Tensor) -> Tensor:
 
 
 def plan_varlen(
-    q_flat: Tensor, k_flat: Tensor, segments: Tensor, doc_starts: Tensor, padded_len: int, window_left: int
+    q_flat: Tensor, k_flat: Tensor, segments: Tensor, doc_starts: Tensor, padded_len: int, window_left: int,
+    *, band_min: int = BAND_MIN,
 ) -> VarlenMeta:
-    """Pieces and maskless blocks for local queries (flat ids ``[Tq]``) against a key buffer (flat ids ``[Tk]``)."""
+    """Pieces and maskless blocks for local queries (flat ids ``[Tq]``) against a key buffer (flat ids ``[Tk]``);
+    windows narrower than ``band_min`` get one masked block per piece they cut."""
     Tq = q_flat.numel()
     seg_q = segments[q_flat]
     pos_q = q_flat % padded_len
@@ -183,7 +195,7 @@ def plan_varlen(
 
     key_lut = torch.full((segments.numel(),), -1, dtype=torch.int64)
     key_lut[k_flat] = torch.arange(k_flat.numel())
-    blocks = _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq, window_left)
+    blocks = _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq, window_left, band_min)
     rows = blocks.out_rows[blocks.out_rows < Tq]
     covered = torch.zeros(Tq, dtype=torch.bool)
     covered[rows] = True
@@ -201,7 +213,7 @@ def plan_varlen(
     )
 
 
-def _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq: int, left: int) -> BucketPlan:
+def _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq: int, left: int, band_min: int) -> BucketPlan:
     """The maskless blocks of every piece, bucketed by (kind, Lq, Lk).
 
     A block is described by where its slots point: query slot ``a`` is position ``q0 + qdir * a`` (real iff in
@@ -212,14 +224,20 @@ def _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, 
     binds = (p_last - p_dstart > left) if left >= 0 else torch.zeros_like(p_len, dtype=torch.bool)
     whole = (~binds).nonzero().flatten()
     parts: list[dict[str, Tensor]] = []
+    if left < band_min:  # narrow windows: one masked block per piece beats many tiny bands
+        mk = binds.nonzero().flatten()
+        qf, ql, kf = p_qfirst[mk], p_last[mk], p_kfirst[mk]
+        parts.append(dict(piece=mk, q0=qf, qdir=1, k0=kf, kdir=1, klo=kf, khi=ql, qlo=qf, qhi=ql, kind=MASKED,
+                          lq=size_class(p_len[mk]), lk=size_class(ql - kf + 1)))
+        binds = torch.zeros_like(binds)
     # square blocks of pieces the window does not cut
     qf, ql = p_qfirst[whole], p_last[whole]
     cls = size_class(p_len[whole])
-    parts.append(dict(piece=whole, q0=qf, qdir=1, k0=qf, kdir=1, klo=qf, khi=ql, qlo=qf, qhi=ql, causal=1, lq=cls, lk=cls))
+    parts.append(dict(piece=whole, q0=qf, qdir=1, k0=qf, kdir=1, klo=qf, khi=ql, qlo=qf, qhi=ql, kind=CAUSAL, lq=cls, lk=cls))
     # unmasked prefix blocks (keys before the first query), at the prefix's exact length
     pre = whole[p_kfirst[whole] < p_qfirst[whole]]
     qf, ql, kf = p_qfirst[pre], p_last[pre], p_kfirst[pre]
-    parts.append(dict(piece=pre, q0=qf, qdir=1, k0=kf, kdir=1, klo=kf, khi=qf - 1, qlo=qf, qhi=ql, causal=0,
+    parts.append(dict(piece=pre, q0=qf, qdir=1, k0=kf, kdir=1, klo=kf, khi=qf - 1, qlo=qf, qhi=ql, kind=FULL,
                       lq=size_class(p_len[pre]), lk=qf - kf))
     if bool(binds.any()):
         # chunks of c = max(left, 1) positions aligned to the document start
@@ -232,38 +250,45 @@ def _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, 
         s = p_dstart[piece] + k * c
         qlo, qhi = torch.maximum(s, p_qfirst[piece]), torch.minimum(s + c - 1, p_last[piece])
         cls = size_class(torch.full_like(s, c))
-        parts.append(dict(piece=piece, q0=s, qdir=1, k0=s, kdir=1, klo=s, khi=qhi, qlo=qlo, qhi=qhi, causal=1, lq=cls, lk=cls))
+        parts.append(dict(piece=piece, q0=s, qdir=1, k0=s, kdir=1, klo=s, khi=qhi, qlo=qlo, qhi=qhi, kind=CAUSAL, lq=cls, lk=cls))
         if left >= 1:  # the band on the left positions before each chunk, in reverse order (none for chunk 0)
             band = k > 0
             piece, s, qlo, qhi, cls = piece[band], s[band], qlo[band], qhi[band], cls[band]
             parts.append(dict(piece=piece, q0=s + c - 1, qdir=-1, k0=s - 1, kdir=-1, klo=s - left, khi=s - 1,
-                              qlo=qlo, qhi=qhi, causal=1, lq=cls, lk=cls))
-    return _bucket(parts, p_start - p_qfirst, p_flat0 - p_qfirst, key_lut, Tq)
+                              qlo=qlo, qhi=qhi, kind=CAUSAL, lq=cls, lk=cls))
+    return _bucket(parts, p_start - p_qfirst, p_flat0 - p_qfirst, key_lut, Tq, left)
 
 
-def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut: Tensor, Tq: int) -> BucketPlan:
-    """Group blocks by (causal, Lq, Lk) and build each bucket's gather indices and output rows. ``p_row0``:
-    local row a piece's position 0 would have; ``p_base``: flat id of its row's position 0."""
+def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut: Tensor, Tq: int, left: int) -> BucketPlan:
+    """Group blocks by (kind, Lq, Lk) and build each bucket's gather indices, output rows and (kind MASKED
+    only) mask. ``p_row0``: local row a piece's position 0 would have; ``p_base``: flat id of its row's
+    position 0."""
     full = lambda x, like: x.expand_as(like) if isinstance(x, Tensor) else torch.full_like(like, x)  # noqa: E731
-    cols = ("piece", "q0", "qdir", "k0", "kdir", "klo", "khi", "qlo", "qhi", "causal", "lq", "lk")
+    cols = ("piece", "q0", "qdir", "k0", "kdir", "klo", "khi", "qlo", "qhi", "kind", "lq", "lk")
     blk = {name: torch.cat([full(p[name], p["piece"]) for p in parts]) for name in cols}
-    group_key = (blk["causal"] << 62) | (blk["lq"] << 31) | blk["lk"]  # sizes < 2**31
+    group_key = blk["kind"] * 2**60 + blk["lq"] * 2**30 + blk["lk"]  # sizes < 2**30
     keys, group_of = torch.unique(group_key, return_inverse=True)
     buckets: list[Bucket] = []
     slot_rows: list[Tensor] = []
     for g, key in enumerate(keys.tolist()):
-        causal, lq, lk = bool(key >> 62), (key >> 31) & (2**31 - 1), key & (2**31 - 1)
+        kind, lq, lk = key >> 60, (key >> 30) & (2**30 - 1), key & (2**30 - 1)
         b = {name: t[group_of == g, None] for name, t in blk.items()}
         qpos = b["q0"] + b["qdir"] * torch.arange(lq)[None, :]
         valid = (qpos >= b["qlo"]) & (qpos <= b["qhi"])
         q_index = p_row0[b["piece"]] + torch.minimum(torch.maximum(qpos, b["qlo"]), b["qhi"])
-        kpos = torch.minimum(torch.maximum(b["k0"] + b["kdir"] * torch.arange(lk)[None, :], b["klo"]), b["khi"])
+        kraw = b["k0"] + b["kdir"] * torch.arange(lk)[None, :]
+        kpos = torch.minimum(torch.maximum(kraw, b["klo"]), b["khi"])
         base = p_base[b["piece"]]
         k_index = key_lut[base + kpos]
         # keys outside the needed set can only sit where no real query looks: any present key will do
         k_index = torch.where(k_index >= 0, k_index, key_lut[base + b["qlo"]])
         assert bool((k_index >= 0).all()), "varlen plan: a piece's key is missing from the key buffer"
-        buckets.append(Bucket(q_index=q_index, k_index=k_index, mask=None, causal=causal))
+        mask = None
+        if kind == MASKED:  # bottom-right causal within the window; padded query slots see one real key
+            qp, kp = qpos[:, :, None], kraw[:, None, :]
+            m = valid[:, :, None] & (kp <= b["khi"][:, :, None]) & (kp <= qp) & (kp >= qp - left)
+            mask = (m | (~valid[:, :, None] & (torch.arange(lk) == 0)))[:, None]
+        buckets.append(Bucket(q_index=q_index, k_index=k_index, mask=mask, causal=kind == CAUSAL))
         slot_rows.append(torch.where(valid, q_index, Tq).flatten())
     return BucketPlan.of(buckets, slot_rows)
 
@@ -350,6 +375,11 @@ def _views(g: Tensor, shapes: list[tuple[int, int]], split: list[tuple[int, int]
     return outs
 
 
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A bool mask as the fused op takes it: 0 where allowed, -inf elsewhere, in the query's dtype."""
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
+
+
 class _MergedBlocks(torch.autograd.Function):
     """``q_tok [Tq, Hq, D]``, ``kv_buf [Tk, Hkv * 2D]`` -> ``[Tq + 1, Hq, D]`` (the last row is a spare that
     collects padded slots): every bucket through the fused op, the blocks of a row merged by log-sum-exp.
@@ -366,7 +396,7 @@ class _MergedBlocks(torch.autograd.Function):
         kvs = _views(g_kv, kshape, [(heads_kv, D), (heads_kv, D)])
         outs, lses = [], []
         for b, q, k, v in zip(plan.buckets, qs, kvs[0::2], kvs[1::2]):
-            o, lse = _fused_fwd(q, k, v, 0.0, b.causal, scale=scale)
+            o, lse = _fused_fwd(q, k, v, 0.0, b.causal, attn_mask=_additive(b.mask, q.dtype), scale=scale)
             outs.append(o.transpose(1, 2).reshape(-1, Hq, D))
             lses.append(lse.transpose(1, 2).reshape(-1, Hq))
         o_s, lse_s = torch.cat(outs), torch.cat(lses)  # [N slots, Hq, D], [N slots, Hq]
@@ -396,7 +426,8 @@ class _MergedBlocks(torch.autograd.Function):
         for b, q, k, v, (n, lq), (_, lk) in zip(plan.buckets, qs, kvs[0::2], kvs[1::2], qshape, kshape):
             sl = slice(o, o + n * lq)
             view = lambda t: t[sl].unflatten(0, (n, lq)).transpose(1, 2)  # noqa: E731
-            dq, dk, dv = _fused_bwd(view(do_s), q, k, v, view(o_s), view(lse_s).contiguous(), 0.0, b.causal, scale=ctx.scale)
+            dq, dk, dv = _fused_bwd(view(do_s), q, k, v, view(o_s), view(lse_s).contiguous(), 0.0, b.causal,
+                                    attn_mask=_additive(b.mask, q.dtype), scale=ctx.scale)
             dq_s.append(dq.transpose(1, 2).reshape(n * lq, Hq * D))
             dkv_s.append(torch.cat([dk.transpose(1, 2).reshape(n * lk, Hkv * D), dv.transpose(1, 2).reshape(n * lk, Hkv * D)], 1))
             o += n * lq
