@@ -42,8 +42,14 @@ class ImplInfo:
     """What a module under test offers: the two seed functions, plus optional keyword options."""
 
     def __init__(self, module_name: str):
+        from .adapters import OURS, module_path
+
         self.name = module_name
-        self.module = importlib.import_module(module_name)
+        self.module = importlib.import_module(module_path(module_name))
+        unavailable = getattr(self.module, "UNAVAILABLE", None)
+        if unavailable:
+            raise ValueError(f"--impl {module_name}: unavailable here: {unavailable}")
+        self.conventions = getattr(self.module, "CONVENTIONS", OURS)
         for fn in ("make_cp_blockdiag_batch_and_ctx", "cp_blockdiag_sdpa"):
             if not callable(getattr(self.module, fn, None)):
                 raise ValueError(f"--impl {module_name}: expected a module exposing {fn}(), it has none")
