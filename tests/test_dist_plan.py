@@ -154,7 +154,10 @@ def test_kernels_compute_exactly_the_allowed_pairs(ids, world, mode, sharding):
                 got = [(q, int(key_flat[k])) for q, k in kernel_pairs_varlen(bucket_plan)]
                 assert len(got) == len(set(got)), f"{name}: a pair is computed twice"
                 assert set(got) == expected, f"{name}: rank {rank}, window {left}"
-            assert all(b.mask is None for b in meta.blocks.buckets) or 0 < left < BAND_MIN, "a mask in the maskless plan"
+            assert all(b.mask is None for b in meta.blocks.buckets) or 0 <= left < BAND_MIN, "a mask in the maskless plan"
+            dense = plan_dense(plan.local_flat_ids(rank), key_flat, plan.segments, sp, left)
+            dense_pairs = {(q, int(key_flat[k])) for q, k in dense.mask[0, 0].nonzero().tolist()}
+            assert dense_pairs == expected
 
 
 @pytest.mark.parametrize("ids", LAYOUTS)
@@ -171,9 +174,6 @@ def test_window_bands_compute_exactly_the_allowed_pairs(ids, world, sharding):
             got = [(q, int(key_flat[k])) for q, k in kernel_pairs_varlen(meta.blocks)]
             assert len(got) == len(set(got)), "a pair is computed twice"
             assert set(got) == allowed_pairs(ids, world, rank, left, sharding), f"rank {rank}, window {left}"
-            dense = plan_dense(plan.local_flat_ids(rank), key_flat, plan.segments, sp, left)
-            dense_pairs = {(q, int(key_flat[k])) for q, k in dense.mask[0, 0].nonzero().tolist()}
-            assert dense_pairs == expected
 
 
 def test_contiguous_shards_pad_the_tail():
