@@ -18,7 +18,8 @@ Every rank builds the same inputs from one seeded generator (nothing is broadcas
 outputs of real rows; padding rows exactly 0; grads of q, k, v (padding rows exactly 0); and, summed over
 ranks, grads of ``inputs_embeds`` through the differentiable slice, grads of the projection weights and the
 loss. When the module reports its exchange (a step state with ``traffic`` and ``comm_report``), the bytes it
-moved are checked against its plan too.
+moved are checked against its plan, and the tokens that arrived from each rank against the minimum computed
+from the reference mask (``exchange_check.py``, in the parent).
 """
 
 from __future__ import annotations
