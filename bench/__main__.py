@@ -24,6 +24,7 @@ from verify.report import make_console
 
 from .dist import consensus_cost, peak_memory, timed_steps
 from .kernel import D, H, HKV, attention_step, bench_kernel, bench_scaling
+from .peers import bench_peers
 from .workloads import interleaved, layout_of, long_tail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +119,7 @@ def bench_balance(cps, S, seeds, step_cp, step_S, reps) -> dict:
         for seed in seeds:
             ids = layout_of(long_tail(S, seed)).doc_ids
             row = {"cp": cp, "S": S, "seed": seed}
-            for layout in ("contiguous", "balanced"):
+            for layout in ("contiguous", "balanced", "auto"):
                 plan = plan_step(ids, cp, layout)
                 work, tokens = plan.work_per_rank(), plan.real_tokens_per_rank()
                 needed = plan.exchange(-1).needed_tokens()
@@ -126,13 +127,15 @@ def bench_balance(cps, S, seeds, step_cp, step_S, reps) -> dict:
                     "work_max_over_mean": max(work) / (sum(work) / cp),
                     "tokens_max_over_mean": max(tokens) / (sum(tokens) / cp),
                     "needed_tokens_max": max(needed), "needed_tokens_total": sum(needed),
+                    "choice": plan.shards.layout,
                 }
             plans.append(row)
-    configs = [{"name": "contiguous", "layout": "contiguous"}, {"name": "balanced", "layout": "balanced"}]
+    names = ("contiguous", "balanced", "auto")
+    configs = [{"name": name, "layout": name} for name in names]
     with WorkerPool(step_cp) as pool:
         per_rank = pool.run(timed_steps, args=(step_S, 0, configs, reps), timeout=1800, name="balance")
-    step = {name: max(r[name]["seconds"] for r in per_rank) for name in ("contiguous", "balanced")}
-    work = {name: [r[name]["work"] for r in per_rank] for name in ("contiguous", "balanced")}
+    step = {name: max(r[name]["seconds"] for r in per_rank) for name in names}
+    work = {name: [r[name]["work"] for r in per_rank] for name in names}
     return {"plans": plans, "step": {"cp": step_cp, "S": step_S, "seconds": step, "speedup": step["contiguous"] / step["balanced"],
                                      "work_per_rank": work}}
 
@@ -142,6 +145,7 @@ def run(quick: bool) -> dict:
     t0 = time.perf_counter()
     res: dict = {"quick": quick, "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}}
     sections = [
+        ("peers", lambda: bench_peers(4096 if quick else 8192, rounds=1 if quick else 2, reps=1 if quick else 2)),
         ("kernel", lambda: bench_kernel((4096,) if quick else (4096, 16384), reps=2 if quick else 3)),
         ("scaling", lambda: bench_scaling((2048, 4096, 8192) if quick else (2048, 4096, 8192, 16384, 32768), reps=2 if quick else 3)),
         ("exchange", lambda: bench_exchange((2, 4), (8192,) if quick else (8192, 32768), reps=2 if quick else 3)),

@@ -15,20 +15,23 @@ __all__ = ["bench_kernel", "bench_scaling"]
 H, HKV, D = 8, 2, 64
 
 
-def _qkv(S: int, dtype, device, seed: int):
+def _qkv(S: int, dtype, device, seed: int, heads: tuple[int, int] = (H, HKV), dim: int = D):
     """q, k, v laid out as a model makes them: projections ``[B, S, H, D]`` seen as ``[B, H, S, D]``."""
     g = torch.Generator(device=device).manual_seed(seed)
-    q, k, v = (torch.randn(1, S, h, D, generator=g, dtype=dtype, device=device).transpose(1, 2).requires_grad_() for h in (H, HKV, HKV))
-    return q, k, v, torch.randn(1, H, S, D, generator=g, dtype=dtype, device=device)
+    hq, hkv = heads
+    q, k, v = (torch.randn(1, S, h, dim, generator=g, dtype=dtype, device=device).transpose(1, 2).requires_grad_() for h in (hq, hkv, hkv))
+    return q, k, v, torch.randn(1, hq, S, dim, generator=g, dtype=dtype, device=device)
 
 
-def attention_step(lengths: list[int], kernel: str, dtype=torch.float32, device="cpu", seed: int = 0) -> Callable[[], None]:
-    """One forward + backward of per-document attention over a packed row (CP 1), as a closure."""
+def attention_step(lengths: list[int], kernel: str, dtype=torch.float32, device="cpu", seed: int = 0, *,
+                   heads: tuple[int, int] = (H, HKV), dim: int = D) -> Callable[[], None]:
+    """One forward + backward of per-document attention over a packed row (CP 1), as a closure; ``heads`` is
+    ``(Hq, Hkv)``, ``dim`` the head dim."""
     layout = layout_of(lengths)
     S = layout.seq_len
     batch = {"inputs_embeds": torch.zeros(1, S, 1, dtype=dtype, device=device), "_packed_seq_ids": layout.doc_ids.to(device)}
     ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch, kernel=kernel)
-    q, k, v, grad_out = _qkv(S, dtype, device, seed)
+    q, k, v, grad_out = _qkv(S, dtype, device, seed, heads, dim)
 
     def step() -> None:
         with ctx():
@@ -38,10 +41,11 @@ def attention_step(lengths: list[int], kernel: str, dtype=torch.float32, device=
     return step
 
 
-def per_document_sdpa_step(lengths: list[int], dtype=torch.float32, device="cpu", seed: int = 0) -> Callable[[], None]:
+def per_document_sdpa_step(lengths: list[int], dtype=torch.float32, device="cpu", seed: int = 0, *,
+                           heads: tuple[int, int] = (H, HKV), dim: int = D) -> Callable[[], None]:
     """torch's own SDPA called once per document on separate exact-size tensors (no padding, no packing, no
-    CP machinery): the rate torch's CPU kernel itself reaches on these documents."""
-    docs = [_qkv(n, dtype, device, seed + i) for i, n in enumerate(lengths)]
+    CP machinery): the rate torch's own kernel reaches on these documents."""
+    docs = [_qkv(n, dtype, device, seed + i, heads, dim) for i, n in enumerate(lengths)]
 
     def step() -> None:
         for q, k, v, grad_out in docs:

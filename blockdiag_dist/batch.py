@@ -141,8 +141,10 @@ def make_cp_blockdiag_batch_and_ctx(
         padding_token_id: pad value of ``input_ids``.
         kv_exchange: ``auto`` (default) | ``allgather`` | ``halo`` | ``a2a`` (and synonyms).
         kernel: ``auto`` (default, = ``varlen``) | ``varlen`` | ``dense`` (and synonyms).
-        layout: how rows are assigned to ranks: ``contiguous`` (the seed's sequential sharding) or
-            ``balanced`` (equal rows, equalised attention work; see :mod:`blockdiag_dist.balance`).
+        layout: how rows are assigned to ranks: ``contiguous`` (the seed's sequential sharding),
+            ``balanced`` (equal rows, equalised attention work; see :mod:`blockdiag_dist.balance`) or ``auto``
+            (the cheapest of those two and balanced with chunk boundaries snapped to documents, by a modelled
+            step cost; see :func:`blockdiag_dist.plan.choose_layout`).
         window_sizes: the windows the model's attention calls use; their plans are built here (default:
             the unwindowed one). A window not listed is planned on its first use in the step.
         check_consensus: all-gather a fingerprint of each window's plan on its first use in the step and raise

@@ -78,7 +78,7 @@ class TrainConfig:
     seq_len: int = 37  # odd: CP pads it to a multiple of the CP size
     max_doc_len: int = 24
     tail_padding: int = 0  # padding positions after every row's documents (a CP rank may then hold only padding)
-    layout: str = "contiguous"  # CP sharding: "contiguous" | "balanced"
+    layout: str = "contiguous"  # CP sharding: "contiguous" | "balanced" | "auto"
     lr: float = 1e-2
     weight_decay: float = 0.1
     dtype: str = "float64"

@@ -1,0 +1,191 @@
+"""The GPU check (``python -m verify gpu``): its dry run on CPU runs every step with tiny sizes, and its harness
+reports a step that raises, hangs or dies while the next step still runs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from verify.cases import SOURCES
+from verify.gpu import STEPS, main
+from verify.gpu.backends import BackendRecorder
+from verify.gpu.kernels import CONFIG
+from verify.gpu.multirank import NEEDS, PROBES, cases, exchange_mode
+from verify.runner import pack_expected, unpack_expected
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check(tmp_path: Path, *args: str, block: tuple[str, ...] = ()) -> tuple[int, dict, str]:
+    """Run ``python -m verify gpu --device cpu --quick`` in a fresh interpreter; modules in ``block`` fail to
+    import there and in every step's process."""
+    stubs = tmp_path / "stubs"
+    for name in block:
+        (stubs / name).mkdir(parents=True)
+        (stubs / name / "__init__.py").write_text(f"raise ImportError('{name} is blocked: the GPU check must not need it')\n")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stubs), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-m", "verify", "gpu", "--device", "cpu", "--quick", "--out", str(out), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1150)
+    assert (out / "report.json").exists(), proc.stdout + proc.stderr
+    return proc.returncode, json.loads((out / "report.json").read_text()), (out / "summary.txt").read_text()
+
+
+# The GPU's deadlines fit a quiet machine; on a shared one pool starts alone can take a minute, and this
+# test is about the steps' results (the harness's deadlines are tested below).
+ROOMY = ("--total", "1500", *(a for step in ("matrix", "multirank", "kernels") for a in ("--deadline", f"{step}=400")))
+
+
+@pytest.mark.timeout(1200)
+def test_dry_run_runs_every_step_on_cpu(tmp_path):
+    rc, report, summary = _check(tmp_path, *ROOMY, block=("rich", "hypothesis"))
+    steps = report["steps"]
+    assert list(steps) == list(STEPS)
+    assert {n: s["status"] for n, s in steps.items()} == dict.fromkeys(STEPS, "pass"), summary
+    assert rc == 0 and report["verdict"] == "pass" and report["device"] == "cpu"
+
+    matrix = steps["matrix"]["data"]
+    assert matrix["run"] == matrix["planned"] > 0 and matrix["tf32"] == {"matmul": False, "cudnn": False}
+    assert set(matrix["dtypes"]) == {"float32", "bfloat16", "float16"}
+    for dtype, s in matrix["dtypes"].items():
+        assert s["passed"] == s["cases"] > 0 and s["failed"] == [], dtype
+        assert s["sources"] == sorted(SOURCES) and s["kernels"] == ["dense", "varlen"]
+        assert 0 < s["max_err_over_limit"] <= 1 and s["worst"]["out"]["err"] > 0 and s["tolerance"]
+        assert set(s["sdpa_backends"]) == {"baseline", "implementation varlen", "implementation dense"}
+        assert all(sum(c.values()) > 0 for c in s["sdpa_backends"].values())
+
+    multi = steps["multirank"]["data"]
+    assert set(multi["cps"]) == {"2", "4"}
+    for cp, s in multi["cps"].items():
+        assert s["backend"] == "gloo" and s["device"] == "cpu" and s["unsupported"] == {}
+        assert s["probe"] == {op: {"float32": "ok", "bfloat16": "ok"} for op in PROBES}, cp
+        assert s["run"] == s["planned"] == s["passed"] > 0 and s["failed"] == []
+        assert set(s["by_exchange"]) == {"auto", "allgather", "halo", "a2a"}
+
+    kern = steps["kernels"]["data"]
+    assert kern["matmul_tflops"] > 0 and [r["S"] for r in kern["rows"]] == list(CONFIG["quick"]["sizes"])
+    for row in kern["rows"]:
+        assert set(row["kernels"]) == {"varlen", "dense", "per_doc_sdpa"}
+        for name, m in row["kernels"].items():
+            assert m["seconds"] > 0 and m["useful_tflops"] > 0 and m["peak_bytes"] is None, (row["S"], name, m)
+            assert sum(m["sdpa_backends"].values()) > 0
+
+    for name in STEPS:
+        assert f"[{name}] PASS" in summary
+    # what comes back from a GPU machine: at most 8 files, at most 2 folders down
+    files = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert files == sorted(["report.json", "summary.txt", *(f"logs/{n}.log" for n in STEPS)])
+
+
+def test_a_failed_step_is_reported_and_the_next_one_runs(tmp_path):
+    rc, report, summary = _check(
+        tmp_path, "--steps", "matrix,multirank,kernels,env", "--inject", "matrix=raise", "--inject", "multirank=hang",
+        "--inject", "kernels=exit", "--deadline", "multirank=4",
+    )
+    steps = report["steps"]
+    assert steps["matrix"]["status"] == "error" and "injected failure in step 'matrix'" in steps["matrix"]["error"]
+    assert steps["multirank"]["status"] == "timeout" and 4 <= steps["multirank"]["seconds"] < 30
+    assert steps["kernels"]["status"] == "crash" and steps["kernels"]["returncode"] == 3
+    assert steps["env"]["status"] == "pass" and steps["env"]["data"]["torch"] == torch.__version__
+    assert rc == 1 and report["verdict"] == "fail"
+    for line in ("[matrix] ERROR", "[multirank] TIMEOUT", "[kernels] CRASH", "[env] PASS"):
+        assert line in summary
+
+
+@pytest.mark.parametrize("args, message", [
+    pytest.param(["--steps", "env,nope"], "steps: expected some of", id="unknown-step"),
+    pytest.param(["--inject", "env=boom"], "--inject: expected STEP=raise|hang|exit", id="unknown-injection"),
+    pytest.param(["--deadline", "env=-3"], "--deadline: expected a positive number", id="bad-deadline"),
+])
+def test_usage_errors_name_expected_and_got(tmp_path, capsys, args, message):
+    assert main(["--out", str(tmp_path), "--device", "cpu", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "report.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda is valid here")
+def test_device_cuda_without_cuda_is_a_usage_error(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "--device", "cuda"]) == 2
+    assert "torch.cuda.is_available() == False" in capsys.readouterr().err
+
+
+def test_cli_lists_the_gpu_subcommand():
+    from verify.cli import _parser
+
+    args = _parser().parse_args(["gpu", "--out", "x", "--quick"])
+    assert args.command == "gpu" and args.quick and args.device is None
+
+
+def test_backend_recorder_names_the_backend_torch_runs():
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    rec = BackendRecorder()
+    with rec.role("forced"), sdpa_kernel(SDPBackend.MATH):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool).tril())
+    with rec.role("outside"):
+        pass
+    assert rec.counts() == {"forced": {"MATH/float32": 1}, "outside": {}}
+
+
+def test_bfloat16_expected_results_travel_exactly():
+    t = torch.randn(5, 3).to(torch.bfloat16)
+    back = unpack_expected(pack_expected({"base": {"out": t}, "ref": None}))
+    assert back["ref"] is None and torch.equal(back["base"]["out"], t.float())
+
+
+def test_every_exchange_mode_of_the_multirank_cases_has_its_collectives_listed():
+    modes = {exchange_mode(c) for cp in (2, 4) for c in cases(cp, quick=False)}
+    assert None not in modes and modes <= set(NEEDS) and {"halo", "a2a", "allgather"} <= modes
+    assert {op for ops in NEEDS.values() for op in ops} <= set(PROBES)
+
+
+@pytest.mark.timeout(600)
+def test_an_exchange_whose_collective_fails_is_reported_unsupported(tmp_path, monkeypatch):
+    """What a GPU over gloo may show: one collective fails the probe; its exchange's cases are not run (one
+    is, to show its error), every other case runs."""
+    import time
+
+    from verify.gpu import multirank
+    from verify.gpu.step import StepContext
+
+    real = multirank._probe_all
+
+    def probe_without_p2p(pool, device, timeout):
+        result = real(pool, device, timeout)
+        result["batch_isend_irecv"] = {d: "RuntimeError: planted: no p2p here" for d in multirank.PROBE_DTYPES}
+        return result
+
+    monkeypatch.setattr(multirank, "_probe_all", probe_without_p2p)
+    ctx = StepContext("cpu", True, time.monotonic() + 500, tmp_path / "step.json", {"cps": {}})
+    multirank._run_cp(ctx, 2, "gloo", time.monotonic() + 500)
+    out = ctx.data["cps"]["2"]
+    halo = [c for c in multirank.cases(2, quick=True) if multirank.exchange_mode(c) == "halo"]
+    assert halo and out["planned"] == len(multirank.cases(2, quick=True)) - len(halo)
+    assert out["run"] == out["passed"] == out["planned"] and "halo" not in out["by_exchange"]
+    u = out["unsupported"]["halo"]
+    assert u["cases_not_run"] == len(halo) and u["collective_errors"] == {"batch_isend_irecv": "RuntimeError: planted: no p2p here"}
+    assert u["example"]["status"] == "pass"  # on CPU the collective works: the example case passes
+    text = "\n".join(multirank.summarize(ctx.data))
+    assert "batch_isend_irecv (float32: RuntimeError: planted" in text and "exchange halo unsupported here" in text
+
+
+def test_summaries_show_failures_errors_and_partial_records():
+    from verify.gpu import env, kernels, matrix, multirank
+
+    row = {"S": 131072, "docs": 700, "longest_doc": 2048, "useful_tflop": 1.0, "kernels": {
+        "varlen": {"seconds": 0.05, "useful_tflops": 20.0, "of_matmul": 0.03, "peak_bytes": 2**33},
+        "dense": {"error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 GiB"}}}
+    text = "\n".join(kernels.summarize({"heads": [32, 8], "head_dim": 128, "matmul_tflops": 700.0, "matmul_n": 8192, "rows": [row]}))
+    assert "varlen 50.0 ms (20 TFLOP/s = 0.03 of matmul, peak 8.0 GiB)" in text and "dense OutOfMemoryError" in text
+    failed = {"label": "one-long cp1", "status": "fail", "details": "dq: err 1 > limit 0.5 on rank 0", "reproduce": "torchrun ..."}
+    s = {"cases": 2, "passed": 1, "max_err_over_limit": 2.0, "tolerance": {}, "failed": [failed],
+         "sdpa_backends": {"baseline": {"MATH/float32": 2}, "implementation varlen": {"EFFICIENT_ATTENTION/float32": 3}}}
+    text = "\n".join(matrix.summarize({"run": 2, "planned": 180, "stopped": "step deadline near", "dtypes": {"float32": s}}))
+    assert "2 of 180 cases run (step deadline near)" in text and "FAILED one-long cp1: dq: err 1" in text and "torchrun ..." in text
+    assert "EFFICIENT_ATTENTION': 3" in text and "['MATH']" in text
+    for module in (env, kernels, matrix, multirank):  # a step killed before it saved anything
+        assert isinstance(module.summarize({}), list)

@@ -1,0 +1,217 @@
+"""The parent of the GPU check: runs each step in its own process under its own deadline, and writes the
+report (``report.json``, ``summary.txt``, ``logs/<step>.log``: six files, nothing deeper than one folder) after
+every step, so that whatever finished is on disk even if the whole run is cut short.
+
+A step's process is the leader of its own process group: at its deadline the group is killed (pool workers
+included) and the step is reported as ``timeout`` with what it had saved; the next step still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .step import INJECTIONS, STEPS
+
+__all__ = ["DEADLINES", "TOTAL_S", "add_arguments", "main", "run_check"]
+
+ROOT = Path(__file__).resolve().parents[2]
+DEADLINES = {"env": 60.0, "matrix": 120.0, "multirank": 150.0, "kernels": 150.0}  # seconds per step
+TOTAL_S = 470.0  # the whole check stays under 8 minutes, starts included
+MIN_STEP_S = 20.0  # a step is not started with less time than this left
+OK = ("pass",)
+NOT_FAILED = ("pass", "incomplete", "unsupported", "skipped")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="folder for report.json, summary.txt and logs/")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda if torch.cuda.is_available(), else cpu (the dry run)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (the dry run's)")
+    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, in order (default: {','.join(STEPS)})")
+    p.add_argument("--deadline", action="append", default=[], metavar="STEP=SECONDS",
+                   help="override a step's deadline (defaults: " + ", ".join(f"{k} {v:.0f}" for k, v in DEADLINES.items()) + ")")
+    p.add_argument("--total", type=float, default=TOTAL_S, help=f"seconds for the whole check (default {TOTAL_S:.0f})")
+    p.add_argument("--inject", action="append", default=[], metavar="STEP=" + "|".join(INJECTIONS),
+                   help="testing the harness: make STEP raise, hang or exit")
+
+
+def _pairs(items: Sequence[str], what: str, values: Sequence[str] | None = None) -> dict[str, str]:
+    out = {}
+    for item in items:
+        step, sep, value = item.partition("=")
+        if not sep or step not in STEPS or (values is not None and value not in values):
+            want = "|".join(values) if values else "SECONDS"
+            raise ValueError(f"{what}: expected STEP={want} with STEP one of {', '.join(STEPS)}, got {item!r}")
+        out[step] = value
+    return out
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"--deadline: expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _git_commit() -> str | None:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + (" (uncommitted changes)" if dirty.stdout.strip() else "") if head.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def _run_step(name: str, out: Path, work: Path, device: str, quick: bool, seconds: float, inject: str | None) -> dict:
+    """One step in its own process group; its record for the report (the step's own file lives in ``work``)."""
+    result_file, log = work / f"{name}.json", out / "logs" / f"{name}.log"
+    cmd = [sys.executable, "-m", "verify.gpu", name, "--out", str(result_file), "--device", device,
+           "--seconds", f"{seconds:.1f}", *(["--quick"] if quick else []), *(["--inject", inject] if inject else [])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    t0 = time.monotonic()
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=seconds)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        try:  # the group: pool workers the step started go too
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    record: dict = {"seconds": round(time.monotonic() - t0, 2), "deadline_s": seconds, "returncode": proc.returncode,
+                    "log": str(log.relative_to(out))}
+    try:
+        saved = json.loads(result_file.read_text())
+    except (OSError, ValueError):
+        saved = {"status": None, "data": {}, "error": None}
+    record["data"] = saved.get("data", {})
+    if timed_out:
+        record["status"] = "timeout"
+        record["error"] = f"did not finish within its deadline of {seconds:.0f} s; killed (what it saved is kept)"
+    elif saved.get("status") in (None, "running"):
+        record["status"] = "crash"
+        record["error"] = f"the step's process exited with code {proc.returncode} before reporting"
+    else:
+        record["status"] = saved["status"]
+        if saved.get("error"):
+            record["error"] = saved["error"]
+    if record["status"] not in OK:
+        record["log_tail"] = _tail(log)
+    return record
+
+
+def _summary_lines(report: dict) -> list[str]:
+    env = report["steps"].get("env", {}).get("data", {})
+    head = (f"blockdiag GPU check: {report['verdict'].upper()} in {report['wall_seconds']:.0f} s, device {report['device']}"
+            f"{' (' + env['gpu'] + ')' if env.get('gpu') else ''}, torch {env.get('torch', '?')}, "
+            f"{'quick sizes' if report['quick'] else 'full sizes'}; commit {report.get('commit') or 'unknown'}")
+    lines = [head, f"started {report['started_utc']}; report: report.json, logs: logs/"]
+    for name, rec in report["steps"].items():
+        lines.append("")
+        lines.append(f"[{name}] {rec['status'].upper()} in {rec.get('seconds', 0):.1f} s (deadline {rec.get('deadline_s', 0):.0f} s)")
+        try:
+            lines += ["  " + ln for ln in importlib.import_module(f"verify.gpu.{name}").summarize(rec.get("data", {}))]
+        except Exception as exc:  # noqa: BLE001 - a partial record may lack fields; the JSON has everything
+            lines.append(f"  (summary unavailable: {type(exc).__name__}: {exc})")
+        if rec.get("error"):
+            lines.append("  error: " + rec["error"].strip().splitlines()[-1])
+    return lines
+
+
+def _write(out: Path, report: dict) -> None:
+    tmp = out / "report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    os.replace(tmp, out / "report.json")
+    (out / "summary.txt").write_text("\n".join(_summary_lines(report)) + "\n")
+
+
+def _verdict(statuses: Sequence[str]) -> str:
+    if any(s not in NOT_FAILED for s in statuses):
+        return "fail"
+    return "pass" if all(s in ("pass", "unsupported") for s in statuses) else "incomplete"
+
+
+def run_check(out: Path | str, *, device: str | None = None, quick: bool = False, steps: Sequence[str] = STEPS,
+              deadlines: dict[str, float] | None = None, total: float = TOTAL_S,
+              inject: dict[str, str] | None = None, command: str | None = None) -> int:
+    """Run the check; returns the exit status (0 iff the verdict is pass). See the package docstring."""
+    import torch
+
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown or not steps:
+        raise ValueError(f"steps: expected some of {', '.join(STEPS)}, got {list(steps)}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: expected a CUDA device for --device cuda, got torch.cuda.is_available() == False")
+    out = Path(out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="blockdiag-gpu-check-"))
+    limits = dict(DEADLINES, **(deadlines or {}))
+    report: dict = {
+        "schema": 1, "device": device, "quick": quick, "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git_commit(), "command": command,
+        "total_s": total, "verdict": "running", "wall_seconds": 0.0, "steps": {},
+    }
+    t0 = time.monotonic()
+    try:
+        for name in steps:
+            left = total - (time.monotonic() - t0)
+            if left < MIN_STEP_S:
+                report["steps"][name] = {"status": "skipped", "error": f"only {left:.0f} s of the check's {total:.0f} s left", "data": {}}
+            else:
+                report["steps"][name] = _run_step(name, out, work, device, quick, min(limits[name], left), (inject or {}).get(name))
+            report["wall_seconds"] = time.monotonic() - t0
+            _write(out, report)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report["verdict"] = _verdict([r["status"] for r in report["steps"].values()])
+    _write(out, report)
+    print((out / "summary.txt").read_text(), end="")
+    return 0 if report["verdict"] == "pass" else 1
+
+
+def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
+    """``python -m verify gpu ...`` (argv after ``gpu``, or the namespace ``verify.cli`` parsed)."""
+    if isinstance(argv, argparse.Namespace):
+        args, given = argv, sys.argv[1:]
+    else:
+        given = ["gpu", *(sys.argv[2:] if argv is None else argv)]
+        p = argparse.ArgumentParser(prog="python -m verify gpu", description=sys.modules["verify.gpu"].__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(p)
+        args = p.parse_args(given[1:])
+    try:
+        deadlines = {k: _seconds(v) for k, v in _pairs(args.deadline, "--deadline").items()}
+        return run_check(args.out, device=args.device, quick=args.quick, steps=[s.strip() for s in args.steps.split(",") if s.strip()],
+                         deadlines=deadlines, total=args.total, inject=_pairs(args.inject, "--inject", INJECTIONS),
+                         command=" ".join(["python -m verify", *map(shlex.quote, given)]))
+    except ValueError as exc:
+        print(f"verify gpu: {exc}", file=sys.stderr)
+        return 2

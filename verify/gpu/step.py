@@ -1,0 +1,75 @@
+"""One step of the GPU check, in its own process: ``python -m verify.gpu NAME --out FILE ...`` (the harness
+starts these).
+
+The step writes ``FILE`` (JSON: ``status``, ``data``, ``error``) whenever it has something new, so a step
+killed at its deadline still leaves what it measured. The parent (``harness``) reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["INJECTIONS", "STEPS", "StepContext", "main"]
+
+STEPS = ("env", "matrix", "multirank", "kernels")  # modules of this package, in running order
+INJECTIONS = ("raise", "hang", "exit")  # faults a test plants in a step to check the harness
+
+
+@dataclass
+class StepContext:
+    """What a step gets: where to run, how big, until when, and where its results go."""
+
+    device: str  # "cpu" | "cuda"
+    quick: bool  # tiny sizes (the dry run)
+    finish_by: float  # time.monotonic() after which a step starts no new work (its hard deadline is later)
+    path: Path
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def time_left(self) -> float:
+        return self.finish_by - time.monotonic()
+
+    def save(self, status: str = "running", error: str | None = None) -> None:
+        """Write the step's results so far (atomically: the parent never reads half a file)."""
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"status": status, "data": self.data, "error": error}, indent=1, default=str))
+        os.replace(tmp, self.path)
+
+
+def _inject(how: str | None, name: str) -> None:
+    if how == "raise":
+        raise RuntimeError(f"injected failure in step {name!r}")
+    if how == "hang":
+        time.sleep(10**6)
+    if how == "exit":
+        os._exit(3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m verify.gpu", description="one step of the GPU check (python -m verify gpu runs them)")
+    p.add_argument("name", choices=STEPS)
+    p.add_argument("--out", required=True, help="the step's JSON file")
+    p.add_argument("--device", required=True, choices=("cpu", "cuda"))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--seconds", type=float, required=True, help="the step's hard deadline, seconds from now")
+    p.add_argument("--inject", choices=INJECTIONS)
+    args = p.parse_args(argv)
+    # keep a margin before the hard deadline for the last piece of work and the final write
+    margin = min(30.0, 0.2 * args.seconds)
+    ctx = StepContext(args.device, args.quick, time.monotonic() + args.seconds - margin, Path(args.out))
+    ctx.save()
+    try:
+        _inject(args.inject, args.name)
+        status = importlib.import_module(f"verify.gpu.{args.name}").run(ctx)
+    except BaseException:  # noqa: BLE001 - the parent reports it; the next step still runs
+        ctx.save("error", traceback.format_exc())
+        return 1
+    ctx.save(status)
+    return 0
