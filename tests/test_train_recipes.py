@@ -179,3 +179,18 @@ def test_compiled_block_breaks_only_at_cp_attention_and_does_not_recompile_per_s
         if step == 0:
             first = len(graphs)
     assert len(graphs) == first == BLOCK_GRAPH_BREAKS + 1, f"expected no recompile per step, got {graphs}"
+
+
+def test_recipe_helpers_refuse_wrong_input():
+    from blockdiag_dist.integrations import flat_mesh, fsdp_sum_gradients, shift_labels
+
+    with pytest.raises(ValueError, match=r"expected an integer tensor \[B, S\], got torch.int64 of shape \(5,\)"):
+        shift_labels(torch.arange(5))
+    with pytest.raises(ValueError, match="mesh: expected a DeviceMesh, got NoneType"):
+        flat_mesh(None)
+    with pytest.raises(ValueError, match="expected a module sharded with fully_shard, got no FSDP module"):
+        fsdp_sum_gradients(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"schedule: expected one of \('interleaved', 'deferred'\), got '1f1b'"):
+        TrainConfig(schedule="1f1b")
+    with pytest.raises(ValueError, match="TrainConfig.micro_batches: expected a divisor of rows=4, got 3"):
+        TrainConfig(micro_batches=3)
