@@ -227,3 +227,12 @@ def test_conformance_report_classes_every_cell(tmp_path):
     assert "| `nemo` | 0 | 2 | 2 | 0 | 0 | 0 |" in text
     if not torch.cuda.is_available():
         assert "`ring_flash_attn`: CUDA only" in text
+
+
+def test_a_pool_that_cannot_start_reports_every_case_as_crash():
+    """Each case retries the start and reports its failure (later chunks once turned into KeyErrors)."""
+    cases = [dataclasses.replace(REUSED, seed=s) for s in range(3)]
+    with Session(case_timeout=30.0, chunk=2, backend="no-such-backend") as s:
+        results = s.run(cases, impl="verify.mutants.toy")
+    assert [r.status for r in results] == ["crash"] * 3
+    assert all("PoolError" in r.details and "KeyError" not in r.details for r in results), [r.details for r in results]

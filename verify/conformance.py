@@ -147,7 +147,7 @@ def write_markdown(path: str, data: dict[str, Any]) -> None:
             continue
         lines += ["", f"## `{name}`", ""]
         notes = (e.get("conventions") or {}).get("notes") or ()
-        lines += [f"Adapter note: {n}" for n in notes] + ([""] if notes else [])
+        lines += [f"- Adapter note: {n}" for n in notes] + ([""] if notes else [])
         lines += _matrix(e["cells"])
         lines += _findings(name, e)
     skipped = [(n, e) for n, e in data["impls"].items() if e["unavailable"]]

@@ -177,10 +177,13 @@ class Session:
         prepare(0)
         while i < len(cases):
             hi = min(i + self.chunk, len(cases))
+            prepare(i)  # after failed starts, i may have moved past the prepared chunk
             try:
                 ids = pool.submit(run_case, [((cases[j].to_dict(), impl, packed[j]), {}) for j in range(i, hi)])
             except Exception as exc:  # noqa: BLE001 - e.g. the pool could not start: report, don't hang
                 yield CaseResult(case=cases[i], status="crash", details=f"{type(exc).__name__}: {exc}", impl=impl)
+                expected.pop(i, None)
+                packed.pop(i, None)
                 i += 1
                 continue
             prepare(hi)
