@@ -22,8 +22,9 @@ from blockdiag_dist.plan import plan_step
 from verify.pool import WorkerPool
 from verify.report import make_console
 
-from .dist import peak_memory, timed_steps
+from .dist import consensus_cost, peak_memory, timed_steps
 from .kernel import D, H, HKV, attention_step, bench_kernel, bench_scaling
+from .peers import bench_peers
 from .workloads import interleaved, layout_of, long_tail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +74,14 @@ def bench_cp_efficiency(cps, S, reps, seed=0) -> dict:
     return {"rows": rows}
 
 
+def bench_consensus(cp, S, reps, seed=0) -> dict:
+    """The plan consensus check (on by default): batch function with / without it, and its cost per step."""
+    with WorkerPool(cp) as pool:
+        per_rank = pool.run(consensus_cost, args=(S, seed, reps), timeout=1800, name=f"consensus cp{cp}")
+    t = {k: max(r[k] for r in per_rank) for k in ("on", "off", "step")}
+    return {"cp": cp, "S": S, "seconds": t, "batch_fn_ratio": t["on"] / t["off"], "added_over_step": (t["on"] - t["off"]) / t["step"]}
+
+
 def bench_memory(S, cp, seed=0) -> dict:
     with WorkerPool(cp) as pool:
         per_rank = pool.run(peak_memory, args=(S, seed), timeout=1800, name=f"memory S{S}")
@@ -110,7 +119,7 @@ def bench_balance(cps, S, seeds, step_cp, step_S, reps) -> dict:
         for seed in seeds:
             ids = layout_of(long_tail(S, seed)).doc_ids
             row = {"cp": cp, "S": S, "seed": seed}
-            for layout in ("contiguous", "balanced"):
+            for layout in ("contiguous", "balanced", "auto"):
                 plan = plan_step(ids, cp, layout)
                 work, tokens = plan.work_per_rank(), plan.real_tokens_per_rank()
                 needed = plan.exchange(-1).needed_tokens()
@@ -118,13 +127,15 @@ def bench_balance(cps, S, seeds, step_cp, step_S, reps) -> dict:
                     "work_max_over_mean": max(work) / (sum(work) / cp),
                     "tokens_max_over_mean": max(tokens) / (sum(tokens) / cp),
                     "needed_tokens_max": max(needed), "needed_tokens_total": sum(needed),
+                    "choice": plan.shards.layout,
                 }
             plans.append(row)
-    configs = [{"name": "contiguous", "layout": "contiguous"}, {"name": "balanced", "layout": "balanced"}]
+    names = ("contiguous", "balanced", "auto")
+    configs = [{"name": name, "layout": name} for name in names]
     with WorkerPool(step_cp) as pool:
         per_rank = pool.run(timed_steps, args=(step_S, 0, configs, reps), timeout=1800, name="balance")
-    step = {name: max(r[name]["seconds"] for r in per_rank) for name in ("contiguous", "balanced")}
-    work = {name: [r[name]["work"] for r in per_rank] for name in ("contiguous", "balanced")}
+    step = {name: max(r[name]["seconds"] for r in per_rank) for name in names}
+    work = {name: [r[name]["work"] for r in per_rank] for name in names}
     return {"plans": plans, "step": {"cp": step_cp, "S": step_S, "seconds": step, "speedup": step["contiguous"] / step["balanced"],
                                      "work_per_rank": work}}
 
@@ -134,11 +145,13 @@ def run(quick: bool) -> dict:
     t0 = time.perf_counter()
     res: dict = {"quick": quick, "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}}
     sections = [
+        ("peers", lambda: bench_peers(4096 if quick else 8192, rounds=1 if quick else 2, reps=1 if quick else 2)),
         ("kernel", lambda: bench_kernel((4096,) if quick else (4096, 16384), reps=2 if quick else 3)),
         ("scaling", lambda: bench_scaling((2048, 4096, 8192) if quick else (2048, 4096, 8192, 16384, 32768), reps=2 if quick else 3)),
         ("exchange", lambda: bench_exchange((2, 4), (8192,) if quick else (8192, 32768), reps=2 if quick else 3)),
         ("cp_efficiency", lambda: bench_cp_efficiency((2, 4), 8192 if quick else 32768, reps=2 if quick else 3)),
         ("balance", lambda: bench_balance((4, 8), 32768, (0, 1, 2), step_cp=2, step_S=8192 if quick else 32768, reps=2 if quick else 3)),
+        ("consensus", lambda: bench_consensus(4, 8192 if quick else 32768, reps=3 if quick else 5)),
         ("verifier", lambda: bench_verifier((2, 4), 60 if quick else 200)),
     ]
     if not quick:

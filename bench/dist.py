@@ -15,7 +15,7 @@ from verify.pool import worker_info
 from .kernel import D, H, HKV
 from .workloads import layout_of, long_tail
 
-__all__ = ["peak_memory", "timed_steps"]
+__all__ = ["consensus_cost", "peak_memory", "timed_steps"]
 
 
 def _step_fn(ids: torch.Tensor, mesh, config: dict, seed: int):
@@ -32,7 +32,7 @@ def _step_fn(ids: torch.Tensor, mesh, config: dict, seed: int):
 
     def step() -> None:
         with ctx():
-            out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+            out = cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True)
             torch.autograd.grad(out, (q, k, v), grad_out)
 
     return ctx.state, step
@@ -110,3 +110,25 @@ def peak_memory(S: int, seed: int) -> dict:
         "local_len": state.local_len,
         "seconds": seconds,
     }
+
+
+def consensus_cost(S: int, seed: int, reps: int) -> dict:
+    """Median time of the batch function with and without the plan consensus check (alternating, between
+    barriers), and of one attention step, at sequence length ``S``."""
+    mesh = worker_info()["cp_mesh"]
+    ids = layout_of(long_tail(S, seed)).doc_ids
+    times: dict[str, list[float]] = {"on": [], "off": [], "step": []}
+    _, step = _step_fn(ids, mesh, {}, seed)
+    for rep in range(reps + 1):
+        for name in ("on", "off", "step"):
+            batch = {"inputs_embeds": torch.zeros(1, S, 1), "_packed_seq_ids": ids}
+            dist.barrier()
+            t0 = time.perf_counter()
+            if name == "step":
+                step()
+            else:
+                make_cp_blockdiag_batch_and_ctx(mesh, None, batch, check_consensus=name == "on")
+            dist.barrier()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}

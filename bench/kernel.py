@@ -35,7 +35,7 @@ def attention_step(lengths: list[int], kernel: str, dtype=torch.float32, device=
 
     def step() -> None:
         with ctx():
-            out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+            out = cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True)
             torch.autograd.grad(out, (q, k, v), grad_out)
 
     return step

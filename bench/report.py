@@ -9,10 +9,16 @@ from rich.table import Table
 GOALS = {
     "speedup_over_dense": 10.0,
     "fraction_of_matmul": 0.5,
-    "needed_only_speedup_cp4": 2.0,
+    "needed_only_speedup_cp4": 1.5,  # CP 4, S = 32k: needed-only step vs all-gather step
     "balanced_work_max_over_mean": 1.05,
     "verifier_cases_per_second": 50.0,
+    "cp2_one_doc_auto_over_single": 1.10,  # at most: CP 2 step / single-device step, one causal document
+    "cp2_long_tail_auto_over_single": 1.00,  # at most: the same on long-tail packed documents
+    "ring_over_auto_one_doc": 7.0,  # at least: ring-attention-pytorch step / blockdiag auto step
+    "kernel_over_per_doc_sdpa": 1.00,  # at most: varlen step / torch SDPA per document (at least as fast)
 }
+GOAL_AT_MOST = {"cp2_one_doc_auto_over_single", "cp2_long_tail_auto_over_single", "kernel_over_per_doc_sdpa",
+                "balanced_work_max_over_mean"}
 
 
 def _gib(n: float) -> str:
@@ -23,9 +29,66 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def _met(name: str, value: float) -> str:
+    ok = value <= GOALS[name] if name in GOAL_AT_MOST else value >= GOALS[name]
+    return f"{'met' if ok else 'NOT met'} ({'<=' if name in GOAL_AT_MOST else '>='} {GOALS[name]:.2f}x)"
+
+
+def goal_figures(res: dict) -> list[tuple[str, str, float]]:
+    """(goal key, what, measured ratio) of every goal whose section is present."""
+    out = []
+    if "peers" in res:
+        rows = {r["workload"]: r for r in res["peers"]["rows"]}
+        auto = {w: r["configs"].get("blockdiag auto", {}) for w, r in rows.items()}
+        if "median_ratio" in auto.get("one-doc", {}):
+            out.append(("cp2_one_doc_auto_over_single", "CP 2 one causal document, auto / single device", auto["one-doc"]["median_ratio"]))
+        if "median_ratio" in auto.get("long-tail", {}):
+            out.append(("cp2_long_tail_auto_over_single", "CP 2 long-tail packed, auto / single device", auto["long-tail"]["median_ratio"]))
+        ring = rows.get("one-doc", {}).get("configs", {}).get("ring-attention-pytorch", {})
+        if "median_seconds" in ring and "median_seconds" in auto.get("one-doc", {}):
+            out.append(("ring_over_auto_one_doc", "ring-attention-pytorch / blockdiag auto, one document", ring["median_seconds"] / auto["one-doc"]["median_seconds"]))
+    if "kernel" in res:
+        for r in res["kernel"]["rows"]:
+            out.append(("kernel_over_per_doc_sdpa", f"local kernel / torch SDPA per document, S={r['S']}", r["varlen_s"] / r["per_doc_sdpa_s"]))
+    if "exchange" in res:
+        for row in res["exchange"]["rows"]:
+            if row["cp"] == 4 and row["S"] == 32768:
+                best = max((m["speedup_over_allgather"], n) for n, m in row["modes"].items() if n in ("halo", "a2a", "auto") and "seconds" in m)
+                out.append(("needed_only_speedup_cp4", f"CP 4 S=32k needed-only ({best[1]}) vs all-gather", best[0]))
+    return out
+
+
+def _peer_cell(c: dict) -> str:
+    if "skipped" in c:
+        return f"- ({c['skipped']})"
+    ratios = c.get("ratio", [])
+    spread = f", {min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else ""
+    chk = c.get("check")
+    verdict = "" if chk is None else (" ok" if chk["ok"] else f" WRONG: err {chk['max_rel_err']:.2g} ({max(chk['errors'], key=chk['errors'].get)})")
+    return f"{c['median_seconds']:.2f} s ({c['median_ratio']:.2f}x{spread}){verdict}"
+
+
 def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of every section present in ``res``."""
     out = []
+    figures = goal_figures(res)
+    if figures:
+        out.append(("Goals: each figure of this run against its goal", ["figure", "measured", "goal"],
+                    [[what, f"{value:.2f}x", _met(key, value)] for key, what, value in figures]))
+    if "peers" in res:
+        p = res["peers"]
+        names = list(p["rows"][0]["configs"])
+        rows = []
+        for r in p["rows"]:
+            single = r["single_seconds"]
+            spread = f" ({min(single):.2f}-{max(single):.2f})" if len(single) > 1 else ""
+            rows.append([f"{r['workload']} ({r['docs']} docs; auto = {r['auto_layout'][5:]})", f"{sorted(single)[len(single) // 2]:.2f} s{spread}"]
+                        + [_peer_cell(r["configs"][n]) for n in names])
+        out.append((f"Peers side by side: attention fwd+bwd, S={p['rows'][0]['S']}, H={p['heads'][0]}, Hkv={p['heads'][1]}, D={p['head_dim']}, "
+                    f"{p['dtype']}; single device = one process x {p['threads']} threads (torch SDPA per document); CP {p['cp']} = "
+                    f"{p['cp']} gloo processes x 1 thread; time (ratio to single device, spread over rounds), each checked against "
+                    f"the single-device result (relative error <= {p['check_rtol']:g})",
+                    ["work", "single device"] + names, rows))
     if "kernel" in res:
         k = res["kernel"]
         rows = [[str(r["S"]), str(r["docs"]), str(r["longest_doc"]), f"{r['varlen_s'] * 1e3:.0f}", f"{r['dense_s'] * 1e3:.0f}",
@@ -50,6 +113,12 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                              _mib(max(m["recv_bytes_per_rank"])), _mib(max(m["min_recv_bytes_per_rank"])), f"{m['bytes_over_minimum']:.2f}"])
         out.append(("K/V exchange: attention step fwd+bwd, and the exchange alone fwd+bwd (slowest rank), gloo",
                     ["CP", "S", "mode", "step ms", "step vs all-gather", "exchange ms", "exchange vs all-gather", "max MiB recv/rank", "max MiB minimum", "bytes / minimum"], rows))
+    if "consensus" in res:
+        c = res["consensus"]
+        out.append((f"Plan consensus check (on by default), CP {c['cp']}, S={c['S']}, slowest rank",
+                    ["batch fn ms, check on", "check off", "on / off", "step ms (fwd+bwd)", "added / step"],
+                    [[f"{c['seconds']['on'] * 1e3:.1f}", f"{c['seconds']['off'] * 1e3:.1f}", f"{c['batch_fn_ratio']:.2f}x",
+                      f"{c['seconds']['step'] * 1e3:.0f}", f"{c['added_over_step']:.3f}"]]))
     if "cp_efficiency" in res:
         rows = [[str(r["cp"]), str(r["S"]), f"{r['single_seconds'] * 1e3:.0f}", f"{r['cp_seconds'] * 1e3:.0f}", f"{r['speedup']:.2f}x"] for r in res["cp_efficiency"]["rows"]]
         out.append((f"CP efficiency: CP step (W processes x 1 thread) against one process with {res['cp_efficiency']['rows'][0]['cores']} threads doing the same work, on the same {res['cp_efficiency']['rows'][0]['cores']} cores",
@@ -57,14 +126,17 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     if "balance" in res:
         b = res["balance"]
         rows = [[str(r["cp"]), str(r["S"]), str(r["seed"]), f"{r['contiguous']['work_max_over_mean']:.3f}", f"{r['balanced']['work_max_over_mean']:.3f} (goal <= {GOALS['balanced_work_max_over_mean']})",
+                 f"{r['auto']['work_max_over_mean']:.3f} ({r['auto']['choice'][5:]})" if "auto" in r else "-",
                  f"{r['contiguous']['tokens_max_over_mean']:.3f}", f"{r['balanced']['tokens_max_over_mean']:.3f}",
-                 str(r["contiguous"]["needed_tokens_total"]), str(r["balanced"]["needed_tokens_total"])] for r in b["plans"]]
-        out.append(("Load balance (long-tail layouts): max/mean per rank, contiguous vs balanced",
-                    ["CP", "S", "seed", "work contiguous", "work balanced", "tokens contiguous", "tokens balanced", "K/V tokens moved contiguous", "balanced"], rows))
+                 str(r["contiguous"]["needed_tokens_total"]), str(r["balanced"]["needed_tokens_total"]),
+                 str(r["auto"]["needed_tokens_total"]) if "auto" in r else "-"] for r in b["plans"]]
+        out.append(("Load balance (long-tail layouts): max/mean per rank, contiguous vs balanced vs auto (its choice)",
+                    ["CP", "S", "seed", "work contiguous", "work balanced", "work auto", "tokens contiguous", "tokens balanced",
+                     "K/V tokens moved contiguous", "balanced", "auto"], rows))
         s = b["step"]
-        out.append((f"Balanced vs contiguous step time at CP {s['cp']}, S={s['S']} (one core per rank)", ["layout", "ms", "work per rank"],
-                    [[name, f"{s['seconds'][name] * 1e3:.0f}", str(s["work_per_rank"][name])] for name in ("contiguous", "balanced")]
-                    + [["speedup", f"{s['speedup']:.2f}x", ""]]))
+        out.append((f"Layouts' step time at CP {s['cp']}, S={s['S']} (one core per rank)", ["layout", "ms", "work per rank"],
+                    [[name, f"{s['seconds'][name] * 1e3:.0f}", str(s["work_per_rank"][name])] for name in s["seconds"]]
+                    + [["balanced speedup over contiguous", f"{s['speedup']:.2f}x", ""]]))
     if "verifier" in res:
         rows = [[cp, str(v["cases"]), str(v["failed"]), f"{v['cases_per_second']:.1f} (goal >= {GOALS['verifier_cases_per_second']:.0f})"] for cp, v in res["verifier"]["cps"].items()]
         out.append(("Verifier throughput (pool start excluded)", ["CP", "cases", "failed", "cases/s"], rows))
@@ -122,7 +194,29 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    fig, axes = plt.subplots(3, 3, figsize=(16, 13))
+    if "peers" in res:
+        for ax, r in zip(axes[2, :2], res["peers"]["rows"]):
+            timed = {n: c for n, c in r["configs"].items() if "median_seconds" in c}
+            labels = ["single device"] + list(timed)
+            values = [sorted(r["single_seconds"])[len(r["single_seconds"]) // 2]] + [c["median_seconds"] for c in timed.values()]
+            bars = ax.bar(range(len(labels)), values, color=["grey"] + ["C0"] * 3 + ["C1"] * (len(labels) - 4))
+            for b, c in zip(bars[1:], timed.values()):
+                if c.get("check") and not c["check"]["ok"]:
+                    b.set_hatch("//")
+            ax.set_xticks(range(len(labels)), [lb.replace("blockdiag ", "bd ").replace(" blockdiag_cp", "") for lb in labels], rotation=30)
+            ax.set_ylabel("fwd+bwd seconds")
+            goal = GOALS["cp2_one_doc_auto_over_single" if r["workload"] == "one-doc" else "cp2_long_tail_auto_over_single"]
+            ax.axhline(values[0] * goal, color="grey", lw=0.8, ls="--")
+            ax.set_title(f"CP {res['peers']['cp']}, {r['workload']}, S={r['S']} (dashed: goal for auto; hatched: wrong result)")
+    figures = goal_figures(res)
+    if figures:
+        ax = axes[2, 2]
+        ax.barh(range(len(figures)), [v / GOALS[k] for k, _, v in figures],
+                color=["C2" if ((v <= GOALS[k]) if k in GOAL_AT_MOST else (v >= GOALS[k])) else "C3" for k, _, v in figures])
+        ax.set_yticks(range(len(figures)), [w[:40] for _, w, _ in figures], fontsize=7)
+        ax.axvline(1.0, color="grey", lw=0.8)
+        ax.set_title("measured / goal (green: met)")
     if "kernel" in res:
         rows = res["kernel"]["rows"]
         _grouped_bars(axes[0, 0], [f"S={r['S']}\n{r['speedup_over_dense']:.1f}x" for r in rows],

@@ -7,18 +7,20 @@ Main entry: :func:`make_cp_blockdiag_batch_and_ctx` shards a packed batch over a
 
 from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
 from .options import configure_cp_varlen
-from .plan import ExchangePlan, ShardPlan, StepPlan, plan_exchange, plan_shards, plan_step
+from .plan import ExchangePlan, ShardPlan, StepPlan, choose_layout, plan_exchange, plan_shards, plan_step
 from .runtime import cp_blockdiag_sdpa, sdpa_routing
 from .sharding import gather_sequence, shard_tensor, unshard
-from .state import PlanMismatchError, StepState, current_state
+from .state import AttentionNotRoutedError, PlanMismatchError, StepState, current_state
 
 __all__ = [
+    "AttentionNotRoutedError",
     "ExchangePlan",
     "PlanMismatchError",
     "ShardPlan",
     "StepPlan",
     "StepState",
     "_cp_blockdiag_doc_ids",
+    "choose_layout",
     "configure_cp_varlen",
     "cp_blockdiag_sdpa",
     "current_state",

@@ -42,7 +42,9 @@ def _cp_blockdiag_doc_ids(batch: dict, seq_len: int, device, batch_size: int) ->
     """Resolve per-position document ids ``[B, S]`` (int64, 0 == padding) for the mask.
 
     Prefers ``_packed_seq_ids``; else a 4-D block-causal ``attention_mask`` (every document in it is
-    recovered); else a 2-D validity / indexed ``attention_mask``; else one document per row.
+    recovered); else a 2-D indexed ``attention_mask``, or a validity one split where 2-D ``position_ids``
+    restart at 0; else documents from 2-D ``position_ids`` restarting at 0 (transformers'
+    ``DataCollatorWithFlattening``); else one document per row.
     Delegates to :func:`blockdiag_ref.doc_ids_from_batch`.
     """
     return doc_ids_from_batch(batch, seq_len, batch_size, device)
@@ -121,6 +123,7 @@ def make_cp_blockdiag_batch_and_ctx(
     layout: str = "contiguous",
     window_sizes: Sequence[Sequence[int] | None] | None = None,
     check_consensus: bool | None = None,
+    expect_attention: bool = True,
 ) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
     """Shard a packed batch for block-diagonal CP and build the step state.
 
@@ -138,12 +141,19 @@ def make_cp_blockdiag_batch_and_ctx(
         padding_token_id: pad value of ``input_ids``.
         kv_exchange: ``auto`` (default) | ``allgather`` | ``halo`` | ``a2a`` (and synonyms).
         kernel: ``auto`` (default, = ``varlen``) | ``varlen`` | ``dense`` (and synonyms).
-        layout: how rows are assigned to ranks: ``contiguous`` (the seed's sequential sharding) or
-            ``balanced`` (equal rows, equalised attention work; see :mod:`blockdiag_dist.balance`).
+        layout: how rows are assigned to ranks: ``contiguous`` (the seed's sequential sharding),
+            ``balanced`` (equal rows, equalised attention work; see :mod:`blockdiag_dist.balance`) or ``auto``
+            (the cheapest of those two and balanced with chunk boundaries snapped to documents, by a modelled
+            step cost; see :func:`blockdiag_dist.plan.choose_layout`).
         window_sizes: the windows the model's attention calls use; their plans are built here (default:
             the unwindowed one). A window not listed is planned on its first use in the step.
-        check_consensus: all-gather a fingerprint of each plan and raise ``PlanMismatchError`` naming the
-            disagreeing ranks (debug switch; default from ``BLOCKDIAG_CHECK_CONSENSUS=1``).
+        check_consensus: all-gather a fingerprint of each window's plan on its first use in the step and raise
+            ``PlanMismatchError`` on every rank, naming the disagreeing ranks (ranks given different batches
+            would otherwise compute wrong attention or hang). Default on (``BLOCKDIAG_CHECK_CONSENSUS=0``
+            turns the default off); ``False`` saves one small all-gather per window and step.
+        expect_attention: a normal exit of ``train_ctx()`` raises ``AttentionNotRoutedError`` when no attention
+            call reached ``cp_blockdiag_sdpa`` in the step (attention that bypasses it attends only within the
+            rank's shard); ``False`` for a model without attention.
 
     Returns:
         ``(train_ctx, batch)``: ``train_ctx()`` is a context manager activating the step state (run forward
@@ -158,24 +168,26 @@ def make_cp_blockdiag_batch_and_ctx(
     kernel_name = resolve_kernel(kernel_requested)
     layout = resolve_layout(layout)
     lefts = [-1] if window_sizes is None else sorted({normalize_window(w) for w in window_sizes})
+    if not isinstance(expect_attention, bool):
+        raise ValueError(f"expect_attention: expected a bool, got {type(expect_attention).__name__}")
     if not isinstance(padding_token_id, int):
         raise ValueError(f"padding_token_id: expected an int, got {type(padding_token_id).__name__}")
     group, world, rank = _mesh_info(cp_mesh)
     key, B, S, device = _validate_batch(batch, loss_mask)
     doc_ids = _cp_blockdiag_doc_ids(batch, S, device, B)
     if check_consensus is None:
-        check_consensus = os.environ.get("BLOCKDIAG_CHECK_CONSENSUS", "0") not in ("", "0")
+        check_consensus = os.environ.get("BLOCKDIAG_CHECK_CONSENSUS", "1") not in ("", "0")
 
     plan = plan_step(doc_ids, world, layout)
     state = StepState(
         plan, rank=rank, group=group, device=device, kv_exchange=kv_exchange, kernel=kernel_name,
-        check_consensus=check_consensus,
+        check_consensus=check_consensus, expect_attention=expect_attention,
     )
     substitution = kernel_substitution(kernel_requested)
     if substitution:
         state.note(f"kernel {kernel_requested!r}: {substitution}")
     for left in lefts:
-        state.window_plan(left)
+        state.agreed_window_plan(left)
 
     # ---- mutation starts here: everything above may raise, nothing below does ---------------------------
     shards = plan.shards

@@ -30,6 +30,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
 LAYOUTS: dict[str, tuple[str, ...]] = {
     "contiguous": ("contiguous", "sequential"),
     "balanced": ("balanced", "load_balanced"),
+    "auto": ("auto",),
 }
 
 # Synonyms that name a backend blockdiag does not ship: the substitution is recorded in the step state.

@@ -15,6 +15,7 @@ A *flat id* names one token of the padded batch: ``flat = b * Sp + p`` for row `
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,12 +25,14 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-from .balance import balanced_positions, position_work
+from .balance import balanced_positions, doc_boundaries, position_work, snapped_positions
 
 __all__ = [
+    "LAYOUT_COST",
     "ExchangePlan",
     "ShardPlan",
     "StepPlan",
+    "choose_layout",
     "plan_exchange",
     "plan_shards",
     "plan_step",
@@ -279,8 +282,68 @@ class StepPlan:
         return h.digest()
 
 
+# Modelled step cost of a layout, in attention (query, key) pairs of fwd + bwd; prices measured on CPU with
+# H = 8, Hkv = 2, D = 64 over gloo (bench: exchange and kernel sections), rounded.
+LAYOUT_COST = {
+    "kv_token": 64.0,  # one K/V token received (forward) and its gradient sent back (backward)
+    "cut_piece": 4096.0,  # one piece whose document started on another rank: a prefix block and its merge
+}
+
+
+def cut_pieces_per_rank(plan: StepPlan) -> list[int]:
+    """Per rank: pieces (runs of consecutive positions of one document) whose document starts before them,
+    i.e. whose earlier part lives on another rank."""
+    seg = padded_segments(plan.layout, plan.shards)  # [B, Sp]
+    pos = plan.shards.positions  # [W, L]
+    s = seg[:, pos]  # [B, W, L]
+    prev_s = torch.nn.functional.pad(s[..., :-1], (1, 0))
+    prev_p = torch.nn.functional.pad(pos[:, :-1], (1, 0), value=-2)
+    starts = torch.nn.functional.pad(plan.layout.segments[:, 1], (1, 0), value=0)[s]
+    first = (s != 0) & ((s != prev_s) | (pos != prev_p + 1)[None])
+    return (first & (pos[None] > starts)).sum((0, 2)).tolist()
+
+
+def modelled_cost(plan: StepPlan) -> float:
+    """The slowest rank's modelled step cost (attention work + received K/V tokens + cut pieces), in pairs."""
+    work = plan.work_per_rank()
+    recv = plan.exchange(-1).needed_tokens()
+    cuts = cut_pieces_per_rank(plan)
+    return max(w + LAYOUT_COST["kv_token"] * r + LAYOUT_COST["cut_piece"] * c for w, r, c in zip(work, recv, cuts))
+
+
+def choose_layout(doc_layout: DocLayout, world: int, only: str | None = None) -> tuple[StepPlan, dict[str, float]]:
+    """``layout="auto"``: the candidate with the lowest :func:`modelled_cost` (ties: the first of contiguous,
+    balanced, snapped) and every candidate's cost. A pure function of the doc ids: identical on all ranks.
+    ``only`` keeps one candidate (``snapped`` falls back to ``balanced`` where no snapped layout qualifies)."""
+    S = doc_layout.seq_len
+    work = position_work(doc_layout)
+    candidates = {"contiguous": plan_shards(S, world, "contiguous"), "balanced": plan_shards(S, world, "balanced", work=work)}
+    snapped = snapped_positions(work, world, doc_boundaries(doc_layout))
+    if snapped is not None:
+        L, positions, _ = snapped
+        candidates["snapped"] = ShardPlan(world=world, seq_len=S, local_len=L, positions=positions)
+    if only is not None:
+        if only not in ("contiguous", "snapped", "balanced"):
+            raise ValueError(f"layout: expected auto:contiguous, auto:snapped or auto:balanced, got auto:{only}")
+        candidates = {k: v for k, v in candidates.items() if k == only} or {"balanced": candidates["balanced"]}
+    costs, best = {}, None
+    for name, shards in candidates.items():
+        shards = dataclasses.replace(shards, layout=f"auto:{name}")
+        plan = StepPlan(layout=doc_layout, shards=shards)
+        costs[name] = modelled_cost(plan)
+        if best is None or costs[name] < costs[best[0]]:
+            best = (name, plan)
+    return best[1], costs
+
+
 def plan_step(doc_ids: Tensor, world: int, layout: str = "contiguous") -> StepPlan:
-    """The step plan for full doc ids ``[B, S]`` on ``world`` ranks (pure)."""
+    """The step plan for full doc ids ``[B, S]`` on ``world`` ranks (pure). ``layout="auto"`` picks the
+    cheapest of contiguous, balanced and snapped (see :func:`choose_layout`); the plan's ``shards.layout``
+    then reads ``auto:<choice>``."""
     doc_layout = DocLayout.from_doc_ids(doc_ids.cpu())
+    if layout == "auto":
+        return choose_layout(doc_layout, world)[0]
+    if layout.startswith("auto:"):  # one candidate of auto, forced (tests, benchmarks)
+        return choose_layout(doc_layout, world, only=layout[5:])[0]
     work = position_work(doc_layout) if layout == "balanced" else None
     return StepPlan(layout=doc_layout, shards=plan_shards(doc_layout.seq_len, world, layout, work=work))

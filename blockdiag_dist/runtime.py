@@ -7,6 +7,7 @@ Shape legend: B batch rows, L rows held by this rank, Hq / Hkv heads, D / Dv hea
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -16,13 +17,20 @@ from torch import Tensor
 from blockdiag_ref import normalize_window
 
 from ._stock import stock_sdpa
+from .binding import bind_output, bind_reentrant_forward, in_backward, recompute_state
 from .kernels.dense import dense_attention
 from .kernels.varlen import flash_unusable_reason, varlen_attention
 from .state import StepState, current_state, last_exited_state
 
 __all__ = ["cp_blockdiag_sdpa", "sdpa_routing"]
 
+NONCAUSAL = ("raise", "causal", "local")  # what a non-causal call does under a step (see cp_blockdiag_sdpa)
 
+
+# torch.compile: one graph break at each call instead of tracing into the step state (a lock, a per-step object
+# that would be guarded on and recompiled every step) and the exchanges' collectives; runs eagerly, compiled
+# code before and after it is kept.
+@torch.compiler.disable(reason="cp_blockdiag_sdpa reads the per-step CP state and runs collectives")
 def cp_blockdiag_sdpa(
     query: Tensor,
     key: Tensor,
@@ -33,6 +41,8 @@ def cp_blockdiag_sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
     window_size: Sequence[int] | None = None,
+    *,
+    noncausal: str = "raise",
 ) -> Tensor:
     """Scaled dot-product attention, per document and across CP ranks while a step context is active.
 
@@ -42,15 +52,24 @@ def cp_blockdiag_sdpa(
 
     With an active context (``with train_ctx():``): ``query [B, Hq, L, D]``, ``key [B, Hkv, L, D]`` and
     ``value [B, Hkv, L, Dv]`` are this rank's rows; the result ``[B, Hq, L, Dv]`` is causal attention inside
-    each document over the whole (sharded) sequence. ``attn_mask`` and ``is_causal`` are replaced by the
-    per-document mask rebuilt from the doc ids (a replaced ``attn_mask`` is recorded in the state's notes); ``scale``,
-    ``enable_gqa`` and ``window_size=(left, right <= 0)`` are honoured. ``dropout_p > 0`` uses torch's RNG
+    each document over the whole (sharded) sequence. A call must be causal (``is_causal=True`` or a
+    ``window_size``, no ``attn_mask``); any other raises ``ValueError`` unless ``noncausal`` opts in:
+    ``"causal"`` computes per-document causal attention anyway (a causal decoder passing its own mask; the
+    replacement is recorded in the state's notes), ``"local"`` runs stock SDPA on the tensors as given, with
+    their mask (attention over tensors CP does not shard: encoders, vision towers, cross-attention; recorded
+    too). Bidirectional attention per document is not offered. ``scale``, ``enable_gqa`` and
+    ``window_size=(left, right <= 0)`` are honoured. ``dropout_p > 0`` uses torch's RNG
     inside the kernel: it trains as SDPA dropout does, but no reference can reproduce its draws. Padding rows
-    are exactly 0; keys and values at padding positions get exactly 0 gradient.
+    are exactly 0; keys and values at padding positions get exactly 0 gradient. Under ``torch.autocast``,
+    q/k/v are cast as autocast casts them for stock SDPA (to the autocast dtype, float64 excepted), so that
+    e.g. float32 q/k after RoPE and a bf16 v are accepted, and the output has the autocast dtype.
     """
-    state = current_state()
+    state = _step_of_call(query)
+    if state is not None:
+        state.attention_calls += 1
+    if noncausal not in NONCAUSAL:
+        raise ValueError(f"cp_blockdiag_sdpa: noncausal expected one of {NONCAUSAL}, got {noncausal!r}")
     if state is None:
-        _refuse_recompute_outside_context(query)
         if window_size is not None:
             attn_mask = _with_band(query, key, attn_mask, normalize_window(window_size))
             is_causal = False
@@ -58,11 +77,16 @@ def cp_blockdiag_sdpa(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
         )
+    if attn_mask is not None or not (is_causal or window_size is not None):
+        if _non_causal_call(state, query, attn_mask, is_causal, noncausal) == "local":
+            return stock_sdpa(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa,
+            )
     left = normalize_window(window_size)
+    query, key, value = _autocast_like_sdpa(query, key, value)
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)
-    if attn_mask is not None:  # is_causal=True alone is what a causal model passes: per-document causal refines it
-        state.note("cp_blockdiag_sdpa: attn_mask replaced by the per-document causal mask")
-    wp = state.window_plan(left)
+    wp = state.agreed_window_plan(left)
     B, Hq, L, D = query.shape
     Hkv, Dv = key.shape[1], value.shape[-1]
     kv_tok = torch.cat(
@@ -80,7 +104,62 @@ def cp_blockdiag_sdpa(
             q_tok, kv_buf, wp.kernel_meta, heads_kv=Hkv, dim_v=Dv, dropout_p=dropout_p, scale=scale,
             use_flash=why_not is None,
         )
+    if torch.is_grad_enabled():
+        bind_output(out, query, state)
     return out.view(B, L, Hq, Dv).transpose(1, 2)
+
+
+def _non_causal_call(state: StepState, query: Tensor, attn_mask: Tensor | None, is_causal: bool, noncausal: str) -> str:
+    """What a call that is not plainly causal does under a step: raise, or the opted-in ``noncausal`` mode."""
+    what = f"is_causal={is_causal}" + ("" if attn_mask is None else f" with an attn_mask of shape {tuple(attn_mask.shape)}")
+    if noncausal == "raise":
+        raise ValueError(
+            f"cp_blockdiag_sdpa: expected causal attention under an active CP step (is_causal=True or a window_size, "
+            f"no attn_mask), got {what}; block-diagonal CP computes causal attention per document. Opt in with "
+            "noncausal='causal' (per-document causal attention replaces it: a causal decoder passing its own mask) "
+            "or noncausal='local' (stock SDPA on this rank's tensors as given: encoders, vision towers, "
+            "cross-attention over tensors CP does not shard), on the call or on sdpa_routing()"
+        )
+    if noncausal == "causal":
+        state.note(f"cp_blockdiag_sdpa: {what} replaced by per-document causal attention (noncausal='causal')")
+    else:
+        state.note(f"cp_blockdiag_sdpa: {what} ran stock SDPA on local tensors of shape {tuple(query.shape)} (noncausal='local')")
+    return noncausal
+
+
+def _step_of_call(query: Tensor) -> StepState | None:
+    """The step this call computes under: in a checkpoint recompute (during backward), the step its forward
+    used, found in the autograd graph; otherwise the active one (None: stock SDPA)."""
+    if in_backward():
+        bound = recompute_state()
+        if bound is not None:
+            return bound
+        state = current_state()
+        if state is None:
+            _refuse_recompute_outside_context(query)
+        else:
+            state.note("a recompute found no step in its autograd graph (its forward left none): the active step was used")
+        return state
+    state = current_state()
+    if state is not None and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        bind_reentrant_forward(state)
+    return state
+
+
+def _autocast_like_sdpa(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Cast q/k/v as autocast casts them for stock SDPA (a lower-precision op on CPU and CUDA): while autocast
+    is on for their device type, every floating tensor but float64 goes to the autocast dtype. Outside
+    autocast they are returned unchanged (and must share one dtype, as SDPA requires)."""
+    device_type = q.device.type if isinstance(q, Tensor) else None
+    if device_type is None or not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: Tensor) -> Tensor:
+        eligible = isinstance(t, Tensor) and t.device.type == device_type and t.is_floating_point()
+        return t.to(dtype) if eligible and t.dtype != torch.float64 else t
+
+    return cast(q), cast(k), cast(v)
 
 
 def _check_inputs(state: StepState, q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, dropout_p: float) -> None:
@@ -105,7 +184,10 @@ def _check_inputs(state: StepState, q: Tensor, k: Tensor, v: Tensor, enable_gqa:
     if hq != hkv and not enable_gqa:
         raise ValueError(f"cp_blockdiag_sdpa: Hq={hq} != Hkv={hkv} needs enable_gqa=True (as in SDPA)")
     if len({q.dtype, k.dtype, v.dtype}) != 1:
-        raise ValueError(f"cp_blockdiag_sdpa: expected one dtype for query/key/value, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(
+            f"cp_blockdiag_sdpa: expected one dtype for query/key/value, got {q.dtype}, {k.dtype}, {v.dtype} "
+            "(as stock SDPA outside autocast; under torch.autocast they are cast to its dtype)"
+        )
     devices = {q.device, k.device, v.device}
     if len(devices) != 1:
         raise ValueError(f"cp_blockdiag_sdpa: expected one device for query/key/value, got {sorted(map(str, devices))}")
@@ -116,15 +198,16 @@ def _check_inputs(state: StepState, q: Tensor, k: Tensor, v: Tensor, enable_gqa:
 
 
 def _refuse_recompute_outside_context(query: Tensor) -> None:
-    """Activation checkpointing recomputes the forward during backward. If that happens after the step
-    context exited, stock SDPA would silently attend across documents: refuse instead."""
+    """A recompute in backward whose forward left no step in the autograd graph, with no context active: if it
+    looks like the last step's shard, stock SDPA would silently attend across documents; refuse instead."""
     state = last_exited_state()
-    if state is None or torch._C._current_graph_task_id() == -1:
+    if state is None:
         return
     if query.dim() == 4 and query.shape[0] == state.batch_size and query.shape[2] == state.local_len:
         raise RuntimeError(
-            "cp_blockdiag_sdpa: called during backward (an activation-checkpoint recompute) after the step's "
-            "train_ctx() exited; expected backward to run inside `with train_ctx():`, got no active step state"
+            "cp_blockdiag_sdpa: called during backward (an activation-checkpoint recompute) whose forward left "
+            "no step state in the autograd graph, after the step's train_ctx() exited; expected backward to run "
+            "inside `with train_ctx():`, got no active step state"
         )
 
 
@@ -143,15 +226,22 @@ def _with_band(query: Tensor, key: Tensor, attn_mask: Tensor | None, left: int) 
 
 
 @contextlib.contextmanager
-def sdpa_routing() -> Iterator[None]:
+def sdpa_routing(*, noncausal: str = "raise") -> Iterator[None]:
     """Rebind ``torch.nn.functional.scaled_dot_product_attention`` to :func:`cp_blockdiag_sdpa` for the block,
     so that an unmodified model routes its attention through it; the original is restored on exit.
+    ``noncausal`` is given to every routed call (``"local"``: bidirectional layers, e.g. a vision tower, run
+    stock SDPA on their own tensors while causal ones attend per document).
 
     Only calls that look the function up on ``torch.nn.functional`` at call time are rerouted (a name bound
-    with ``from torch.nn.functional import scaled_dot_product_attention`` before entry is not).
+    with ``from torch.nn.functional import scaled_dot_product_attention`` before entry is not; a step that
+    saw no routed call raises at its context's exit).
     """
+    if noncausal not in NONCAUSAL:
+        raise ValueError(f"sdpa_routing: noncausal expected one of {NONCAUSAL}, got {noncausal!r}")
     original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = cp_blockdiag_sdpa
+    F.scaled_dot_product_attention = (
+        cp_blockdiag_sdpa if noncausal == "raise" else functools.partial(cp_blockdiag_sdpa, noncausal=noncausal)
+    )
     try:
         yield
     finally:

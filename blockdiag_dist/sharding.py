@@ -19,7 +19,7 @@ __all__ = ["gather_sequence", "shard_tensor", "unshard"]
 def shard_tensor(t: Tensor, dim: int, pad_value: object, shards: ShardPlan, rank: int) -> Tensor:
     """Pad ``t`` along ``dim`` to ``W * L`` with ``pad_value`` and take this rank's rows (differentiable)."""
     S, L = shards.seq_len, shards.local_len
-    if shards.layout == "contiguous":
+    if shards.layout in ("contiguous", "auto:contiguous"):
         start = rank * L
         real = max(0, min(S, start + L) - start)
         piece = t.narrow(dim, min(start, S), real)

@@ -26,13 +26,17 @@ from .kernels.dense import DenseMeta, plan_dense
 from .kernels.varlen import VarlenMeta, plan_varlen
 from .plan import ExchangePlan, StepPlan
 
-__all__ = ["PlanMismatchError", "StepState", "WindowPlan", "activate", "current_state"]
+__all__ = ["AttentionNotRoutedError", "PlanMismatchError", "StepState", "WindowPlan", "activate", "current_state"]
 
 log = logging.getLogger("blockdiag_dist")
 
 
 class PlanMismatchError(RuntimeError):
     """Ranks of one CP group derived different plans (they were given different batches or options)."""
+
+
+class AttentionNotRoutedError(RuntimeError):
+    """A step's context exited without any attention call reaching ``cp_blockdiag_sdpa``."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,7 +66,8 @@ class StepState:
         device: torch.device,
         kv_exchange: str,
         kernel: str,
-        check_consensus: bool = False,
+        check_consensus: bool = True,
+        expect_attention: bool = True,
     ) -> None:
         self.plan = plan
         self.rank = rank
@@ -72,9 +77,12 @@ class StepState:
         self.kv_exchange = kv_exchange  # requested: auto | allgather | halo | a2a
         self.kernel = "varlen" if kernel == "auto" else kernel
         self.check_consensus = check_consensus
+        self.expect_attention = expect_attention
+        self.attention_calls = 0  # calls of cp_blockdiag_sdpa that computed under this step
         self.traffic = TrafficLog()
         self.notes: list[str] = []  # fallbacks and substitutions that happened, with their reasons
         self._windows: dict[int, WindowPlan] = {}
+        self._agreed: set[int] = set()  # windows whose plan the CP group compared (check_consensus)
         self._lock = threading.RLock()
 
     # ---- shapes ---------------------------------------------------------------------------------------
@@ -99,9 +107,22 @@ class StepState:
                 self.notes.append(message)
                 _log_once(message)
 
+    def check_attention_seen(self) -> None:
+        """Raise when the step expects attention and none reached ``cp_blockdiag_sdpa`` (checked at context exit)."""
+        if self.expect_attention and self.attention_calls == 0:
+            raise AttentionNotRoutedError(
+                "train_ctx(): the step's context exited without any attention call reaching cp_blockdiag_sdpa; "
+                "expected at least one. The batch is sharded, so attention that bypasses it (attn_implementation "
+                "'eager' / 'flash_attention_2', or a module that bound scaled_dot_product_attention by name before "
+                "sdpa_routing()) attends only within this rank's shard. Route it through cp_blockdiag_sdpa "
+                "(sdpa_routing(), register_transformers_attention()), or pass expect_attention=False to "
+                "make_cp_blockdiag_batch_and_ctx for a model without attention."
+            )
+
     # ---- per-window plans -----------------------------------------------------------------------------
     def window_plan(self, window_left: int) -> WindowPlan:
-        """The plan for a window, built on first use in the step (then cached; thread-safe)."""
+        """The plan for a window, built on first use in the step (then cached; thread-safe). Never communicates:
+        every decision in it derives from the replicated doc ids, so one rank may call it alone (reports)."""
         wp = self._windows.get(window_left)
         if wp is None:
             with self._lock:
@@ -111,11 +132,20 @@ class StepState:
                     self._windows[window_left] = wp
         return wp
 
+    def agreed_window_plan(self, window_left: int) -> WindowPlan:
+        """:meth:`window_plan`, compared across the CP group on the window's first use in the step when
+        ``check_consensus`` (one all-gather of a fingerprint; every rank calls it at the same point)."""
+        wp = self.window_plan(window_left)
+        if self.check_consensus and window_left not in self._agreed:
+            with self._lock:
+                if window_left not in self._agreed:
+                    self._check_consensus(window_left, wp.mode)
+                    self._agreed.add(window_left)
+        return wp
+
     def _build_window_plan(self, window_left: int) -> WindowPlan:
         xplan = self.plan.exchange(window_left)
         mode, reason = choose_exchange(xplan, self.kv_exchange)
-        if self.check_consensus:
-            self._check_consensus(window_left, mode)
         local = self.plan.local_flat_ids(self.rank)
         send_rows, send_splits, recv_splits = None, [], []
         if mode == "local":
@@ -187,7 +217,8 @@ class StepState:
     # ---- reports --------------------------------------------------------------------------------------
     def comm_report(self, window_left: int = -1, *, bytes_per_token: int = 1) -> dict:
         """Tokens (or bytes, with ``bytes_per_token = Hkv * (D + Dv) * element_size``) received and sent
-        per rank by the chosen exchange and by the minimum (needed-only), for one window."""
+        per rank by the chosen exchange and by the minimum (needed-only), for one window. Never communicates
+        (a window not planned yet is planned here from the replicated doc ids), so one rank may log it alone."""
         wp = self.window_plan(window_left)
         x = wp.exchange
         needed, sent = x.needed_tokens(), x.sent_tokens()
@@ -272,7 +303,8 @@ def last_exited_state() -> StepState | None:
 
 @contextlib.contextmanager
 def activate(state: StepState) -> Iterator[StepState]:
-    """Make ``state`` the active step state for the duration of the block."""
+    """Make ``state`` the active step state for the duration of the block; on a normal exit, raise
+    :class:`AttentionNotRoutedError` if the step expects attention and no call reached it."""
     global _last_exited
     with _active_lock:
         _active.append(state)
@@ -286,3 +318,4 @@ def activate(state: StepState) -> Iterator[StepState]:
                     del _active[i]
                     break
             _last_exited = weakref.ref(state)
+    state.check_attention_seen()  # not reached when the block raised: its error is the one to see

@@ -1,13 +1,18 @@
 """Resolve per-position document ids ``[B, S]`` (0 = padding) from a training batch.
 
-Precedence, as in the seed's ``_cp_blockdiag_doc_ids``:
+Precedence, the seed's ``_cp_blockdiag_doc_ids`` order first:
 
 1. ``batch["_packed_seq_ids"]``  ``[B, S]`` document index per token (bool or integer);
 2. ``batch["attention_mask"]``   4-D ``[B, 1, S, S]`` block-causal mask, bool (True = attend) or additive
    float (0 = attend, -inf or <= -1e4 = masked). Every document in it is recovered, not only the diagonal's
    validity: reading the diagonal alone merges the documents of a pack;
-3. ``batch["attention_mask"]``   2-D ``[B, S]`` validity (0/1) or indexed ids (0 = padding);
-4. otherwise one document per row (all ones).
+3. ``batch["attention_mask"]``   2-D ``[B, S]`` indexed ids (0 = padding), or a 0/1 validity mask. A validity
+   mask says which tokens are real, not where documents start: with 2-D ``position_ids`` it is split where
+   positions restart at 0 (as in 4);
+4. ``batch["position_ids"]``     2-D ``[B, S]`` per-document positions (what transformers'
+   ``DataCollatorWithFlattening`` emits): a document starts at each row's first token and wherever the
+   position is 0. ``[n, B, S]`` positions (mRoPE) are not read: their components do not mark documents;
+5. otherwise one document per row (all ones).
 
 Anything malformed raises ``ValueError`` naming what was expected and what was got.
 """
@@ -22,7 +27,7 @@ from torch import Tensor
 
 from .layout import DocLayout, _check_doc_ids
 
-__all__ = ["doc_ids_from_batch", "doc_ids_from_4d_mask"]
+__all__ = ["doc_ids_from_4d_mask", "doc_ids_from_batch", "doc_ids_from_position_ids"]
 
 ADDITIVE_MASKED_AT_MOST = -1e4
 
@@ -72,6 +77,27 @@ def doc_ids_from_4d_mask(mask: Tensor) -> Tensor:
     return ids
 
 
+def doc_ids_from_position_ids(position_ids: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Doc ids ``[B, S]`` from per-document positions ``[B, S]``: a document starts at a row's first token and
+    wherever the position is 0; ``valid`` (``[B, S]``, nonzero = real token) marks padding.
+
+    >>> doc_ids_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]))
+    tensor([[1, 1, 1, 2, 2, 3, 3, 3, 3]])
+    """
+    if not isinstance(position_ids, Tensor) or position_ids.dim() != 2:
+        got = tuple(position_ids.shape) if isinstance(position_ids, Tensor) else type(position_ids).__name__
+        raise ValueError(f"position_ids: expected a tensor [B, S], got {got}")
+    if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+        raise ValueError(f"position_ids: expected integer positions, got dtype {position_ids.dtype}")
+    pos = position_ids.to(torch.int64).cpu()
+    if bool((pos < 0).any()):
+        raise ValueError(f"position_ids: expected positions >= 0, got {int(pos.min())}")
+    starts = pos == 0
+    starts[:, 0] = True
+    ids = torch.cumsum(starts.to(torch.int64), dim=1)
+    return ids if valid is None else ids * (valid.cpu() != 0)
+
+
 def doc_ids_from_batch(
     batch: Mapping[str, Any],
     seq_len: int,
@@ -80,6 +106,13 @@ def doc_ids_from_batch(
 ) -> Tensor:
     """Doc ids int64 ``[batch_size, seq_len]`` (0 = padding) for ``batch``, by the precedence above."""
     expected = (batch_size, seq_len)
+    positions = batch.get("position_ids")
+    if positions is not None and not isinstance(positions, Tensor):
+        raise ValueError(f"position_ids: expected a torch.Tensor, got {type(positions).__name__}")
+    if positions is not None and positions.dim() != 2:
+        positions = None  # [n, B, S] (mRoPE): not read
+    if positions is not None and tuple(positions.shape) != expected:
+        raise ValueError(f"position_ids: expected shape [B, S] = {list(expected)}, got {tuple(positions.shape)}")
     ids = batch.get("_packed_seq_ids")
     if ids is not None:
         ids = _check_doc_ids(ids, "_packed_seq_ids")
@@ -101,6 +134,8 @@ def doc_ids_from_batch(
             ids = _check_doc_ids(mask, "attention_mask")
             if tuple(ids.shape) != expected:
                 raise ValueError(f"attention_mask: expected a 2-D mask of shape [B, S] = {list(expected)}, got {list(ids.shape)}")
+            if positions is not None and int(ids.max()) <= 1:  # validity only: documents from the positions
+                ids = doc_ids_from_position_ids(positions, valid=ids).to(ids.device)
         else:
             raise ValueError(
                 f"attention_mask: expected 2 dims [B, S] or 4 dims [B, 1, S, S], got {mask.dim()} dims "
@@ -109,4 +144,7 @@ def doc_ids_from_batch(
         return ids.to(device) if device is not None else ids
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"batch: expected B >= 1 and S >= 1, got B={batch_size}, S={seq_len}")
+    if positions is not None:
+        ids = doc_ids_from_position_ids(positions)
+        return ids.to(device) if device is not None else ids
     return torch.ones(batch_size, seq_len, dtype=torch.int64, device=device)

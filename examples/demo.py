@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
     p.add_argument("--checkpointing", choices=[c for c in CHECKPOINTING if c], default=None)
     p.add_argument("--tail-padding", type=int, default=0, help="padding positions after every row's documents")
-    p.add_argument("--layout", choices=["contiguous", "balanced"], default="contiguous", help="CP sharding")
+    p.add_argument("--layout", choices=["contiguous", "balanced", "auto"], default="contiguous", help="CP sharding")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of the distributed run, in seconds")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # tiny tensors: extra threads only spin against the ranks

@@ -101,7 +101,7 @@ class TinyDecoder(nn.Module):
     """``forward(input_ids [B, L], position_ids [B, L]) -> logits [B, L, V]``.
 
     ``checkpointing``: ``None``, ``"reentrant"`` or ``"non_reentrant"`` (``torch.utils.checkpoint`` per block;
-    the recompute runs in backward, so backward must run inside ``train_ctx()`` too).
+    the recompute in backward runs under the step its forward used, found in the autograd graph).
     """
 
     def __init__(self, cfg: TinyConfig, checkpointing: str | None = None) -> None:

@@ -1,18 +1,38 @@
 """Shared fixtures: one verifier session per test process, whose pools (one per CP size) live for the
-whole run, so that torch import and process-group start are paid once per CP size, not per test."""
+whole run, so that torch import and process-group start are paid once per CP size, not per test; likewise
+one pool per world size for the training tests."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from verify.pool import WorkerPool
 from verify.session import Session
+
+TRAIN_TASK_TIMEOUT_S = 120.0  # per training run on every rank: a deadline for hangs, not a speed limit
 
 
 @pytest.fixture(scope="session")
 def session():
     with Session(case_timeout=60.0) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """World size -> a persistent WorkerPool for training runs, spawned on first use, shared by the test files
+    of this process, closed at the end of the session."""
+    started: dict[int, WorkerPool] = {}
+
+    def get(world: int) -> WorkerPool:
+        if world not in started:
+            started[world] = WorkerPool(world, collective_timeout=TRAIN_TASK_TIMEOUT_S)
+        return started[world]
+
+    yield get
+    for pool in started.values():
+        pool.close()
 
 
 def assert_pass(results):

@@ -58,14 +58,35 @@ def traffic_per_mode(mode: str) -> dict:
     L = batch["inputs_embeds"].shape[1]
     q, k, v = (torch.randn(1, 2, L, 4, generator=g, requires_grad=True) for _ in range(3))
     with ctx():
-        cp_blockdiag_sdpa(q, k, v).sum().backward()
+        cp_blockdiag_sdpa(q, k, v, is_causal=True).sum().backward()
     state = ctx.state
+    pos = batch["position_ids"][~batch["padding_mask"]] if "position_ids" in batch else state.positions[state.positions < ids.shape[1]]
     return {
         "mode": state.window_plan(-1).mode,
         "forward": state.traffic.totals("forward"),
         "backward": state.traffic.totals("backward"),
         "report": state.comm_report(-1, bytes_per_token=2 * 2 * 4 * 4),
+        "arrived": [list(e.recv_by_source) for e in state.traffic.entries if e.phase == "forward"],
+        "real_positions": [[0, p] for p in pos.tolist() if ids[0, p] != 0],
+        "local_tokens": L,
     }
+
+
+def case_with_wide_exchange(case_dict: dict, plant: bool) -> dict:
+    """Run a verifier case on this rank; with ``plant``, the exchange plan is built for an unbounded window
+    while the kernel keeps the case's window: outputs stay right, but more keys move than are needed."""
+    from blockdiag_dist.plan import StepPlan
+    from verify.runner import case_from_dict, check_case, impl_info
+
+    info = worker_info()
+    original = StepPlan.exchange
+    if plant:
+        StepPlan.exchange = lambda self, window_left: original(self, -1)
+    try:
+        return check_case(case_from_dict(case_dict), impl_info("blockdiag_dist"), info["cp_mesh"], info["rank"],
+                          info["world"], torch.device("cpu"))
+    finally:
+        StepPlan.exchange = original
 
 
 def gather_restores_order(layout: str) -> bool:
@@ -75,7 +96,7 @@ def gather_restores_order(layout: str) -> bool:
     info = worker_info()
     ids = torch.tensor([[1] * 9 + [2] * 3 + [0] * 2, [3] * 4 + [4] * 10])
     full = torch.arange(2 * 14 * 3, dtype=torch.float32).view(2, 14, 3)
-    ctx, batch = make_cp_blockdiag_batch_and_ctx(info["cp_mesh"], None, {"inputs_embeds": full.clone(), "_packed_seq_ids": ids}, layout=layout)
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(info["cp_mesh"], None, {"inputs_embeds": full.clone(), "_packed_seq_ids": ids}, layout=layout, expect_attention=False)
     with ctx():
         got = gather_sequence(batch["inputs_embeds"] * 2)
     return torch.equal(got, full * 2)
@@ -97,3 +118,49 @@ def fingerprint(case_dict: dict) -> str:
     for t in tensors:
         h.update(t.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def consensus_by_default(check_consensus: bool | None) -> str:
+    """Rank 1 is given other doc ids (a sampler bug). By default every rank raises PlanMismatchError naming
+    the ranks; with the check turned off the batch function returns (and attention would be wrong)."""
+    info = worker_info()
+    ids = torch.tensor([[1, 1, 1, 1, 1, 1, 2, 2]])
+    if info["rank"] == 1:
+        ids = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2]])
+    kwargs = {} if check_consensus is None else {"check_consensus": check_consensus}
+    try:
+        make_cp_blockdiag_batch_and_ctx(info["cp_mesh"], None, _batch(ids), **kwargs)
+    except PlanMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def lone_report_and_inplace_output() -> dict:
+    """Rank 0 alone logs the comm report of a window not planned yet (no collective may happen: the others
+    are not there); then every rank attends under that window and modifies the output in place. The last rank
+    holds only padding. Returns this rank's max error of outputs and query grads against the reference."""
+    from blockdiag_ref import reference_attention
+
+    info = worker_info()
+    ids = torch.tensor([[1] * 9 + [2] * 6 + [0] * 5])  # CP 4, L = 5: rank 3 holds only padding
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(info["cp_mesh"], None, _batch(ids), check_consensus=True)
+    state = ctx.state
+    report = state.comm_report(2) if info["rank"] == 0 else None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 20, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    rows = state.positions.clamp(max=19)
+    real = (state.positions < 20)[None, None, :, None]
+    local = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
+    with ctx():
+        out = cp_blockdiag_sdpa(*local, is_causal=True, window_size=(2, 0))
+        out.mul_(2)  # an ordinary tensor on every rank, padding-only included
+        (out * real).sum().backward()
+    qf = q.clone().requires_grad_()
+    ref = reference_attention(qf, k, v, ids, window_size=(2, 0)) * 2
+    (ref[:, :, rows] * real).sum().backward()
+    return {
+        "report_mode": None if report is None else report["mode"],
+        "out_err": float(((out - ref[:, :, rows]) * real).abs().max()),
+        "dq_err": float(((local[0].grad - qf.grad[:, :, rows]) * real).abs().max()),
+        "out_stride": tuple(out.stride()),
+    }

@@ -87,7 +87,7 @@ def test_cp1_attention_equals_reference(kernel, window):
     ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, batch, kernel=kernel, window_sizes=[window])
     q, k, v = qkv()
     with ctx():
-        out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True, window_size=window)
+        out = cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True, window_size=window)
         grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
     ref = reference_attention(q, k, v, ids, enable_gqa=True, window_size=window)
     ref_grads = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))
@@ -113,22 +113,23 @@ def test_window_without_context_is_a_causal_band():
     assert torch.equal(cp_blockdiag_sdpa(q, k, v, window_size=(2, 0)), F.scaled_dot_product_attention(q, k, v, attn_mask=band))
 
 
-def test_context_replaces_mask_and_records_it():
+def test_context_replaces_a_mask_only_when_asked_and_records_it():
     ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
     q, k, v = qkv(Hkv=4)
     with ctx():
         a = cp_blockdiag_sdpa(q, k, v, is_causal=True)
-        b = cp_blockdiag_sdpa(q, k, v)
+        w = cp_blockdiag_sdpa(q, k, v, window_size=(-1, 0))  # a window is causal attention
         assert ctx.state.notes == []  # is_causal alone is the normal case of a causal model: nothing to record
-        c = cp_blockdiag_sdpa(q, k, v, attn_mask=torch.ones(7, 7, dtype=torch.bool))
-    assert torch.equal(a, b) and torch.equal(a, c)
-    assert any("attn_mask replaced" in n for n in ctx.state.notes)
+        b = cp_blockdiag_sdpa(q, k, v, noncausal="causal")
+        c = cp_blockdiag_sdpa(q, k, v, attn_mask=torch.ones(7, 7, dtype=torch.bool), noncausal="causal")
+    assert torch.equal(a, w) and torch.equal(a, b) and torch.equal(a, c)
+    assert sum("replaced by per-document causal attention" in n for n in ctx.state.notes) == 2
 
 
 def test_state_is_active_only_inside_the_context_and_visible_from_other_threads():
     import threading
 
-    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of(), expect_attention=False)
     seen = []
     with ctx():
         t = threading.Thread(target=lambda: seen.append(current_state()))
@@ -144,7 +145,7 @@ def test_routing_helper_rebinds_and_restores():
     with ctx(), sdpa_routing():
         assert F.scaled_dot_product_attention is cp_blockdiag_sdpa
         routed = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        direct = cp_blockdiag_sdpa(q, k, v)
+        direct = cp_blockdiag_sdpa(q, k, v, is_causal=True)
     assert F.scaled_dot_product_attention is original
     assert torch.equal(routed, direct)
     with pytest.raises(RuntimeError), sdpa_routing():
@@ -152,15 +153,18 @@ def test_routing_helper_rebinds_and_restores():
     assert F.scaled_dot_product_attention is original
 
 
-def test_recompute_after_the_context_exited_is_refused():
-    """A checkpointed forward recomputed in a backward that runs after train_ctx() exited would silently
-    attend across documents: it raises instead."""
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_recompute_after_the_context_exited_uses_its_forward_step(reentrant):
+    """A checkpointed forward recomputed in a backward that runs after train_ctx() exited attends per document,
+    as its forward did (the step travels in the autograd graph), instead of across documents."""
     ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of())
     q, k, v = qkv(Hkv=4)
+    attend = lambda a, b, c: cp_blockdiag_sdpa(a, b, c, is_causal=True)  # noqa: E731
     with ctx():
-        out = torch.utils.checkpoint.checkpoint(lambda a, b, c: cp_blockdiag_sdpa(a, b, c), q, k, v, use_reentrant=False)
-    with pytest.raises(RuntimeError, match="expected backward to run inside `with train_ctx\\(\\):`"):
-        out.sum().backward()
+        want = torch.autograd.grad(attend(q, k, v).pow(2).sum(), (q, k, v))
+        out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=reentrant)
+    out.pow(2).sum().backward()  # reentrant checkpointing supports .backward() only
+    assert all(torch.equal(t.grad, w) for t, w in zip((q, k, v), want))
 
 
 def test_configure_cp_varlen_accepts_synonyms_and_per_call_options_win():

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdiag_dist.balance import TARGET, balanced_positions, position_work
+from blockdiag_dist.balance import SNAP_TARGET, TARGET, balanced_positions, doc_boundaries, position_work, snapped_positions
 from blockdiag_dist.kernels.dense import plan_dense
-from blockdiag_dist.kernels.varlen import plan_varlen, size_class
-from blockdiag_dist.plan import plan_shards, plan_step
+from blockdiag_dist.kernels.varlen import BAND_MIN, plan_varlen, size_class
+from blockdiag_dist.plan import LAYOUT_COST, StepPlan, choose_layout, cut_pieces_per_rank, modelled_cost, plan_shards, plan_step
 from blockdiag_dist.sharding import shard_tensor, unshard
 from blockdiag_dist.state import StepState, choose_exchange
 from blockdiag_ref import DocLayout
@@ -70,7 +70,7 @@ def allowed_pairs(ids: torch.Tensor, world: int, rank: int, left: int, layout: s
     return pairs
 
 
-SHARDINGS = ["contiguous", "balanced"]
+SHARDINGS = ["contiguous", "balanced", "auto:snapped"]
 
 
 @pytest.mark.parametrize("ids", LAYOUTS)
@@ -116,18 +116,18 @@ def test_halo_ok_means_every_needed_key_is_on_the_left_neighbour(ids, world):
         assert x.halo_ok == on_left
 
 
-def kernel_pairs_varlen(meta) -> list[tuple[int, int]]:
-    """(local query row, key-buffer row) of every pair the varlen buckets compute for real queries."""
+def kernel_pairs_varlen(plan) -> list[tuple[int, int]]:
+    """(local query row, key-buffer row) of every pair a varlen bucket plan computes for real queries."""
     pairs = []
     base = 0
-    for b in meta.buckets:
+    for b in plan.buckets:
         n, lq = b.q_index.shape
         lk = b.k_index.shape[1]
-        allowed = torch.ones(lq, lk, dtype=torch.bool).tril() if b.mask is None else None
+        allowed = (torch.ones(lq, lk, dtype=torch.bool).tril() if b.causal else torch.ones(lq, lk, dtype=torch.bool)) if b.mask is None else None
         for i in range(n):
             for a in range(lq):
                 row = int(b.q_index[i, a])
-                if int(meta.out_rows[base + i * lq + a]) != row:
+                if int(plan.out_rows[base + i * lq + a]) != row:
                     continue  # a padded slot: its output is dropped
                 m = allowed[a] if b.mask is None else b.mask[i, 0, a]
                 pairs += [(row, int(b.k_index[i, c])) for c in m.nonzero().flatten().tolist()]
@@ -149,12 +149,31 @@ def test_kernels_compute_exactly_the_allowed_pairs(ids, world, mode, sharding):
             key_flat = wp.key_flat_ids
             assert len(set(key_flat.tolist())) == key_flat.numel(), "a key arrives twice"
             expected = allowed_pairs(ids, world, rank, left, sharding)
-            got = [(q, int(key_flat[k])) for q, k in kernel_pairs_varlen(wp.kernel_meta)]
-            assert len(got) == len(set(got)), "a pair is computed twice"
-            assert set(got) == expected, f"rank {rank}, window {left}"
+            meta = wp.kernel_meta
+            for name, bucket_plan in (("maskless", meta.blocks), ("masked", meta.masked(torch.device("cpu")))):
+                got = [(q, int(key_flat[k])) for q, k in kernel_pairs_varlen(bucket_plan)]
+                assert len(got) == len(set(got)), f"{name}: a pair is computed twice"
+                assert set(got) == expected, f"{name}: rank {rank}, window {left}"
+            assert all(b.mask is None for b in meta.blocks.buckets) or 0 <= left < BAND_MIN, "a mask in the maskless plan"
             dense = plan_dense(plan.local_flat_ids(rank), key_flat, plan.segments, sp, left)
             dense_pairs = {(q, int(key_flat[k])) for q, k in dense.mask[0, 0].nonzero().tolist()}
             assert dense_pairs == expected
+
+
+@pytest.mark.parametrize("ids", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_window_bands_compute_exactly_the_allowed_pairs(ids, world, sharding):
+    """Windows as causal squares plus reversed-causal bands (forced down to width 1), no mask."""
+    plan = plan_step(ids, world, sharding)
+    for left in (1, 2, 3, 5):
+        for rank in range(world):
+            local, key_flat = plan.local_flat_ids(rank), plan.allgather_flat_ids()
+            meta = plan_varlen(local, key_flat, plan.segments, plan.doc_starts, plan.shards.padded_len, left, band_min=1)
+            assert all(b.mask is None for b in meta.blocks.buckets)
+            got = [(q, int(key_flat[k])) for q, k in kernel_pairs_varlen(meta.blocks)]
+            assert len(got) == len(set(got)), "a pair is computed twice"
+            assert set(got) == allowed_pairs(ids, world, rank, left, sharding), f"rank {rank}, window {left}"
 
 
 def test_contiguous_shards_pad_the_tail():
@@ -240,7 +259,9 @@ def test_balanced_layout_equalises_work_on_long_tail_rows(world, seed):
     balanced, contiguous = plan_step(ids, world, "balanced"), plan_step(ids, world)
     work = balanced.work_per_rank()
     assert max(work) / (sum(work) / world) <= 1.05
-    assert sum(work) == sum(contiguous.work_per_rank())  # the same pairs, only moved
+    seg = DocLayout.from_doc_ids(ids).segments  # (row, start, end) per document: n (n + 1) / 2 pairs each
+    lengths = seg[:, 2] - seg[:, 1]
+    assert sum(work) == int((lengths * (lengths + 1) // 2).sum())
     assert balanced.real_tokens_per_rank() and max(balanced.real_tokens_per_rank()) - min(balanced.real_tokens_per_rank()) <= balanced.shards.local_len
 
 
@@ -274,3 +295,113 @@ def test_unshard_inverts_shard_for_every_rank(world, sharding):
     assert torch.equal(unshard(parts, shards, 1), t)
     with pytest.raises(ValueError, match=f"expected {world} shards"):
         unshard(parts + [parts[0]], shards, 1)
+
+
+def brute_work(ids: torch.Tensor, plan, left: int) -> list[int]:
+    """(query, key) pairs the reference mask allows for each rank's queries."""
+    mask = DocLayout.from_doc_ids(ids).materialize_mask(window_size=(left, 0))[:, 0]  # [B, S, S]
+    S = ids.shape[1]
+    return [int(mask[:, [p for p in plan.shards.positions[r].tolist() if p < S]].sum()) for r in range(plan.shards.world)]
+
+
+def _work_matches(ids, world, layout, left) -> bool:
+    plan = plan_step(ids, world, layout)
+    return plan.work_per_rank(left) == brute_work(ids, plan, left)
+
+
+@pytest.mark.parametrize("layout", SHARDINGS)
+@pytest.mark.parametrize("left", [-1, 0, 3])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_work_per_rank_counts_the_pairs_of_the_reference_mask(layout, left, world):
+    assert _work_matches(random_ids(5, 2, 37), world, layout, left)
+
+
+def test_work_check_catches_work_moved_between_ranks(monkeypatch):
+    """Planted change: each rank is credited its neighbour's work. The total (a sum over a permutation of the
+    ranks) is unchanged; the per-rank count from the reference mask is not."""
+    from blockdiag_dist.plan import StepPlan
+
+    ids = random_ids(5, 2, 37)
+    honest = plan_step(ids, 4, "balanced").work_per_rank()
+    original = StepPlan.work_per_rank
+    monkeypatch.setattr(StepPlan, "work_per_rank", lambda self, left=-1: (lambda w: w[1:] + w[:1])(original(self, left)))
+    assert sum(plan_step(ids, 4, "balanced").work_per_rank()) == sum(honest)
+    assert not _work_matches(ids, 4, "balanced", -1)
+
+
+def brute_cut_pieces(plan) -> list[int]:
+    """Per rank, by walking its rows: runs of one document whose first position is not the document's start."""
+    seg, starts = plan.segments.view(-1, plan.shards.padded_len), plan.doc_starts.view(-1, plan.shards.padded_len)
+    out = []
+    for r in range(plan.shards.world):
+        pos, n = plan.shards.positions[r].tolist(), 0
+        for b in range(seg.shape[0]):
+            for i, p in enumerate(pos):
+                new_run = i == 0 or seg[b, pos[i - 1]] != seg[b, p] or pos[i - 1] != p - 1
+                n += int(seg[b, p] != 0 and new_run and p > starts[b, p])
+        out.append(n)
+    return out
+
+
+@pytest.mark.parametrize("ids", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_cut_pieces_equal_brute_force(ids, world, sharding):
+    plan = plan_step(ids, world, sharding)
+    assert cut_pieces_per_rank(plan) == brute_cut_pieces(plan)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_snapped_layout_keeps_balance_and_cuts_fewer_documents(seed, world):
+    ids = pareto_ids(seed, 8192)
+    layout = DocLayout.from_doc_ids(ids)
+    snapped = snapped_positions(position_work(layout), world, doc_boundaries(layout))
+    assert snapped is not None
+    L, positions, imbalance = snapped
+    assert torch.equal(torch.sort(positions.flatten()).values, torch.arange(world * L))
+    plan = plan_step(ids, world, "auto:snapped")
+    work, rows = plan.work_per_rank(), (positions < 8192).sum(1).tolist()
+    assert max(work) / (sum(work) / world) <= SNAP_TARGET and imbalance <= SNAP_TARGET
+    assert max(rows) <= SNAP_TARGET * plan_step(ids, world, "balanced").shards.local_len
+    assert sum(cut_pieces_per_rank(plan)) < sum(cut_pieces_per_rank(plan_step(ids, world, "balanced")))
+
+
+def test_snapping_gives_up_on_one_long_document():
+    layout = DocLayout.from_seqlens([4096])
+    assert not bool(doc_boundaries(layout)[1:-1].any())
+    L, positions, _ = snapped_positions(position_work(layout), 2, doc_boundaries(layout))  # unsnapped chunks
+    assert L == 2048 and torch.equal(positions, plan_step(layout.doc_ids, 2, "balanced").shards.positions)
+
+
+@pytest.mark.parametrize(
+    "lengths, world, expected",
+    [
+        pytest.param([8192], 2, "balanced", id="one-long-doc-cp2"),
+        pytest.param([8192], 4, "balanced", id="one-long-doc-cp4"),
+        pytest.param([64] * 128, 4, "contiguous", id="equal-short-docs"),
+        pytest.param([3000, 3000, 2192], 2, "snapped", id="few-docs-snap-at-a-boundary"),
+    ],
+)
+def test_auto_layout_choice(lengths, world, expected):
+    ids = DocLayout.from_seqlens(lengths).doc_ids
+    plan, costs = choose_layout(DocLayout.from_doc_ids(ids), world)
+    assert plan.shards.layout == f"auto:{expected}", costs
+    assert torch.equal(plan_step(ids, world, "auto").shards.positions, plan.shards.positions)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("world", [2, 4])
+def test_auto_layout_is_the_argmin_of_the_modelled_cost(seed, world):
+    ids = pareto_ids(seed, 8192)
+    plan, costs = choose_layout(DocLayout.from_doc_ids(ids), world)
+    for name in ("contiguous", "snapped", "balanced"):
+        forced = plan_step(ids, world, f"auto:{name}")
+        work = forced.work_per_rank()
+        recv = forced.exchange(-1).needed_tokens()
+        brute = max(w + LAYOUT_COST["kv_token"] * r + LAYOUT_COST["cut_piece"] * c
+                    for w, r, c in zip(work, recv, brute_cut_pieces(forced)))
+        assert costs[forced.shards.layout[5:]] == modelled_cost(forced) == brute
+    assert costs[plan.shards.layout[5:]] == min(costs.values())
+    again = plan_step(ids.clone(), world, "auto")
+    assert torch.equal(again.shards.positions, plan.shards.positions) and again.fingerprint() == plan.fingerprint()

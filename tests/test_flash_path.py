@@ -50,7 +50,7 @@ def test_flash_path_matches_the_reference(emulated_flash, window, layout):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 15, 6, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     with ctx():
-        out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True, window_size=window)
+        out = cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True, window_size=window)
     ref = reference_attention(q, k, v, ids, enable_gqa=True, window_size=window)
     assert (out - ref).abs().max() <= 1e-12
     assert bool((out.transpose(1, 2)[ids == 0] == 0).all())

@@ -47,6 +47,7 @@ BATCH_ROWS = [
     ("labels-batch", "`labels` with another batch size", lambda b: b.update(labels=torch.zeros(3, 7, dtype=torch.long)), {}, r"labels: expected shape \[B, S\] = \[2, 7\] like inputs_embeds, got \(3, 7\)"),
     ("position-ids-rank", "`position_ids` of a wrong rank", lambda b: b.update(position_ids=torch.zeros(7, dtype=torch.long)), {}, r"position_ids: expected \[B, S\] = \[2, 7\] or \[n, B, S\]"),
     ("position-ids-mrope", "`position_ids [3, B, S']` with another length", lambda b: b.update(position_ids=torch.zeros(3, 2, 6, dtype=torch.long)), {}, r"position_ids: expected \[B, S\] = \[2, 7\] or \[n, B, S\].*got \(3, 2, 6\)"),
+    ("position-ids-float", "float `position_ids` read for documents (no doc ids, no mask)", lambda b: (b.pop("_packed_seq_ids"), b.pop("attention_mask"), b.update(position_ids=b["position_ids"].float())), {}, "position_ids: expected integer positions, got dtype torch.float32"),
     ("doc-ids-negative", "negative doc ids", lambda b: b.update(_packed_seq_ids=-b["_packed_seq_ids"]), {}, "_packed_seq_ids: expected ids >= 0 .*got a negative id"),
     ("doc-ids-float", "float doc ids", lambda b: b.update(_packed_seq_ids=b["_packed_seq_ids"].float()), {}, "_packed_seq_ids: expected bool or integer ids, got dtype torch.float32"),
     ("doc-ids-shape", "doc ids of another shape", lambda b: b.update(_packed_seq_ids=torch.ones(2, 8, dtype=torch.long)), {}, r"_packed_seq_ids: expected shape \[B, S\] = \[2, 7\] like inputs_embeds, got \(2, 8\)"),
@@ -80,6 +81,9 @@ SDPA_ROWS = [
     ("qkv-dtypes", "q/k/v of different dtypes", qkv(OK, (torch.float64, torch.float32, torch.float64)), {"enable_gqa": True}, "expected one dtype for query/key/value, got torch.float64, torch.float32, torch.float64"),
     ("qkv-devices", "q/k/v on different devices", qkv(OK, devices=("cpu", "meta", "cpu")), {"enable_gqa": True}, r"expected one device for query/key/value, got \['cpu', 'meta'\]"),
     ("sdpa-window-right", "`window_size` with right > 0", qkv(OK), {"enable_gqa": True, "window_size": (2, 1)}, "right must be <= 0"),
+    ("noncausal-call", "`is_causal=False` under an active step, without an opt-in", qkv(OK), {"enable_gqa": True, "is_causal": False}, "expected causal attention under an active CP step .*got is_causal=False.*noncausal='causal'.*noncausal='local'"),
+    ("attn-mask-call", "an `attn_mask` under an active step, without an opt-in", qkv(OK), {"enable_gqa": True, "attn_mask": torch.ones(7, 7, dtype=torch.bool)}, r"got is_causal=True with an attn_mask of shape \(7, 7\)"),
+    ("noncausal-name", "an unknown `noncausal` mode", qkv(OK), {"enable_gqa": True, "is_causal": False, "noncausal": "bidirectional"}, "noncausal expected one of \\('raise', 'causal', 'local'\\), got 'bidirectional'"),
     ("dropout-range", "`dropout_p` outside [0, 1]", qkv(OK), {"enable_gqa": True, "dropout_p": 1.5}, "expected 0 <= dropout_p <= 1, got 1.5"),
 ]
 
@@ -117,7 +121,7 @@ def test_batch_function_rejects_before_mutating(edit, kwargs, match):
 def test_attention_rejects_malformed_inputs(tensors, kwargs, match):
     ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, good_batch())
     with ctx(), pytest.raises(ValueError, match=match):
-        cp_blockdiag_sdpa(*tensors, **kwargs)
+        cp_blockdiag_sdpa(*tensors, **{"is_causal": True, **kwargs})
 
 
 @pytest.mark.parametrize("call, match", [pytest.param(c, m, id=i) for i, _, c, m in OTHER_ROWS])

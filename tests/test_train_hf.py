@@ -5,11 +5,14 @@
 - at CP 1 it matches transformers' own SDPA on the packed batch (which finds the documents from
   ``position_ids``): an oracle independent of blockdiag;
 - at CP 2 its losses, first-step gradients and final weights match CP 1 (Llama; Qwen2 with a sliding-window
-  layer; with and without gradient checkpointing).
+  layer; with and without gradient checkpointing);
+- batches from transformers' own ``DataCollatorWithFlattening`` (one row, documents marked only by
+  ``position_ids`` restarts) train a Llama at CP 2 as transformers' SDPA trains it in one process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -23,7 +26,15 @@ import blockdiag_dist.integrations.hf as hf_integration  # noqa: E402
 from blockdiag_dist import make_cp_blockdiag_batch_and_ctx  # noqa: E402
 from blockdiag_dist.integrations import causal_lm_loss, pack_documents, register_transformers_attention  # noqa: E402
 from examples.hf import build_tiny_hf, hf_forward  # noqa: E402
-from examples.training import PARITY_RTOL, TrainConfig, TrainResult, parity, run_distributed, train  # noqa: E402
+from examples.training import (  # noqa: E402
+    PARITY_RTOL,
+    TrainConfig,
+    TrainResult,
+    parity,
+    run_distributed,
+    synthetic_batch,
+    train,
+)
 from verify.pool import WorkerPool  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,7 +62,7 @@ def config(dtype: str, checkpointing: str | None = None) -> TrainConfig:
 
 @functools.lru_cache(maxsize=None)
 def cp1(family: str, dtype: str, checkpointing: str | None, attn: str | None = None) -> TrainResult:
-    cfg = config(dtype, checkpointing)
+    cfg = dataclasses.replace(config(dtype, checkpointing), expect_attention=attn is None)  # attn: not routed
     return train(build_tiny_hf(cfg, family, attn), cfg, forward=hf_forward)
 
 
@@ -133,3 +144,20 @@ def test_cp2_matches_cp1(pool2):
         if not p.ok(dtype):
             failures.append(f"{name}: {p} exceeds relative {PARITY_RTOL[dtype]:g}")
     assert not failures, "\n".join(failures)
+
+
+def test_flattening_collator_batches_at_cp2_match_transformers_sdpa(pool2):
+    """``DataCollatorWithFlattening`` output (labels in transformers' convention, pre-shifted by ``shift_labels``;
+    no doc ids, no mask: the documents are the ``position_ids`` restarts) at CP 2 with blockdiag's attention
+    against transformers' own SDPA in one process on the same batches."""
+    cfg = dataclasses.replace(config("float64"), collator="hf_flattening")
+    batch = synthetic_batch(cfg, 0)
+    assert sorted(batch) == ["input_ids", "labels", "position_ids"] and batch["input_ids"].shape[0] == 1
+    assert int((batch["position_ids"] == 0).sum()) > 4, "expected several documents in the flattened row"
+    oracle = dataclasses.replace(cfg, expect_attention=False)  # transformers' SDPA: not routed, on purpose
+    theirs = train(build_tiny_hf(oracle, "llama", "sdpa"), oracle, forward=hf_forward)
+    args = (cfg, 1, 2, functools.partial(build_tiny_hf, family="llama"), hf_forward)
+    got = pool2.run(run_distributed, args=args, timeout=TASK_TIMEOUT_S, name="llama flattening collator at CP 2")[0]
+    assert any(mode != "local" for mode in got.modes), got.modes
+    p = parity(theirs, got)
+    assert p.ok("float64"), f"{p} exceeds relative {PARITY_RTOL['float64']:g}"

@@ -3,7 +3,7 @@ losses, first-step gradients and final weights of CP 1 (one process), in float64
 activation checkpointing (reentrant and non-reentrant); also with a CP rank holding only padding, and with
 balanced sharding.
 
-One pool per world size, each used by one test item, so that pytest-xdist never spawns a pool twice.
+One pool per world size (the session's ``pools`` fixture, shared with tests/test_train_recipes.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from examples.training import (
     synthetic_batch,
     train,
 )
-from verify.pool import WorkerPool
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,21 +40,6 @@ def config(
     return TrainConfig(
         steps=STEPS, dtype=dtype, checkpointing=checkpointing, seed=seed, tail_padding=tail_padding, layout=layout
     )
-
-
-@pytest.fixture(scope="module")
-def pools():
-    """World size -> a persistent WorkerPool, spawned on first use, closed with the module."""
-    started: dict[int, WorkerPool] = {}
-
-    def get(world: int) -> WorkerPool:
-        if world not in started:
-            started[world] = WorkerPool(world, collective_timeout=TASK_TIMEOUT_S)
-        return started[world]
-
-    yield get
-    for pool in started.values():
-        pool.close()
 
 
 @functools.lru_cache(maxsize=None)

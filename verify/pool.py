@@ -109,8 +109,8 @@ def _worker_main(rank: int, world: int, store_path: str, backend: str, conn: Con
                 result = ("error", traceback.format_exc())
             progress[rank] = -1
             conn.send((task_id, result))
-            if result[0] == "error":
-                break  # peers may be stuck in a collective; the parent kills and respawns the group
+            # after an error, peers may be stuck in a collective: the parent then kills the group (or keeps it
+            # when every rank raised and it was asked to, see WorkerPool)
     finally:
         conn.close()
     os._exit(0)  # skip interpreter teardown (and process-group destruction, which can block on dead peers)
@@ -145,14 +145,20 @@ class WorkerPool:
         start_timeout: float = 120.0,
         collective_timeout: float = 300.0,
         init: Callable[[], None] | None = None,
+        keep_after_uniform_error: bool = False,
         device: str | None = None,
     ) -> None:
         """``init``: a picklable top-level function every worker runs once after joining the group (warm-up
-        that belongs to start-up, not to the first task). ``device``: where the workers' tensors live, ``cpu``
-        or ``cuda`` (default: ``cuda`` under NCCL, else ``cpu``; gloo carries some collectives of CUDA
-        tensors too, staged through host memory)."""
+        that belongs to start-up, not to the first task). ``keep_after_uniform_error``: a task that raised on
+        every rank (so no rank is left inside a collective) does not cost a respawn; useful where whole
+        families of inputs are refused on purpose (judging third-party code). ``device``: where the workers'
+        tensors live, ``cpu`` or ``cuda`` (default: ``cuda`` under NCCL, else ``cpu``; gloo carries some
+        collectives of CUDA tensors too, staged through host memory)."""
         if device not in (None, "cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu', 'cuda' or None, got {device!r}")
+        self.keep_after_uniform_error = keep_after_uniform_error
+        # the others' errors may come later than the first on a busy machine: waiting longer for them saves a respawn
+        self.error_grace = 5 * _GRACE_S if keep_after_uniform_error else _GRACE_S
         self.world = world
         self.init = init
         self.backend = backend
@@ -286,11 +292,14 @@ class WorkerPool:
 
     def collect(self, task_id: int, *, timeout: float, name: str) -> list[Any] | TaskFailure:
         """Wait (at most ``timeout`` seconds from now) for one submitted call's per-rank results. On a failure
-        the group is killed (every later submitted call is lost) and the :class:`TaskFailure` is returned."""
+        the group is killed (every later submitted call is lost; kept, with them, after an error raised on every
+        rank when ``keep_after_uniform_error``) and the :class:`TaskFailure` is returned."""
         if not self._procs:
             return TaskFailure(name, "crash", [], {-1: "the group was killed by an earlier failure"})
         results = self._collect(lambda msg: msg[0] == task_id, time.monotonic() + timeout, name)
-        if isinstance(results, TaskFailure):
+        if isinstance(results, TaskFailure) and not (
+            self.keep_after_uniform_error and results.kind == "error" and sorted(results.ranks) == list(range(self.world))
+        ):
             self.kill()
         return results
 
@@ -303,7 +312,7 @@ class WorkerPool:
         by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
         while pending:
             if errors:
-                deadline = min(deadline, time.monotonic() + _GRACE_S)
+                deadline = min(deadline, time.monotonic() + self.error_grace)
             left = deadline - time.monotonic()
             if left <= 0:
                 if errors:  # ranks in the order their errors arrived: the first is the likely cause

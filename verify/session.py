@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cases import Case
+from .exchange_check import exchange_metrics
 from .pool import TaskFailure, WorkerPool
 from .runner import expected_results, pack_expected, run_case, summed_metrics, warm_up
 
@@ -26,6 +27,7 @@ class CaseResult:
     mode: str | None = None  # the exchange the implementation chose, when it reports one
     seconds: float = 0.0
     impl: str = "blockdiag_dist"
+    backends: str = ""  # the SDPA backends the baseline and the implementation ran on (below float64)
 
     @property
     def ok(self) -> bool:
@@ -42,6 +44,7 @@ class CaseResult:
             "case": self.case.to_dict(), "label": self.case.label(), "status": self.status, "mode": self.mode,
             "seconds": round(self.seconds, 6), "failed_metrics": self.failed_metrics, "ranks": self.ranks,
             "metrics": self.metrics, "details": self.details, "reproduce": self.case.command(self.impl),
+            "backends": self.backends,
         }
 
 
@@ -50,7 +53,7 @@ def merge_ranks(case: Case, per_rank: Sequence[dict], expected: dict, seconds: f
     summed over ranks, checked here against ``expected`` (unpacked tensors)."""
     metrics: dict[str, dict[str, Any]] = {}
     bad_ranks: set[int] = set()
-    summed = {"metrics": summed_metrics(case, list(per_rank), expected)}
+    summed = {"metrics": {**summed_metrics(case, list(per_rank), expected), **exchange_metrics(case, per_rank)}}
     for rank, info in [*enumerate(per_rank), ("sum", summed)]:
         for name, row in info["metrics"].items():
             row = dict(row, rank=rank)
@@ -68,6 +71,7 @@ def merge_ranks(case: Case, per_rank: Sequence[dict], expected: dict, seconds: f
     )
     modes = {info.get("mode") for info in per_rank}
     return CaseResult(
+        backends=backends_used(case, expected),
         case=case, status="fail" if failed else "pass", metrics=metrics, failed_metrics=failed,
         ranks=sorted(bad_ranks), details=details, mode=modes.pop() if len(modes) == 1 else None,
         seconds=seconds, impl=impl,
@@ -85,6 +89,7 @@ class Session:
         chunk: int = 32,
         backend: str = "gloo",
         in_process: Callable[[Case], tuple[list[dict], dict]] | None = None,
+        keep_after_uniform_error: bool = False,
         device: str | None = None,
     ) -> None:
         """``device``: where the pools' ranks keep their tensors (see :class:`WorkerPool`)."""
@@ -94,6 +99,7 @@ class Session:
         self.backend = backend
         self.device = device
         self.in_process = in_process  # torchrun: run on the launched group instead of pools
+        self.keep_after_uniform_error = keep_after_uniform_error  # see WorkerPool
         self.pools: dict[int, WorkerPool] = {}
         self.timing: dict[int, dict[str, float]] = {}  # per CP size: seconds spent running cases, cases run
 
@@ -116,30 +122,33 @@ class Session:
         if cp not in self.pools:
             self.pools[cp] = WorkerPool(
                 cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout), init=warm_up,
+                keep_after_uniform_error=self.keep_after_uniform_error,
                 device=self.device,
             )
         return self.pools[cp]
 
     def run(
-        self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None, *, impl: str | None = None
+        self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None, *, impl: str | None = None,
+        reference: Callable[[Case], dict] | None = None,
     ) -> list[CaseResult]:
         """Run cases grouped by CP size (order kept within a size); call ``on_result`` after each. ``impl``
-        overrides the session's module under test (the pools serve any module)."""
+        overrides the session's module under test (the pools serve any module); ``reference`` replaces
+        :func:`verify.runner.expected_results` (e.g. a reference under a third party's declared conventions)."""
         by_cp: dict[int, list[Case]] = {}
         for c in cases:
             by_cp.setdefault(c.cp, []).append(c)
         results: list[CaseResult] = []
         for cp in sorted(by_cp):
-            for r in self._run_cp(cp, by_cp[cp], impl or self.impl):
+            for r in self._run_cp(cp, by_cp[cp], impl or self.impl, reference or expected_results):
                 results.append(r)
                 if on_result:
                     on_result(r)
         return results
 
-    def run_one(self, case: Case, *, impl: str | None = None) -> CaseResult:
-        return self.run([case], impl=impl)[0]
+    def run_one(self, case: Case, *, impl: str | None = None, reference: Callable[[Case], dict] | None = None) -> CaseResult:
+        return self.run([case], impl=impl, reference=reference)[0]
 
-    def _run_cp(self, cp: int, cases: list[Case], impl: str):
+    def _run_cp(self, cp: int, cases: list[Case], impl: str, reference: Callable[[Case], dict]):
         if self.in_process is not None:
             for case in cases:
                 t0 = time.perf_counter()
@@ -161,7 +170,7 @@ class Session:
         def prepare(lo: int) -> None:
             for j in range(lo, min(lo + self.chunk, len(cases))):
                 if j not in expected:
-                    expected[j] = expected_results(cases[j])
+                    expected[j] = reference(cases[j])
                     packed[j] = pack_expected(expected[j])
 
         i = 0
@@ -184,12 +193,25 @@ class Session:
                 packed.pop(j)
                 if isinstance(item, TaskFailure):
                     yield _failure_result(cases[j], item, now - t0, impl)
-                    break  # the pool was killed; the rest of the chunk goes to a fresh one
+                    if not pool.alive:
+                        break  # the pool was killed; the rest of the chunk goes to a fresh one
+                    t0 = time.perf_counter()
+                    continue
                 result = merge_ranks(cases[j], item, exp, now - t0, impl)
                 timing["cases"] += 1
                 timing["run"] = run_before + time.perf_counter() - t_run  # accumulates over calls of run()
                 yield result
                 t0 = time.perf_counter()
+
+
+def backends_used(case: Case, expected: dict) -> str:
+    """Which SDPA backends produced the baseline, which refused, and which one the implementation ran on."""
+    if not expected.get("base"):
+        return ""
+    refused = "".join(f"; {b} refused ({why})" for b, why in expected.get("refused", {}).items())
+    how = "forced" if case.backend else "torch's choice"
+    used = case.backend or expected.get("default_backend") or "an unnamed backend"
+    return f"baseline on {', '.join(expected['base'])}{refused}; implementation on {used} ({how})"
 
 
 def _failure_result(case: Case, failure: TaskFailure, seconds: float, impl: str) -> CaseResult:

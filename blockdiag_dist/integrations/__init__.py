@@ -2,14 +2,24 @@
 
 Main entries: :class:`PackingCollator` / :func:`pack_documents` pack documents into rows with pre-shifted
 labels, ``_packed_seq_ids`` and per-document ``position_ids``; :func:`causal_lm_loss`,
-:func:`global_token_count` and :func:`all_reduce_grads` make a DP x CP step's loss and gradients exact;
+:func:`global_token_count` and :func:`all_reduce_grads` make a DP x CP step's loss and gradients exact (under
+DDP or FSDP2: :func:`flat_mesh` with :func:`allreduce_sum_hook` or :func:`fsdp_sum_gradients`);
 :func:`register_transformers_attention` plugs CP into Hugging Face transformers models (needs the ``hf``
 extra; nothing here imports transformers until it is called).
 """
 
 from .hf import ATTENTION_NAME, blockdiag_attention_forward, register_transformers_attention
-from .packing import IGNORE_INDEX, PackingCollator, pack_documents
-from .training import all_reduce_grads, all_reduce_sum_, causal_lm_loss, global_token_count, mesh_groups
+from .packing import IGNORE_INDEX, PackingCollator, pack_documents, shift_labels
+from .training import (
+    all_reduce_grads,
+    all_reduce_sum_,
+    allreduce_sum_hook,
+    causal_lm_loss,
+    flat_mesh,
+    fsdp_sum_gradients,
+    global_token_count,
+    mesh_groups,
+)
 
 __all__ = [
     "ATTENTION_NAME",
@@ -17,10 +27,14 @@ __all__ = [
     "PackingCollator",
     "all_reduce_grads",
     "all_reduce_sum_",
+    "allreduce_sum_hook",
     "blockdiag_attention_forward",
     "causal_lm_loss",
+    "flat_mesh",
+    "fsdp_sum_gradients",
     "global_token_count",
     "mesh_groups",
     "pack_documents",
     "register_transformers_attention",
+    "shift_labels",
 ]

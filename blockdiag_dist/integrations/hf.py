@@ -8,7 +8,8 @@ How transformers (5.x) treats a registered attention function: it looks the name
 and calls it from every attention layer. Masks are built by ``AttentionMaskInterface`` functions; for a name
 registered there it has none, so ``create_causal_mask`` / ``create_sliding_window_causal_mask`` return
 ``None`` early, without reading the sharded ``position_ids`` (no packed-sequence detection on a shard). Older
-releases (4.48+) may build a 4-D mask of the local shard instead: it is ignored, as any mask is inside a step.
+releases (4.48+) may build a 4-D mask of the local shard instead: the layer being causal (checked), it is
+replaced by the per-document causal mask (``noncausal="causal"``, recorded in the step's notes).
 
 Under CP: pass ``position_ids`` (per-document positions, sharded by the batch function) and no ``labels``.
 Models shift ``labels`` inside their loss, which is wrong on a shard; compute the loss from the logits with
@@ -65,6 +66,7 @@ def blockdiag_attention_forward(
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
         window_size=None if sliding_window is None else (sliding_window - 1, 0),
+        noncausal="causal",  # the layer is causal (checked above): a mask it was given is per-document under a step
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["IGNORE_INDEX", "PackingCollator", "pack_documents"]
+__all__ = ["IGNORE_INDEX", "PackingCollator", "pack_documents", "shift_labels"]
 
 IGNORE_INDEX = -100  # label of positions with no next-token target (padding, last token of a document)
 
@@ -83,6 +83,23 @@ def pack_documents(
             position_ids[r, start:end] = torch.arange(t.numel())
             start = end
     return {"input_ids": input_ids, "labels": labels, "_packed_seq_ids": seq_ids, "position_ids": position_ids}
+
+
+def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Labels in transformers' convention (the model shifts them: position ``t`` predicts ``labels[t + 1]``) as
+    the pre-shifted targets CP needs: ``out[:, t] = labels[:, t + 1]``, ``ignore_index`` at the last position.
+    ``labels [B, S]`` -> ``[B, S]``.
+
+    transformers' ``DataCollatorWithFlattening`` puts ``-100`` on every document's first token, so after the
+    shift a document's last token has no target (it would predict the next document's first):
+
+    >>> shift_labels(torch.tensor([[-100, 6, 7, -100, 9]])).tolist()
+    [[6, 7, -100, 9, -100]]
+    """
+    if not isinstance(labels, Tensor) or labels.dim() != 2 or labels.is_floating_point():
+        got = f"{labels.dtype} of shape {tuple(labels.shape)}" if isinstance(labels, Tensor) else type(labels).__name__
+        raise ValueError(f"shift_labels: expected an integer tensor [B, S], got {got}")
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1)
 
 
 @dataclass(frozen=True)

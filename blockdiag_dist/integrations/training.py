@@ -10,6 +10,17 @@ mesh, and the true loss the sum of the per-rank losses:
     loss.backward()
     all_reduce_grads(model.parameters(), mesh)              # sum over dp and cp
 
+DDP and FSDP2 *average* gradients over their group; that is right for data parallelism alone and wrong here:
+CP ranks hold partial gradients that must be *summed*, and the global normalisation already divides by the
+step's targets. The recipe is one group over the whole mesh (:func:`flat_mesh`) and a sum reduction:
+
+    group = flat_mesh(mesh).get_group()
+    ddp = DistributedDataParallel(model, process_group=group)
+    ddp.register_comm_hook(group, allreduce_sum_hook)       # DDP: sum over dp x cp, no division
+
+    fully_shard(block, mesh=flat_mesh(mesh)) ...; fully_shard(model, mesh=flat_mesh(mesh))
+    fsdp_sum_gradients(model)                               # FSDP2: reduce-scatter with SUM, no division
+
 Shape legend: B batch rows, L positions held by this rank, V vocabulary size.
 """
 
@@ -25,7 +36,16 @@ from torch import Tensor
 
 from .packing import IGNORE_INDEX
 
-__all__ = ["all_reduce_grads", "all_reduce_sum_", "causal_lm_loss", "global_token_count", "mesh_groups"]
+__all__ = [
+    "all_reduce_grads",
+    "all_reduce_sum_",
+    "allreduce_sum_hook",
+    "causal_lm_loss",
+    "flat_mesh",
+    "fsdp_sum_gradients",
+    "global_token_count",
+    "mesh_groups",
+]
 
 
 def mesh_groups(mesh: Any) -> list[dist.ProcessGroup]:
@@ -98,3 +118,45 @@ def all_reduce_grads(parameters: Iterable[Tensor], mesh: Any) -> None:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(reduced.view_as(g))
+
+
+def flat_mesh(mesh: Any) -> Any:
+    """A 1-D ``DeviceMesh`` over every rank of ``mesh`` (a ``("dp", "cp")`` mesh flattened to ``"dp_cp"``; a
+    1-D mesh is returned as it is): the group over which DDP or FSDP2 reduce the gradients of a CP step."""
+    if not (hasattr(mesh, "ndim") and hasattr(mesh, "mesh_dim_names")):
+        raise ValueError(f"mesh: expected a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError(f"mesh: expected named dimensions (e.g. ('dp', 'cp')) to flatten, got {mesh}")
+    return mesh._flatten("_".join(names))
+
+
+def allreduce_sum_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: sum a gradient bucket over ``process_group`` (``None``: the default group),
+    without DDP's division by the group size. Register it with the group DDP was built on:
+    ``ddp.register_comm_hook(group, allreduce_sum_hook)``."""
+    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+# DDP compares the hook's annotations with the objects themselves; `from __future__ import annotations` made strings
+allreduce_sum_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+
+
+def fsdp_sum_gradients(module: torch.nn.Module) -> int:
+    """Make every FSDP2 (``fully_shard``) module under ``module`` reduce gradients by a plain sum: divide factor
+    1 with SUM collectives only (the divide factor alone makes FSDP2 use PREMUL_SUM, which gloo lacks). Returns
+    how many modules were changed; raises ``ValueError`` when there is none (the model was not sharded yet)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        raise ValueError("fsdp_sum_gradients: expected a module sharded with fully_shard, got no FSDP module")
+    for m in sharded:
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
+    return len(sharded)

@@ -1,21 +1,32 @@
-"""Varlen kernel: attention per document piece, with no ``[Tq, Tk]`` mask.
+"""Varlen kernel: attention per document piece, with no ``[Tq, Tk]`` mask in the hot path.
 
 A *piece* is a maximal run of a rank's query tokens that are consecutive positions of one document. Its keys
 are the positions ``[max(doc_start, first - left), last]`` of that document, gathered from the key buffer.
 
-Pieces are batched so that many small documents cost one SDPA call, not one Python call each:
+Every piece is cut into *blocks* that torch's fused attention runs without a mask, and the blocks of a query
+are merged by log-sum-exp (the ring-attention merge):
 
-- a piece whose keys are exactly its own queries (no earlier part on another rank, no binding window) is
-  *square*: it is right-padded to a size class and run with ``is_causal=True``. Padding sits after every real
-  row, so causal attention never lets a real query see it, and no mask is needed;
-- every other piece (its document started on an earlier rank, or a window cuts it) gets an explicit
-  bottom-right-aligned causal mask, in buckets by (query size class, key size class).
+- the *square* block: the piece's queries against its own positions, top-left causal;
+- a *prefix* block when the document started before the piece (on another rank): the queries against the
+  keys before the first query, unmasked, at the prefix's exact length;
+- under a window that binds, the piece is cut into chunks of ``left`` positions aligned to the document
+  start; a chunk is a causal square on its own positions plus, on the ``left`` positions before it, a band
+  that is causal once queries and keys are both taken in reverse order (query ``t`` sees key ``j`` iff
+  ``j >= t``), so it needs no mask either. Windows narrower than ``BAND_MIN`` (tiny blocks, mostly padding)
+  run each cut piece as one block with its band mask instead.
 
-Padded slots index a real row of the same piece, so everything stays finite; their outputs are dropped and
-their gradients are exactly 0. On CUDA with flash-attn installed (fp16/bf16, D == Dv), pieces go to
+Blocks of one kind and size class are batched into one fused call, so many small documents cost one call,
+not one each. Queries and keys are right-padded to the size class; a padded query slot repeats a real row and
+its output is dropped; a padded key slot is seen only by padded query slots. The backward runs each block's
+backward with the merged output and logsumexp (autograd cannot: it does not carry gradients through the fused
+op's logsumexp output).
+
+The fused op (``aten._scaled_dot_product_flash_attention_for_cpu``) takes CPU tensors with ``D == Dv`` and no
+dropout. Anything else runs the *masked* plan: pieces with a bottom-right-aligned causal (and window) mask,
+through torch's SDPA and autograd. On CUDA with flash-attn installed (fp16/bf16, D == Dv), pieces go to
 ``flash_attn_varlen_func`` instead (bottom-right causal alignment, native GQA and windows).
 
-Shape legend: Tq local query tokens (B * L), Tk key-buffer tokens, P pieces, n pieces in a bucket,
+Shape legend: Tq local query tokens (B * L), Tk key-buffer tokens, P pieces, N blocks, n blocks in a bucket,
 Lq / Lk a bucket's padded query / key length, Hq / Hkv heads, D / Dv head dims.
 """
 
@@ -29,65 +40,115 @@ from torch import Tensor
 
 from .._stock import stock_sdpa
 
-__all__ = ["VarlenMeta", "plan_varlen", "size_class", "varlen_attention"]
+__all__ = ["VarlenMeta", "fused_unusable_reason", "plan_varlen", "size_class", "varlen_attention"]
 
 EXACT_ABOVE = 1024  # pieces longer than this run at their exact length
+EXACT_UP_TO = 16  # ... and so do pieces this short (see size_class)
+BAND_MIN = 64  # windows narrower than this run as one masked block per piece instead of bands
+FULL, CAUSAL, MASKED = 0, 1, 2  # block kinds of the maskless plan
+_fused_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_fused_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def size_class(n: Tensor) -> Tensor:
     """Round lengths up to a size class: multiples of 16 up to 128, then 1/8 of the enclosing power of two,
     exact above ``EXACT_ABOVE``. Padding wastes at most ~1/8 of a piece's length.
 
+    Lengths up to ``EXACT_UP_TO`` stay exact. Fused SDPA kernels pick their arithmetic per vector lane: torch's
+    CPU kernel computes ``exp`` with a vectorized approximation on whole lanes (8 or 16 floats) and with libm
+    on a row's remainder. A piece shorter than a lane is all remainder at its own length; padded to 16 it
+    would be all approximation, with up to ~10x the float32 gradient error on peaked softmax. Above 16 a
+    piece fills lanes at its own length too, and padding leaves its worst error unchanged.
+
     >>> size_class(torch.tensor([1, 16, 17, 130, 600, 1000, 1500]))
-    tensor([  16,   16,   32,  144,  640, 1024, 1500])
+    tensor([   1,   16,   32,  144,  640, 1024, 1500])
     """
     n = n.to(torch.int64)
     step = (2 ** torch.floor(torch.log2(n.clamp_min(1).double())).to(torch.int64) // 8).clamp_min(16)
     rounded = (n + step - 1) // step * step
-    return torch.where(n > EXACT_ABOVE, n, rounded)
+    return torch.where((n > EXACT_ABOVE) | (n <= EXACT_UP_TO), n, rounded)
 
 
 @dataclass(frozen=True, eq=False)
 class Bucket:
     q_index: Tensor  # int64 [n, Lq] rows of q_tok
     k_index: Tensor  # int64 [n, Lk] rows of the key buffer
-    mask: Tensor | None  # bool [n, 1, Lq, Lk]; None = square pieces, is_causal
+    mask: Tensor | None  # bool [n, 1, Lq, Lk] (masked plan, and narrow windows); None: see ``causal``
+    causal: bool = True  # without a mask: top-left causal (True) or unmasked (False)
 
     def to(self, device: torch.device) -> Bucket:
-        return Bucket(self.q_index.to(device), self.k_index.to(device), None if self.mask is None else self.mask.to(device))
+        mask = None if self.mask is None else self.mask.to(device)
+        return Bucket(self.q_index.to(device), self.k_index.to(device), mask, self.causal)
+
+
+@dataclass(frozen=True, eq=False)
+class BucketPlan:
+    """Buckets with one gather for all their queries, one for all their keys, and each slot's output row."""
+
+    buckets: tuple[Bucket, ...]
+    q_gather: Tensor  # int64: every bucket's q_index, flattened and concatenated
+    k_gather: Tensor  # int64: likewise for k_index
+    out_rows: Tensor  # int64: for every bucket slot (same order), its query row, or Tq for a padded slot
+
+    @classmethod
+    def of(cls, buckets: list[Bucket], slot_rows: list[Tensor]) -> BucketPlan:
+        empty = torch.zeros(0, dtype=torch.int64)
+        cat = lambda ts: torch.cat(ts) if ts else empty  # noqa: E731
+        return cls(tuple(buckets), cat([b.q_index.flatten() for b in buckets]),
+                   cat([b.k_index.flatten() for b in buckets]), cat(slot_rows))
+
+    def to(self, device: torch.device) -> BucketPlan:
+        return BucketPlan(tuple(b.to(device) for b in self.buckets), self.q_gather.to(device),
+                          self.k_gather.to(device), self.out_rows.to(device))
 
 
 @dataclass(frozen=True, eq=False)
 class VarlenMeta:
-    buckets: tuple[Bucket, ...]
-    q_gather: Tensor  # int64: every bucket's q_index, flattened and concatenated (one gather for all)
-    k_gather: Tensor  # int64: likewise for k_index
-    out_rows: Tensor  # int64: for every bucket slot (same order), its query row, or Tq for a padded slot
+    blocks: BucketPlan  # the maskless plan: blocks merged by log-sum-exp (a query row may have two slots)
     pad_rows: Tensor  # int64: local rows of padding queries (their outputs are 0)
     piece_q: Tensor  # int64 [P, 2] (first local query row, length), on the host
     piece_k: Tensor  # int64 [P, 2] (first key flat id, length), on the host
+    piece_flat: Tensor  # int64 [P] flat id of each piece's first query, on the host
     key_lut: Tensor = field(repr=False)  # int64 [B * Sp] key-buffer row of each flat id (-1 = absent), host
     num_queries: int = 0
+    padded_len: int = 1
     window_left: int = -1
-    _flash_cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device) -> VarlenMeta:
         return VarlenMeta(
-            buckets=tuple(b.to(device) for b in self.buckets),
-            q_gather=self.q_gather.to(device),
-            k_gather=self.k_gather.to(device),
-            out_rows=self.out_rows.to(device),
+            blocks=self.blocks.to(device),
             pad_rows=self.pad_rows.to(device),
             piece_q=self.piece_q,
             piece_k=self.piece_k,
+            piece_flat=self.piece_flat,
             key_lut=self.key_lut,
             num_queries=self.num_queries,
+            padded_len=self.padded_len,
             window_left=self.window_left,
         )
 
+    def masked(self, device: torch.device) -> BucketPlan:
+        """The plan with masks (one bucket slot per query row), for what the fused op cannot run; built once
+        per device, on first use."""
+        key = ("masked", device)
+        cached = self._cache.get(key)
+        if cached is None:
+            cached = self._cache.setdefault(key, _masked_plan(self).to(device))
+        return cached
+
+    def self_keys(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(local rows of the real queries, key-buffer row of each one's own token), built once per device."""
+        cached = self._cache.get(("self", device))
+        if cached is None:
+            rows = _ranges(self.piece_q[:, 0], self.piece_q[:, 1])
+            keys = self.key_lut[_ranges(self.piece_flat, self.piece_q[:, 1])]
+            cached = self._cache.setdefault(("self", device), (rows.to(device), keys.to(device)))
+        return cached
+
     def flash_meta(self, device: torch.device) -> dict:
         """cu_seqlens-style metadata for flash-attn's varlen function, built once per device."""
-        cached = self._flash_cache.get(device)
+        cached = self._cache.get(("flash", device))
         if cached is None:
             lens_q, lens_k = self.piece_q[:, 1], self.piece_k[:, 1]
             q_rows = _ranges(self.piece_q[:, 0], lens_q)
@@ -100,7 +161,7 @@ class VarlenMeta:
             cached = {k: v.to(device) for k, v in tensors.items()}
             cached["max_seqlen_q"] = int(lens_q.max()) if lens_q.numel() else 0
             cached["max_seqlen_k"] = int(lens_k.max()) if lens_k.numel() else 0
-            cached = self._flash_cache.setdefault(device, cached)
+            cached = self._cache.setdefault(("flash", device), cached)
         return cached
 
 
@@ -111,9 +172,11 @@ def _ranges(starts: Tensor, lens: Tensor) -> Tensor:
 
 
 def plan_varlen(
-    q_flat: Tensor, k_flat: Tensor, segments: Tensor, doc_starts: Tensor, padded_len: int, window_left: int
+    q_flat: Tensor, k_flat: Tensor, segments: Tensor, doc_starts: Tensor, padded_len: int, window_left: int,
+    *, band_min: int = BAND_MIN,
 ) -> VarlenMeta:
-    """Pieces and buckets for local queries (flat ids ``[Tq]``) against a key buffer (flat ids ``[Tk]``)."""
+    """Pieces and maskless blocks for local queries (flat ids ``[Tq]``) against a key buffer (flat ids ``[Tk]``);
+    windows narrower than ``band_min`` get one masked block per piece they cut."""
     Tq = q_flat.numel()
     seg_q = segments[q_flat]
     pos_q = q_flat % padded_len
@@ -129,58 +192,141 @@ def plan_varlen(
     p_dstart = doc_starts[p_flat0]
     p_kfirst = p_dstart if window_left < 0 else torch.maximum(p_dstart, p_qfirst - window_left)
     p_klen = p_qfirst + p_len - p_kfirst
-    p_kflat0 = p_flat0 - p_qfirst + p_kfirst
 
     key_lut = torch.full((segments.numel(),), -1, dtype=torch.int64)
     key_lut[k_flat] = torch.arange(k_flat.numel())
+    blocks = _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq, window_left, band_min)
+    rows = blocks.out_rows[blocks.out_rows < Tq]
+    covered = torch.zeros(Tq, dtype=torch.bool)
+    covered[rows] = True
+    assert bool((covered == real).all()), "varlen plan: a real query row has no block, or a padding row has one"
+    return VarlenMeta(
+        blocks=blocks,
+        pad_rows=(~real).nonzero().flatten(),
+        piece_q=torch.stack([p_start, p_len], 1),
+        piece_k=torch.stack([p_flat0 - p_qfirst + p_kfirst, p_klen], 1),
+        piece_flat=p_flat0,
+        key_lut=key_lut,
+        num_queries=Tq,
+        padded_len=padded_len,
+        window_left=window_left,
+    )
 
-    masked = (p_klen != p_len) | ((window_left >= 0) & (window_left < p_len - 1))
+
+def _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq: int, left: int, band_min: int) -> BucketPlan:
+    """The maskless blocks of every piece, bucketed by (kind, Lq, Lk).
+
+    A block is described by where its slots point: query slot ``a`` is position ``q0 + qdir * a`` (real iff in
+    ``[qlo, qhi]``, otherwise it repeats the nearest real query and its output is dropped) and key slot ``c``
+    is position ``k0 + kdir * c`` clamped to ``[klo, khi]``. Positions are in the piece's document row.
+    """
+    p_last = p_qfirst + p_len - 1
+    binds = (p_last - p_dstart > left) if left >= 0 else torch.zeros_like(p_len, dtype=torch.bool)
+    whole = (~binds).nonzero().flatten()
+    parts: list[dict[str, Tensor]] = []
+    if left < band_min:  # narrow windows: one masked block per piece beats many tiny bands
+        mk = binds.nonzero().flatten()
+        qf, ql, kf = p_qfirst[mk], p_last[mk], p_kfirst[mk]
+        parts.append(dict(piece=mk, q0=qf, qdir=1, k0=kf, kdir=1, klo=kf, khi=ql, qlo=qf, qhi=ql, kind=MASKED,
+                          lq=size_class(p_len[mk]), lk=size_class(ql - kf + 1)))
+        binds = torch.zeros_like(binds)
+    # square blocks of pieces the window does not cut
+    qf, ql = p_qfirst[whole], p_last[whole]
+    cls = size_class(p_len[whole])
+    parts.append(dict(piece=whole, q0=qf, qdir=1, k0=qf, kdir=1, klo=qf, khi=ql, qlo=qf, qhi=ql, kind=CAUSAL, lq=cls, lk=cls))
+    # unmasked prefix blocks (keys before the first query), at the prefix's exact length
+    pre = whole[p_kfirst[whole] < p_qfirst[whole]]
+    qf, ql, kf = p_qfirst[pre], p_last[pre], p_kfirst[pre]
+    parts.append(dict(piece=pre, q0=qf, qdir=1, k0=kf, kdir=1, klo=kf, khi=qf - 1, qlo=qf, qhi=ql, kind=FULL,
+                      lq=size_class(p_len[pre]), lk=qf - kf))
+    if bool(binds.any()):
+        # chunks of c = max(left, 1) positions aligned to the document start
+        cut = binds.nonzero().flatten()
+        c = max(left, 1)
+        k_lo = (p_qfirst[cut] - p_dstart[cut]) // c
+        n_chunks = (p_last[cut] - p_dstart[cut]) // c - k_lo + 1
+        piece = torch.repeat_interleave(cut, n_chunks)
+        k = torch.repeat_interleave(k_lo, n_chunks) + _ranges(torch.zeros_like(n_chunks), n_chunks)
+        s = p_dstart[piece] + k * c
+        qlo, qhi = torch.maximum(s, p_qfirst[piece]), torch.minimum(s + c - 1, p_last[piece])
+        cls = size_class(torch.full_like(s, c))
+        parts.append(dict(piece=piece, q0=s, qdir=1, k0=s, kdir=1, klo=s, khi=qhi, qlo=qlo, qhi=qhi, kind=CAUSAL, lq=cls, lk=cls))
+        if left >= 1:  # the band on the left positions before each chunk, in reverse order (none for chunk 0)
+            band = k > 0
+            piece, s, qlo, qhi, cls = piece[band], s[band], qlo[band], qhi[band], cls[band]
+            parts.append(dict(piece=piece, q0=s + c - 1, qdir=-1, k0=s - 1, kdir=-1, klo=s - left, khi=s - 1,
+                              qlo=qlo, qhi=qhi, kind=CAUSAL, lq=cls, lk=cls))
+    return _bucket(parts, p_start - p_qfirst, p_flat0 - p_qfirst, key_lut, Tq, left)
+
+
+def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut: Tensor, Tq: int, left: int) -> BucketPlan:
+    """Group blocks by (kind, Lq, Lk) and build each bucket's gather indices, output rows and (kind MASKED
+    only) mask. ``p_row0``: local row a piece's position 0 would have; ``p_base``: flat id of its row's
+    position 0."""
+    full = lambda x, like: x.expand_as(like) if isinstance(x, Tensor) else torch.full_like(like, x)  # noqa: E731
+    cols = ("piece", "q0", "qdir", "k0", "kdir", "klo", "khi", "qlo", "qhi", "kind", "lq", "lk")
+    blk = {name: torch.cat([full(p[name], p["piece"]) for p in parts]) for name in cols}
+    group_key = blk["kind"] * 2**60 + blk["lq"] * 2**30 + blk["lk"]  # sizes < 2**30
+    keys, group_of = torch.unique(group_key, return_inverse=True)
+    buckets: list[Bucket] = []
+    slot_rows: list[Tensor] = []
+    for g, key in enumerate(keys.tolist()):
+        kind, lq, lk = key >> 60, (key >> 30) & (2**30 - 1), key & (2**30 - 1)
+        b = {name: t[group_of == g, None] for name, t in blk.items()}
+        qpos = b["q0"] + b["qdir"] * torch.arange(lq)[None, :]
+        valid = (qpos >= b["qlo"]) & (qpos <= b["qhi"])
+        q_index = p_row0[b["piece"]] + torch.minimum(torch.maximum(qpos, b["qlo"]), b["qhi"])
+        kraw = b["k0"] + b["kdir"] * torch.arange(lk)[None, :]
+        kpos = torch.minimum(torch.maximum(kraw, b["klo"]), b["khi"])
+        base = p_base[b["piece"]]
+        k_index = key_lut[base + kpos]
+        # keys outside the needed set can only sit where no real query looks: any present key will do
+        k_index = torch.where(k_index >= 0, k_index, key_lut[base + b["qlo"]])
+        assert bool((k_index >= 0).all()), "varlen plan: a piece's key is missing from the key buffer"
+        mask = None
+        if kind == MASKED:  # bottom-right causal within the window; padded query slots see one real key
+            qp, kp = qpos[:, :, None], kraw[:, None, :]
+            m = valid[:, :, None] & (kp <= b["khi"][:, :, None]) & (kp <= qp) & (kp >= qp - left)
+            mask = (m | (~valid[:, :, None] & (torch.arange(lk) == 0)))[:, None]
+        buckets.append(Bucket(q_index=q_index, k_index=k_index, mask=mask, causal=kind == CAUSAL))
+        slot_rows.append(torch.where(valid, q_index, Tq).flatten())
+    return BucketPlan.of(buckets, slot_rows)
+
+
+def _masked_plan(meta: VarlenMeta) -> BucketPlan:
+    """One bucket slot per query row: square pieces run causal, every other piece with an explicit
+    bottom-right-aligned causal (and window) mask, in buckets by (query size class, key size class)."""
+    sp, left, Tq = meta.padded_len, meta.window_left, meta.num_queries
+    p_start, p_len = meta.piece_q.unbind(1)
+    p_kflat0, p_klen = meta.piece_k.unbind(1)
+    p_qfirst, p_kfirst = meta.piece_flat % sp, p_kflat0 % sp
+    masked = (p_klen != p_len) | ((left >= 0) & (left < p_len - 1))
     cq, ck = size_class(p_len), size_class(p_klen)
     ck = torch.where(masked, ck, cq)
-    group_key = (masked.long() << 62) | (cq << 31) | ck  # sizes < 2**31
-    keys, group_of = torch.unique(group_key, return_inverse=True)
-
+    keys, group_of = torch.unique((masked.long() << 62) | (cq << 31) | ck, return_inverse=True)
     buckets: list[Bucket] = []
     slot_rows: list[Tensor] = []
     for g, key in enumerate(keys.tolist()):
         is_masked, lq, lk = key >> 62, (key >> 31) & (2**31 - 1), key & (2**31 - 1)
         idx = (group_of == g).nonzero().flatten()
-        n = idx.numel()
         a = torch.arange(lq)[None, :]
         c = torch.arange(lk)[None, :]
         qlen, klen = p_len[idx, None], p_klen[idx, None]
         q_index = p_start[idx, None] + torch.minimum(a, qlen - 1)
-        k_index = key_lut[p_kflat0[idx, None] + torch.minimum(c, klen - 1)]
-        assert bool((k_index >= 0).all()), "varlen plan: a piece's key is missing from the key buffer"
+        k_index = meta.key_lut[p_kflat0[idx, None] + torch.minimum(c, klen - 1)]
         mask = None
         if is_masked:
             qpos = (p_qfirst[idx, None] + a)[:, :, None]
             kpos = (p_kfirst[idx, None] + c)[:, None, :]
             valid_q = (a < qlen)[:, :, None]
             m = valid_q & (c < klen)[:, None, :] & (kpos <= qpos)
-            if window_left >= 0:
-                m &= kpos >= qpos - window_left
+            if left >= 0:
+                m &= kpos >= qpos - left
             m |= ~valid_q & (c == 0)[:, None, :]  # padded query slots see one real key: finite, then dropped
             mask = m[:, None]
-        valid = a < qlen
         buckets.append(Bucket(q_index=q_index, k_index=k_index, mask=mask))
-        slot_rows.append(torch.where(valid, q_index, Tq).flatten())
-    empty = torch.zeros(0, dtype=torch.int64)
-    out_rows = torch.cat(slot_rows) if slot_rows else empty
-    written = torch.bincount(out_rows[out_rows < Tq], minlength=Tq)
-    assert bool((written[real] == 1).all()) and bool((written[~real] == 0).all()), "varlen plan: a query row is not written exactly once"
-    return VarlenMeta(
-        buckets=tuple(buckets),
-        q_gather=torch.cat([b.q_index.flatten() for b in buckets]) if buckets else empty,
-        k_gather=torch.cat([b.k_index.flatten() for b in buckets]) if buckets else empty,
-        out_rows=out_rows,
-        pad_rows=(~real).nonzero().flatten(),
-        piece_q=torch.stack([p_start, p_len], 1),
-        piece_k=torch.stack([p_kflat0, p_klen], 1),
-        key_lut=key_lut,
-        num_queries=Tq,
-        window_left=window_left,
-    )
+        slot_rows.append(torch.where(a < qlen, q_index, Tq).flatten())
+    return BucketPlan.of(buckets, slot_rows)
 
 
 @functools.lru_cache(maxsize=1)
@@ -205,7 +351,94 @@ def flash_unusable_reason(q_tok: Tensor, dim: int, dim_v: int) -> str | None:
     return None
 
 
-# ---- gathers and scatter with one pass each way (autograd's own would zero-fill full-size buffers per bucket)
+def fused_unusable_reason(q_tok: Tensor, dim: int, dim_v: int, dropout_p: float) -> str | None:
+    """Why the maskless blocks (torch's fused CPU attention) cannot run these tensors (None when they can)."""
+    if q_tok.device.type != "cpu":
+        return f"device is {q_tok.device.type}, the fused op with logsumexp is used on cpu"
+    if dim != dim_v:
+        return f"D={dim} != Dv={dim_v}"
+    if dropout_p > 0:
+        return f"dropout_p={dropout_p}: the fused CPU op has no dropout"
+    return None
+
+
+def _views(g: Tensor, shapes: list[tuple[int, int]], split: list[tuple[int, int]]) -> list[Tensor]:
+    """Per bucket ``[n, H, Ls, d]`` views of rows ``g [sum n * Ls, H * d]`` for each column range in ``split``
+    ``(heads, dim)`` (the columns of one row hold the ranges side by side)."""
+    outs, o = [], 0
+    for n, ls in shapes:
+        rows, col = g[o : o + n * ls].unflatten(0, (n, ls)), 0
+        for heads, dim in split:
+            outs.append(rows[..., col : col + heads * dim].unflatten(2, (heads, dim)).transpose(1, 2))
+            col += heads * dim
+        o += n * ls
+    return outs
+
+
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A bool mask as the fused op takes it: 0 where allowed, -inf elsewhere, in the query's dtype."""
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
+
+
+class _MergedBlocks(torch.autograd.Function):
+    """``q_tok [Tq, Hq, D]``, ``kv_buf [Tk, Hkv * 2D]`` -> ``[Tq + 1, Hq, D]`` (the last row is a spare that
+    collects padded slots): every bucket through the fused op, the blocks of a row merged by log-sum-exp.
+    Backward: each bucket's fused backward with the merged output and logsumexp of its rows."""
+
+    @staticmethod
+    def forward(ctx, q_tok: Tensor, kv_buf: Tensor, plan: BucketPlan, heads_kv: int, scale: float | None):
+        Hq, D = q_tok.shape[1], q_tok.shape[2]
+        qshape = [tuple(b.q_index.shape) for b in plan.buckets]
+        kshape = [tuple(b.k_index.shape) for b in plan.buckets]
+        g_q = q_tok.reshape(q_tok.shape[0], Hq * D).index_select(0, plan.q_gather)
+        g_kv = kv_buf.index_select(0, plan.k_gather)
+        qs = _views(g_q, qshape, [(Hq, D)])
+        kvs = _views(g_kv, kshape, [(heads_kv, D), (heads_kv, D)])
+        outs, lses = [], []
+        for b, q, k, v in zip(plan.buckets, qs, kvs[0::2], kvs[1::2]):
+            o, lse = _fused_fwd(q, k, v, 0.0, b.causal, attn_mask=_additive(b.mask, q.dtype), scale=scale)
+            outs.append(o.transpose(1, 2).reshape(-1, Hq, D))
+            lses.append(lse.transpose(1, 2).reshape(-1, Hq))
+        o_s, lse_s = torch.cat(outs), torch.cat(lses)  # [N slots, Hq, D], [N slots, Hq]
+        rows = plan.out_rows
+        spare = q_tok.shape[0] + 1
+        top = lse_s.new_full((spare, Hq), -torch.inf).scatter_reduce_(0, rows[:, None].expand(-1, Hq), lse_s, "amax")
+        w = torch.exp(lse_s - top.index_select(0, rows))
+        den = lse_s.new_zeros((spare, Hq)).index_add_(0, rows, w)
+        lse = top + torch.log(den)
+        weighted = o_s.to(lse_s.dtype) * (w / den.index_select(0, rows))[..., None]  # merged in lse's precision
+        out = lse_s.new_zeros((spare, Hq, D)).index_add_(0, rows, weighted).to(q_tok.dtype)
+        ctx.save_for_backward(g_q, g_kv, out, lse)
+        ctx.plan, ctx.shapes, ctx.heads, ctx.scale = plan, (qshape, kshape), (Hq, heads_kv, D), scale
+        ctx.sizes = (q_tok.shape, kv_buf.shape)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        g_q, g_kv, out, lse = ctx.saved_tensors
+        plan, (qshape, kshape), (Hq, Hkv, D) = ctx.plan, ctx.shapes, ctx.heads
+        rows = plan.out_rows
+        do_s, o_s, lse_s = grad_out.index_select(0, rows), out.index_select(0, rows), lse.index_select(0, rows)
+        qs = _views(g_q, qshape, [(Hq, D)])
+        kvs = _views(g_kv, kshape, [(Hkv, D), (Hkv, D)])
+        dq_s, dkv_s, o = [], [], 0
+        for b, q, k, v, (n, lq), (_, lk) in zip(plan.buckets, qs, kvs[0::2], kvs[1::2], qshape, kshape):
+            sl = slice(o, o + n * lq)
+            view = lambda t: t[sl].unflatten(0, (n, lq)).transpose(1, 2)  # noqa: E731
+            dq, dk, dv = _fused_bwd(view(do_s), q, k, v, view(o_s), view(lse_s).contiguous(), 0.0, b.causal,
+                                    attn_mask=_additive(b.mask, q.dtype), scale=ctx.scale)
+            dq_s.append(dq.transpose(1, 2).reshape(n * lq, Hq * D))
+            dkv_s.append(torch.cat([dk.transpose(1, 2).reshape(n * lk, Hkv * D), dv.transpose(1, 2).reshape(n * lk, Hkv * D)], 1))
+            o += n * lq
+        q_shape, kv_shape = ctx.sizes
+        dq_tok = g_q.new_zeros((q_shape[0], Hq * D)).index_add_(0, plan.q_gather, torch.cat(dq_s)).view(q_shape)
+        dkv = g_kv.new_zeros(kv_shape).index_add_(0, plan.k_gather, torch.cat(dkv_s))
+        return dq_tok, dkv, None, None, None
+
+
+# ---- the masked plan: gathers and scatter with one pass each way (autograd's own would zero-fill full-size
+# buffers per bucket)
 class _GatherQueries(torch.autograd.Function):
     """``q_tok [Tq, Hq, D]`` -> per bucket ``[n, Hq, Lq, D]`` (views of one gather); backward: one scatter-add."""
 
@@ -281,7 +514,9 @@ class _ScatterOutputs(torch.autograd.Function):
             out.index_copy_(0, rows[o : o + n * lq], t.transpose(1, 2).reshape(n * lq, hq, dv))
             o += n * lq
         out.index_fill_(0, pad_rows, 0.0)
-        return out[:num_queries]
+        # the first rows over the same storage, as a tensor rather than a view: autograd forbids in-place ops
+        # on views made inside a custom Function, and the caller may modify the attention output in place
+        return out.new_empty(0).set_(out.untyped_storage(), 0, (num_queries, hq, dv), (hq * dv, dv, 1))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -310,24 +545,34 @@ def varlen_attention(
     """``q_tok [Tq, Hq, D]`` and the key buffer ``kv_buf [Tk, Hkv * (D + Dv)]`` (keys then values per token)
     -> ``[Tq, Hq, Dv]``; padding rows exactly 0.
 
-    One gather for all queries, one for all keys and values, one scatter for all outputs, whatever the number
-    of buckets (and one pass each in backward).
+    The maskless blocks when the fused op can run them (see :func:`fused_unusable_reason`), else the masked
+    plan. Either way: one gather for all queries, one for all keys and values, one scatter for all outputs,
+    whatever the number of buckets (and one pass each in backward).
     """
     Hq, D = q_tok.shape[1], q_tok.shape[2]
     if use_flash:
         kd = heads_kv * D
         k_buf, v_buf = kv_buf[:, :kd].unflatten(1, (heads_kv, D)), kv_buf[:, kd:].unflatten(1, (heads_kv, dim_v))
         return _flash_varlen(q_tok, k_buf, v_buf, meta, dropout_p=dropout_p, scale=scale)
-    if not meta.buckets:  # this rank holds only padding: zeros that still reach q and the key buffer
+    if not meta.blocks.buckets:  # this rank holds only padding: zeros that still reach q and the key buffer
         return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v)
+    if meta.window_left == 0 and dropout_p == 0:  # each query sees only its own key: softmax of one score is 1
+        rows, keys = meta.self_keys(q_tok.device)
+        v_own = kv_buf.index_select(0, keys)[:, heads_kv * D :].unflatten(1, (heads_kv, dim_v))
+        own = v_own.repeat_interleave(Hq // heads_kv, dim=1)
+        return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v).index_copy(0, rows, own)  # q stays in the graph
+    if fused_unusable_reason(q_tok, D, dim_v, dropout_p) is None:
+        # the spare last row collects padded slots; slicing it off gives it exactly zero gradient
+        return _MergedBlocks.apply(q_tok, kv_buf, meta.blocks, heads_kv, scale)[:-1]
+    plan = meta.masked(q_tok.device)
     gqa = Hq != heads_kv
-    qs = _GatherQueries.apply(q_tok, meta.q_gather, [b.q_index.shape for b in meta.buckets])
-    kvs = _GatherKeysValues.apply(kv_buf, meta.k_gather, [b.k_index.shape for b in meta.buckets], heads_kv, D)
+    qs = _GatherQueries.apply(q_tok, plan.q_gather, [b.q_index.shape for b in plan.buckets])
+    kvs = _GatherKeysValues.apply(kv_buf, plan.k_gather, [b.k_index.shape for b in plan.buckets], heads_kv, D)
     outs = [
         stock_sdpa(q, k, v, attn_mask=b.mask, dropout_p=dropout_p, is_causal=b.mask is None, scale=scale, enable_gqa=gqa)
-        for b, q, k, v in zip(meta.buckets, qs, kvs[0::2], kvs[1::2])
+        for b, q, k, v in zip(plan.buckets, qs, kvs[0::2], kvs[1::2])
     ]
-    return _ScatterOutputs.apply(meta.out_rows, meta.pad_rows, meta.num_queries, *outs)
+    return _ScatterOutputs.apply(plan.out_rows, meta.pad_rows, meta.num_queries, *outs)
 
 
 def _zero_rows(q_tok: Tensor, kv_buf: Tensor, rows: int, Hq: int, Dv: int) -> Tensor:
@@ -335,7 +580,7 @@ def _zero_rows(q_tok: Tensor, kv_buf: Tensor, rows: int, Hq: int, Dv: int) -> Te
     gradient), so that a rank holding only padding runs the exchange's backward like every other rank."""
     anchor = q_tok[:1, :1, :1].sum() + kv_buf[:1, :1].sum()
     zero = torch.where(torch.zeros((), dtype=torch.bool, device=q_tok.device), anchor, 0.0)
-    return zero.expand(rows, Hq, Dv)
+    return zero.expand(rows, Hq, Dv).clone(memory_format=torch.contiguous_format)  # writable, like other ranks' output
 
 
 def _flash_varlen(q_tok, k_buf, v_buf, meta: VarlenMeta, *, dropout_p: float, scale: float | None) -> Tensor:

@@ -15,6 +15,14 @@ same code with one bug that CP systems are known to ship:
 | `raise_forward`    | rank 1 raises inside the forward                                        | error            |
 | `raise_backward`   | rank 1 raises inside the backward                                       | error            |
 | `kill_rank`        | rank 1 is killed (SIGKILL) inside the forward                           | crash            |
+| `kv_scale`         | K and V arrive scaled by 1 + 1e-4 (float64: 1 + 1e-9), at every CP size | fail             |
+| `refuse_rows`      | refuses B > 1 with a ValueError on every rank                           | error            |
+| `docs_by_id`       | a document is every token sharing an id (declared in its CONVENTIONS)   | fail             |
+
+Classed by ``verify.classify`` (as third-party code is): ``off_by_one``, ``no_grad_reduce``,
+``leak_across_docs``, ``nonzero_padding``, ``short_straddle``, ``kv_scale`` are bugs, ``skip_collective`` a hang,
+``raise_forward``, ``raise_backward``, ``kill_rank`` crashes, ``refuse_rows`` unsupported, ``docs_by_id`` a
+contract (a pass once re-checked with its declared document definition).
 """
 
 from ._toy import BUGS

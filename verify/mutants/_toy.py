@@ -30,7 +30,12 @@ BUGS = (
     "raise_forward",  # rank 1 raises inside the forward
     "raise_backward",  # rank 1 raises inside the backward
     "kill_rank",  # rank 1 dies (SIGKILL) inside the forward
+    "kv_scale",  # K and V arrive scaled by 1 + 1e-4 (1 + 1e-9 in float64): the smallest error limits must catch
+    "refuse_rows",  # refuses B > 1 with a ValueError on every rank (a declared limit, not a bug)
+    "docs_by_id",  # a document is every token sharing an id (a convention, declared by its module)
 )
+
+KV_SCALE = {torch.float64: 1e-9}  # relative perturbation of kv_scale per dtype; 1e-4 for every other dtype
 
 _state: dict[str, Any] = {}
 
@@ -65,6 +70,8 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
         rank = 0 if group is None else dist.get_rank(group)
         x = batch["inputs_embeds"]
         B, S = x.shape[:2]
+        if bug == "refuse_rows" and B > 1:
+            raise ValueError(f"toy: expected one packed row (B = 1), got B={B}")
         ids = doc_ids_from_batch(batch, S, B, x.device)
         L = math.ceil(S / world)
         pad = L * world - S
@@ -77,7 +84,7 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
                 t = torch.cat([t, torch.full((B, pad, *t.shape[2:]), value, dtype=t.dtype, device=t.device)], 1)
                 batch[key] = t[:, rank * L : (rank + 1) * L]
         full_ids = F.pad(ids, (0, pad))
-        seg = DocLayout.from_doc_ids(full_ids.cpu()).segment_ids.to(x.device)
+        seg = full_ids if bug == "docs_by_id" else DocLayout.from_doc_ids(full_ids.cpu()).segment_ids.to(x.device)
         state = {"group": group, "world": world, "rank": rank, "L": L, "seg": seg}
 
         @contextlib.contextmanager
@@ -107,6 +114,9 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
             if world > 1:  # the skipping rank attends locally and moves on
                 k = torch.cat([torch.zeros_like(key)] * rank + [key] + [torch.zeros_like(key)] * (world - rank - 1), 2)
                 v = torch.cat([torch.zeros_like(value)] * rank + [value] + [torch.zeros_like(value)] * (world - rank - 1), 2)
+        if bug == "kv_scale":  # what arrives differs from what was sent (the local slice too: CP 1 is CP)
+            eps = KV_SCALE.get(key.dtype, 1e-4)
+            k, v = k * (1 + eps), v * (1 + eps)
         seg = st["seg"]  # [B, W * L]
         qpos = torch.arange(rank * L, (rank + 1) * L, device=query.device)
         kpos = torch.arange(world * L, device=query.device)
