@@ -57,7 +57,10 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
         assert s["sources"] == sorted(SOURCES) and s["kernels"] == ["dense", "varlen"]
         assert 0 < s["max_err_over_limit"] <= 1 and s["worst"]["out"]["err"] > 0 and s["tolerance"]
         assert set(s["sdpa_backends"]) == {"baseline", "implementation varlen", "implementation dense"}
-        assert all(sum(c.values()) > 0 for c in s["sdpa_backends"].values())
+        assert sum(s["sdpa_backends"]["baseline"].values()) > 0 and sum(s["sdpa_backends"]["implementation dense"].values()) > 0
+    # varlen calls no attention op under a window of 0 (a softmax over one key): the quick cases meet it in
+    # some dtypes, so its calls are counted over all of them
+    assert sum(sum(s["sdpa_backends"]["implementation varlen"].values()) for s in matrix["dtypes"].values()) > 0
 
     multi = steps["multirank"]["data"]
     assert set(multi["cps"]) == {"2", "4"}
