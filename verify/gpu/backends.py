@@ -3,7 +3,9 @@
 A ``TorchFunctionMode`` sees every call of torch's SDPA (the implementation binds the same builtin) and asks
 torch's own selector, ``torch._fused_sdp_choice``, with the call's arguments, as SDPA itself does before it
 dispatches: the backend the call then runs (flash, memory-efficient, cuDNN, math, or the CPU fused kernel,
-which torch names FLASH_ATTENTION on CPU). Nothing is allocated: a mask is passed on as it came.
+which torch names FLASH_ATTENTION on CPU). Nothing is allocated: a mask is passed on as it came. A fused
+attention op called directly (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, as the varlen
+kernel does on CPU) is counted under its own name.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ __all__ = ["BackendRecorder"]
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
 _ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_FUSED_OPS = {  # forward ops only: a backward runs the backend of its forward
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward",
+}
 
 
 def _backend_name(args: tuple, kwargs: dict) -> str:
@@ -45,6 +52,10 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _SDPA:
             self.counts[f"{_backend_name(args, kwargs)}/{args[0].dtype}".replace("torch.", "")] += 1
+        else:
+            name = str(func)
+            if name.startswith("aten.") and name.split(".")[1] in _FUSED_OPS:
+                self.counts[f"{name.split('.')[1]} (called directly)/{args[0].dtype}".replace("torch.", "")] += 1
         return func(*args, **kwargs)
 
 

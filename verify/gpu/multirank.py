@@ -162,13 +162,15 @@ def _run_cp(ctx: StepContext, cp: int, backend: str, finish_by: float) -> None:
     ctx.data["cps"][str(cp)] = out  # saved as it grows
     t0 = time.monotonic()
     with Session(IMPL, case_timeout=30 if ctx.device == "cuda" else 60, backend=backend, device=ctx.device) as session:
+        pool = session.pool(cp)
+        pool.start_timeout = max(pool.start_timeout, finish_by - time.monotonic())  # a loaded machine starts slowly
         try:
-            session.pool(cp).start()
+            pool.start()
         except PoolError as exc:  # e.g. the ranks could not join a group with this backend and device
             out["error"] = f"the {cp} ranks could not start: {exc}"[-3000:]
             return
         out["seconds"] = {"pool_start": time.monotonic() - t0}
-        out["probe"] = _probe_all(session.pool(cp), ctx.device, timeout=60)  # the pool the cases then run on
+        out["probe"] = _probe_all(pool, ctx.device, timeout=60)  # the pool the cases then run on
         out["seconds"]["probe"] = time.monotonic() - t0 - out["seconds"]["pool_start"]
         todo, skipped = [], []
         for c in cases(cp, ctx.quick):
