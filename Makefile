@@ -44,7 +44,8 @@ verify: $(STAMP)
 fuzz: $(STAMP)
 	$(PY) -m verify fuzz --examples $(EXAMPLES) --seed $(SEED) $(ARGS)
 
-# Performance figures as side-by-side ratios: results/bench.json, results/bench.png, BENCHMARKS.md.
+# Performance figures as side-by-side ratios: results/bench.json, results/bench.png, BENCHMARKS.md. The peers
+# (make peers) are measured when installed; a missing one is named in the output and its column left empty.
 bench: $(STAMP)
 	$(PY) -m bench --write-md
 
