@@ -9,8 +9,10 @@ JOBS   ?= 2
 
 EXAMPLES ?= 200
 SEED   ?= 0
+LONG_EXAMPLES ?= 40
+LONG_BUDGET   ?= 600
 
-.PHONY: install peers test verify fuzz bench bench-quick train-demo conformance
+.PHONY: install peers test verify fuzz fuzz-long bench bench-quick train-demo conformance
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +45,10 @@ verify: $(STAMP)
 # Hypothesis-drawn cases; a failure is shrunk and printed as a replay command.
 fuzz: $(STAMP)
 	$(PY) -m verify fuzz --examples $(EXAMPLES) --seed $(SEED) $(ARGS)
+
+# Long rows (documents up to 1,100 tokens: every varlen size class and the exact path), within a time budget.
+fuzz-long: $(STAMP)
+	$(PY) -m verify fuzz --long --examples $(LONG_EXAMPLES) --budget $(LONG_BUDGET) --seed $(SEED) $(ARGS)
 
 # Performance figures as side-by-side ratios: results/bench.json, results/bench.png, BENCHMARKS.md. The peers
 # (make peers) are measured when installed; a missing one is named in the output and its column left empty.

@@ -60,12 +60,33 @@ def traffic_per_mode(mode: str) -> dict:
     with ctx():
         cp_blockdiag_sdpa(q, k, v).sum().backward()
     state = ctx.state
+    pos = batch["position_ids"][~batch["padding_mask"]] if "position_ids" in batch else state.positions[state.positions < ids.shape[1]]
     return {
         "mode": state.window_plan(-1).mode,
         "forward": state.traffic.totals("forward"),
         "backward": state.traffic.totals("backward"),
         "report": state.comm_report(-1, bytes_per_token=2 * 2 * 4 * 4),
+        "arrived": [list(e.recv_by_source) for e in state.traffic.entries if e.phase == "forward"],
+        "real_positions": [[0, p] for p in pos.tolist() if ids[0, p] != 0],
+        "local_tokens": L,
     }
+
+
+def case_with_wide_exchange(case_dict: dict, plant: bool) -> dict:
+    """Run a verifier case on this rank; with ``plant``, the exchange plan is built for an unbounded window
+    while the kernel keeps the case's window: outputs stay right, but more keys move than are needed."""
+    from blockdiag_dist.plan import StepPlan
+    from verify.runner import case_from_dict, check_case, impl_info
+
+    info = worker_info()
+    original = StepPlan.exchange
+    if plant:
+        StepPlan.exchange = lambda self, window_left: original(self, -1)
+    try:
+        return check_case(case_from_dict(case_dict), impl_info("blockdiag_dist"), info["cp_mesh"], info["rank"],
+                          info["world"], torch.device("cpu"))
+    finally:
+        StepPlan.exchange = original
 
 
 def gather_restores_order(layout: str) -> bool:

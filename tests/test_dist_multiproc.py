@@ -5,10 +5,12 @@ inputs_embeds through the slice and of the projection weights, loss), plus the c
 from __future__ import annotations
 
 import pytest
+import torch
 
 import mp_checks
 from conftest import assert_pass
-from verify.cases import default_matrix
+from verify.cases import Case, default_matrix, parse_rows
+from verify.exchange_check import exchange_metrics, needed_from_reference
 from verify.cli import applicable
 from verify.runner import impl_info
 
@@ -40,17 +42,43 @@ def test_consensus_check_names_the_disagreeing_ranks(session):
 
 @pytest.mark.parametrize("mode", ["allgather", "a2a"])
 def test_bytes_moved_equal_the_plan(session, mode):
-    """Forward moves what the plan says (needed-only modes: exactly the minimum); backward mirrors it."""
-    for rank, r in enumerate(session.pool(4).run(mp_checks.traffic_per_mode, args=(mode,), timeout=60, name=mode)):
+    """Forward moves what the plan says, backward mirrors it; what arrived from each rank is exactly the
+    minimum computed from the reference mask (a2a), or every other rank's tokens (all-gather)."""
+    results = session.pool(4).run(mp_checks.traffic_per_mode, args=(mode,), timeout=60, name=mode)
+    ids = torch.tensor([[1] * 10 + [2] * 7 + [0] * 3])
+    owner = torch.full_like(ids, -1)
+    for rank, r in enumerate(results):
+        for b, p in r["real_positions"]:
+            owner[b, p] = rank
+    needed = needed_from_reference(ids, owner, 4)
+    assert int(needed.sum()) > 0
+    for rank, r in enumerate(results):
         rep = r["report"]
         assert r["forward"]["recv_bytes"] == rep["recv"][rank]
         assert r["forward"]["sent_bytes"] == rep["sent"][rank]
         assert r["backward"]["recv_bytes"] == rep["sent"][rank]
         assert r["backward"]["sent_bytes"] == rep["recv"][rank]
+        assert r["mode"] == mode and len(r["arrived"]) == 1
         if mode == "a2a":
-            assert rep["recv"] == rep["min_recv"]
+            assert r["arrived"][0] == needed[:, rank].tolist()
         else:
+            assert r["arrived"][0] == [0 if s == rank else 5 for s in range(4)]  # L = 5 tokens from every other rank
             assert rep["recv"][rank] == 3 * 5 * 2 * 2 * 4 * 4  # (W - 1) * L tokens * Hkv * (D + Dv) * 4 bytes
+
+
+@pytest.mark.parametrize("exchange", ["a2a", "halo"])
+def test_exchange_check_catches_keys_moved_beyond_the_needed_set(session, exchange):
+    """Planted change: the exchange plan ignores the window (the kernel does not). Outputs and gradients stay
+    right and the plan agrees with itself (recv == min_recv); only the count of what arrived against the
+    reference mask fails."""
+    case = Case(rows=parse_rows("1x3,2x9,0x1,3x5"), cp=3, hq=2, hkv=1, dim=3, window=1, exchange=exchange, kernel="varlen")
+    honest = session.pool(3).run(mp_checks.case_with_wide_exchange, args=(case.to_dict(), False), timeout=60, name="honest")
+    planted = session.pool(3).run(mp_checks.case_with_wide_exchange, args=(case.to_dict(), True), timeout=60, name="planted")
+    assert exchange_metrics(case, honest)["recv_tokens_vs_needed"]["ok"]
+    for info in planted:
+        assert all(row["ok"] for row in info["metrics"].values()), info["metrics"]
+    row = exchange_metrics(case, planted)["recv_tokens_vs_needed"]
+    assert not row["ok"] and "expected" in row["why"], row
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "balanced"])

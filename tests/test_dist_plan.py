@@ -260,7 +260,9 @@ def test_balanced_layout_equalises_work_on_long_tail_rows(world, seed):
     balanced, contiguous = plan_step(ids, world, "balanced"), plan_step(ids, world)
     work = balanced.work_per_rank()
     assert max(work) / (sum(work) / world) <= 1.05
-    assert sum(work) == sum(contiguous.work_per_rank())  # the same pairs, only moved
+    seg = DocLayout.from_doc_ids(ids).segments  # (row, start, end) per document: n (n + 1) / 2 pairs each
+    lengths = seg[:, 2] - seg[:, 1]
+    assert sum(work) == int((lengths * (lengths + 1) // 2).sum())
     assert balanced.real_tokens_per_rank() and max(balanced.real_tokens_per_rank()) - min(balanced.real_tokens_per_rank()) <= balanced.shards.local_len
 
 
@@ -372,3 +374,35 @@ def test_auto_layout_is_the_argmin_of_the_modelled_cost(seed, world):
     assert costs[plan.shards.layout[5:]] == min(costs.values())
     again = plan_step(ids.clone(), world, "auto")
     assert torch.equal(again.shards.positions, plan.shards.positions) and again.fingerprint() == plan.fingerprint()
+
+
+def brute_work(ids: torch.Tensor, plan, left: int) -> list[int]:
+    """(query, key) pairs the reference mask allows for each rank's queries."""
+    mask = DocLayout.from_doc_ids(ids).materialize_mask(window_size=(left, 0))[:, 0]  # [B, S, S]
+    S = ids.shape[1]
+    return [int(mask[:, [p for p in plan.shards.positions[r].tolist() if p < S]].sum()) for r in range(plan.shards.world)]
+
+
+def _work_matches(ids, world, layout, left) -> bool:
+    plan = plan_step(ids, world, layout)
+    return plan.work_per_rank(left) == brute_work(ids, plan, left)
+
+
+@pytest.mark.parametrize("layout", SHARDINGS)
+@pytest.mark.parametrize("left", [-1, 0, 3])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_work_per_rank_counts_the_pairs_of_the_reference_mask(layout, left, world):
+    assert _work_matches(random_ids(5, 2, 37), world, layout, left)
+
+
+def test_work_check_catches_work_moved_between_ranks(monkeypatch):
+    """Planted change: each rank is credited its neighbour's work. The total (a sum over a permutation of the
+    ranks) is unchanged; the per-rank count from the reference mask is not."""
+    from blockdiag_dist.plan import StepPlan
+
+    ids = random_ids(5, 2, 37)
+    honest = plan_step(ids, 4, "balanced").work_per_rank()
+    original = StepPlan.work_per_rank
+    monkeypatch.setattr(StepPlan, "work_per_rank", lambda self, left=-1: (lambda w: w[1:] + w[:1])(original(self, left)))
+    assert sum(plan_step(ids, 4, "balanced").work_per_rank()) == sum(honest)
+    assert not _work_matches(ids, 4, "balanced", -1)

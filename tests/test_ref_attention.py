@@ -89,13 +89,28 @@ def test_packed_row_equals_stock_causal_sdpa_per_document():
         assert rel_err(got[:, :, s:e], want) <= 1e-12
 
 
-def test_gqa_equals_repeated_heads():
+def _gqa_error() -> float:
+    """The reference with GQA (6 query heads on 2 kv heads) against torch's own SDPA with ``enable_gqa`` run
+    per document: query head h reads kv head h // 3, the grouping torch and flash-attn use."""
     g = torch.Generator().manual_seed(1)
     ids = torch.tensor([[1, 1, 1, 2, 2, 0, 3]])
     q, k, v = qkv(g, 1, 6, 2, 7, 4)
     got = reference_attention(q, k, v, ids, enable_gqa=True)
-    want = reference_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), ids)
-    assert torch.equal(got, want)
+    want = torch.zeros_like(got)
+    for s, e in ((0, 3), (3, 5), (6, 7)):
+        want[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=True)
+    return rel_err(got, want)
+
+
+def test_gqa_maps_query_heads_to_kv_heads_like_torch():
+    assert _gqa_error() <= 1e-12
+
+
+def test_gqa_check_catches_tiled_heads(monkeypatch):
+    """Planted change: the reference maps query head h to kv head h % Hkv (tiling) instead of h // group."""
+    tiled = lambda t, repeats, dim: t.repeat(*[repeats if d == dim % t.dim() else 1 for d in range(t.dim())])  # noqa: E731
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", tiled)
+    assert _gqa_error() > 1e-3
 
 
 def test_value_head_dim_may_differ_and_scale_is_honoured():

@@ -150,6 +150,50 @@ def test_verifier_reports_each_wrong_answer(session, bug):
         assert r.case.command(r.impl).endswith(f"--impl verify.mutants.{bug}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_small_relative_error_is_caught_at_every_cp_size(session, dtype):
+    """K and V off by 1e-4 (float32) or 1e-9 (float64) relative: the limits stay this sharp at every CP size,
+    with the baseline taken over every SDPA backend."""
+    cases = [Case(**{**BUGGY_CASE.__dict__, "dtype": dtype, "cp": cp}) for cp in (1, 2, 3, 4, 8)]
+    cases += [Case(**{**c.__dict__, "window": 2, "hq": 3, "hkv": 1, "seed": 5}) for c in cases]
+    for r in session.run(cases, impl="verify.mutants.kv_scale"):
+        assert r.status == "fail" and "out" in r.failed_metrics, (r.case.label(), r.status, r.details)
+
+
+PEAKED_CASE = Case(rows=parse_rows("1x2,0x2,2x2,0x1,3x2"), cp=1, hq=3, hkv=1, dim=3, window=0, kernel="varlen",
+                   exchange="a2a", layout="balanced", dtype="float32", seed=239, source="mask2d")  # peaked softmax
+
+
+@pytest.mark.parametrize("impl, status", [("blockdiag_dist", "pass"), ("verify.mutants.kv_scale", "fail")])
+def test_verdicts_agree_on_every_cpu_sdpa_backend(session, impl, status):
+    """The same cases with the implementation forced onto each CPU SDPA backend (and left to torch's choice)
+    get the same verdict: a correct run passes on all, a wrong one fails on all."""
+    from verify.tolerances import BASELINE_BACKENDS
+
+    base = [PEAKED_CASE, Case(**{**PEAKED_CASE.__dict__, "window": -1}), Case(**{**PEAKED_CASE.__dict__, "cp": 2}),
+            Case(**{**BUGGY_CASE.__dict__, "dtype": "float32", "kernel": "dense", "exchange": "allgather"}),
+            Case(**{**BUGGY_CASE.__dict__, "dtype": "float32", "cp": 4, "window": 1})]
+    if impl != "blockdiag_dist":
+        base = [Case(**{**c.__dict__, "kernel": None, "exchange": None, "layout": None}) for c in base]
+    for backend in (None, *BASELINE_BACKENDS["cpu"]):
+        for r in session.run([Case(**{**c.__dict__, "backend": backend}) for c in base], impl=impl):
+            assert r.status == status, (r.case.label(), r.details)
+            assert "baseline on math, flash_attention" in r.backends and (backend or "implementation on") in r.backends
+
+
+def test_baseline_is_the_worst_backend_and_inherited_error_is_reported(session):
+    from verify.runner import expected_results
+
+    exp = expected_results(PEAKED_CASE)
+    assert set(exp["base"]) == {"math", "flash_attention"} and exp["default_backend"] in exp["base"]
+    r = session.run_one(PEAKED_CASE)
+    for name in ("out", "dq", "dk", "dv", "dinputs_embeds", "dWv"):
+        row = r.metrics[name]
+        assert row["base"] == max(row["base_by_backend"].values()) == row["base_by_backend"][row["base_backend"]]
+        assert row["inherited"] == row["base_by_backend"][exp["default_backend"]]
+        assert row["limit"] == pytest.approx(2 * row["base"] + TOLERANCES["float32"].floor * row["scale"])
+
+
 @pytest.mark.parametrize(
     "bug, status, ranks, text",
     [
@@ -188,6 +232,16 @@ def test_cli_case_replays_and_writes_json(tmp_path):
     assert doc["results"][0]["metrics"]["out"]["ok"] is True
 
 
+def test_cli_help_lists_every_subcommand(capsys):
+    from verify.cli import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for sub in ("run", "case", "fuzz", "plan"):
+        assert f"    {sub} " in out, out
+    assert "the case matrix (default command)" in out
+
+
 def test_cli_exit_codes_for_a_failing_impl_and_a_missing_module():
     p = _verify("case", *BUGGY_CASE.args(), "--impl", "verify.mutants.off_by_one")
     assert p.returncode == 1 and "FAIL" in p.stdout
@@ -216,3 +270,39 @@ def test_workers_exit_when_their_parent_dies():
     while _alive(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _alive(pids) == []
+
+
+# ---- long layouts --------------------------------------------------------------------------------------
+def _bucket_lengths(case: Case) -> set[tuple[int, int, bool]]:
+    """(query length, key length, masked) of every varlen bucket of every rank of a case."""
+    import torch
+
+    from blockdiag_dist.plan import plan_step
+    from blockdiag_dist.state import StepState
+
+    plan = plan_step(torch.tensor(case.doc_ids()), case.cp, case.layout or "contiguous")
+    out = set()
+    for rank in range(case.cp):
+        state = StepState(plan, rank=rank, group=None, device=torch.device("cpu"), kv_exchange="a2a", kernel="varlen")
+        for b in state.window_plan(case.window).kernel_meta.buckets:
+            out.add((b.q_index.shape[1], b.k_index.shape[1], b.mask is not None))
+    return out
+
+
+def test_long_cases_reach_every_size_class_regime_and_the_exact_path():
+    from verify.cases import long_cases
+
+    from blockdiag_dist.kernels.varlen import EXACT_ABOVE, EXACT_UP_TO
+
+    cases = long_cases(layouts=("contiguous", "balanced"))
+    lengths = set().union(*(_bucket_lengths(c) for c in cases))
+    q_lens = {lq for lq, _, _ in lengths}
+    regimes = [(1, EXACT_UP_TO), (EXACT_UP_TO + 1, 128), (129, 256), (257, 512), (513, EXACT_ABOVE)]
+    for lo, hi in regimes:
+        assert any(lo <= n <= hi for n in q_lens), (lo, hi, sorted(q_lens))
+    assert any(n > EXACT_ABOVE for n in q_lens), sorted(q_lens)  # a whole long document, exact length
+    # a document longer than EXACT_ABOVE cut by a rank boundary: a masked piece whose keys start on another rank
+    for layout in ("contiguous", "balanced"):
+        cut = [c for c in cases if c.name == "exact-path" and c.cp == 2 and c.window < 0 and c.layout == layout]
+        assert cut and any(lk > EXACT_ABOVE and masked for _, lk, masked in _bucket_lengths(cut[0])), layout
+    assert {c.window for c in cases} >= {-1, 64, 100} and {c.dtype for c in cases} == {"float64", "float32"}

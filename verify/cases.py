@@ -12,7 +12,7 @@ import shlex
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Case", "NAMED_LAYOUTS", "default_matrix", "format_rows", "parse_rows"]
+__all__ = ["Case", "LONG_LAYOUTS", "NAMED_LAYOUTS", "default_matrix", "format_rows", "long_cases", "parse_rows"]
 
 Rows = tuple[tuple[tuple[int, int], ...], ...]  # rows of (doc id, run length)
 
@@ -80,6 +80,8 @@ class Case:
     source: str = "packed"  # how doc ids reach the implementation: _packed_seq_ids, a 4-D or a 2-D mask
     hidden: int = 6
     checkpoint: str = "none"  # activation checkpointing around the attention call: none | reentrant | nonreentrant
+    backend: str | None = None  # SDPA backend forced on the implementation (e.g. "math"); None = torch's choice
+    gain: float = 2.0  # gain of the q and k projections: scores have a standard deviation of about gain ** 2
 
     def __post_init__(self) -> None:
         if self.cp < 1:
@@ -90,8 +92,14 @@ class Case:
             raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
         if self.source not in SOURCES:
             raise ValueError(f"source: expected one of {SOURCES}, got {self.source!r}")
+        if not self.gain > 0:
+            raise ValueError(f"gain: expected > 0, got {self.gain}")
         if self.checkpoint not in CHECKPOINTS:
             raise ValueError(f"checkpoint: expected one of {CHECKPOINTS}, got {self.checkpoint!r}")
+        if self.backend is not None:
+            from .tolerances import sdpa_backend
+
+            sdpa_backend(self.backend)
 
     @property
     def batch_size(self) -> int:
@@ -108,7 +116,9 @@ class Case:
         opts = "/".join(x for x in (self.kernel, self.exchange, self.layout) if x)
         win = f" w{self.window}" if self.window >= 0 else ""
         ckpt = f" ckpt-{self.checkpoint}" if self.checkpoint != "none" else ""
-        return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win} {opts} {self.dtype} {self.source}{ckpt}".replace("  ", " ")
+        sdpa = f" sdpa-{self.backend}" if self.backend else ""
+        gain = f" gain{self.gain:g}" if self.gain != 2.0 else ""
+        return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win} {opts} {self.dtype} {self.source}{ckpt}{sdpa}{gain}".replace("  ", " ")
 
     def args(self) -> list[str]:
         """Command-line arguments of ``python -m verify case`` that replay exactly this case."""
@@ -119,6 +129,10 @@ class Case:
             a += ["--window", str(self.window)]
         if self.checkpoint != "none":
             a += ["--checkpoint", self.checkpoint]
+        if self.backend:
+            a += ["--sdpa-backend", self.backend]
+        if self.gain != 2.0:
+            a += ["--gain", repr(self.gain)]
         for flag, value in (("--kernel", self.kernel), ("--exchange", self.exchange), ("--layout", self.layout)):
             if value:
                 a += [flag, value]
@@ -151,6 +165,8 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=6)
     p.add_argument("--name", default="custom")
     p.add_argument("--checkpoint", default="none", choices=CHECKPOINTS)
+    p.add_argument("--gain", type=float, default=2.0, help="q/k projection gain; scores have std ~ gain**2 (peaked softmax from ~4)")
+    p.add_argument("--sdpa-backend", default=None, help="force the implementation onto one SDPA backend (math, flash_attention, ...)")
 
 
 def case_from_args(ns: argparse.Namespace) -> Case:
@@ -158,7 +174,7 @@ def case_from_args(ns: argparse.Namespace) -> Case:
     return Case(
         rows=parse_rows(ns.rows), cp=ns.cp, name=ns.name, hq=int(hq), hkv=int(hkv or hq), dim=ns.dim,
         window=ns.window, kernel=ns.kernel, exchange=ns.exchange, layout=ns.layout, dtype=ns.dtype, seed=ns.seed,
-        source=ns.source, hidden=ns.hidden, checkpoint=ns.checkpoint,
+        source=ns.source, hidden=ns.hidden, checkpoint=ns.checkpoint, backend=ns.sdpa_backend, gain=ns.gain,
     )
 
 
@@ -268,6 +284,40 @@ def default_matrix(
                             k += 1
                             if applicable is None or applicable(case):
                                 yield case
+
+
+# Long layouts: pieces in every varlen size-class regime (exact up to 16, multiples of 16 up to 128, then
+# eighths of each octave up to 1024, exact above), including a document longer than EXACT_ABOVE cut by a rank
+# boundary. Fixed (not functions of CP), few cases, small heads: float64 references of S ~ 1,000 are cheap.
+LONG_LAYOUTS: dict[str, str] = {
+    "size-classes": "1x600,2x7,3x300,4x150,5x100,6x40,7x16,0x3",  # S = 1216: classes 640, 7, 320, 160, 112, 48, 16
+    "exact-path": "1x40,2x1030,3x20,0x6",  # S = 1096: at CP 2 the 1030-token document straddles the boundary
+}
+LONG_PLAN = (  # (layout, CP sizes, window) -> one case per sharding layout offered, dtypes alternating
+    ("size-classes", (1, 4), -1),
+    ("size-classes", (2,), 64),
+    ("exact-path", (1, 2), -1),
+    ("exact-path", (2,), 100),
+)
+
+
+def long_cases(
+    cps: Sequence[int] = (1, 2, 4),
+    dtypes: Sequence[str] = ("float64", "float32"),
+    layouts: Sequence[str | None] = (None,),
+    kernel: str | None = "varlen",
+) -> list[Case]:
+    """The long layouts at a few CP sizes, with and without a window, on every sharding layout."""
+    out = []
+    for j, (name, sizes, window) in enumerate(LONG_PLAN):
+        for cp in sizes:
+            if cp not in cps:
+                continue
+            for i, layout in enumerate(layouts):
+                out.append(Case(rows=parse_rows(LONG_LAYOUTS[name]), cp=cp, name=name, hq=2, hkv=1, dim=4,
+                                window=window, kernel=kernel, layout=layout, dtype=dtypes[(i + j) % len(dtypes)],
+                                seed=len(out)))
+    return out
 
 
 GROWTH_ROWS = "1x23,2x9,0x2,3x30"  # one fixed layout (S = 64) for the error-vs-CP-size check

@@ -2,7 +2,7 @@
 
     python -m verify [run] [--impl MODULE] [--cp 1,2,3,4,8] [--dtypes float64,float32] [--json PATH] ...
     python -m verify case --rows 1x5,2x2,0x3 --cp 4 [--heads 4:2 --dim 5 --window 2 ...]
-    python -m verify fuzz --examples 200 --seed 0
+    python -m verify fuzz --examples 200 --seed 0      (or --long --budget 600: documents up to 1,100 tokens)
     python -m verify plan --seqlens 300,20,700 --pad 4 --cp 4
 
 Exit status: 0 iff every case passed (2 for a usage error).
@@ -20,7 +20,9 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from .cases import GROWTH_LIMIT, Case, add_case_arguments, case_from_args, default_matrix, error_growth, growth_cases
+from .cases import (
+    GROWTH_LIMIT, Case, add_case_arguments, case_from_args, default_matrix, error_growth, growth_cases, long_cases,
+)
 from .launch import under_torchrun
 from .report import Reporter, make_console, write_json
 from .runner import impl_info
@@ -65,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--examples", type=int, default=200)
     fuzz.add_argument("--seed", type=int, default=0)
     fuzz.add_argument("--max-cp", type=int, default=8)
-    fuzz.add_argument("--max-len", type=int, default=40, help="longest sequence drawn")
+    fuzz.add_argument("--max-len", type=int, default=None, help="longest sequence drawn (default 40; 1300 with --long)")
+    fuzz.add_argument("--long", action="store_true", help="long rows: documents up to 1,100 tokens, small heads")
+    fuzz.add_argument("--budget", type=float, default=None, help="stop drawing new cases after this many seconds")
 
     plan = sub.add_parser("plan", help="inspect the exchange plan of a layout: needed tokens, bytes per mode, work per rank")
     plan.add_argument("--seqlens", help="document lengths of one row, e.g. 300,20,700 (rows separated by /)")
@@ -83,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):  # the subcommands, not only run's options
+        _parser().print_help()
+        return 0
     if not argv or argv[0].startswith("-"):
         argv = ["run", *argv]
     args = _parser().parse_args(argv)
@@ -139,6 +146,8 @@ def build_matrix(info, args) -> list[Case]:
         c for c in default_matrix(cps=cps, dtypes=dtypes, kernels=kernels, exchanges=exchanges, layouts=layouts)
         if applicable(info, c)
     ]
+    long_kernel = "varlen" if "varlen" in kernels else kernels[0]  # the size classes are the varlen kernel's
+    cases += [c for c in long_cases(cps=cps, dtypes=dtypes, layouts=layouts, kernel=long_kernel) if applicable(info, c)]
     if "float32" in dtypes and 1 in cps and max(cps) > 1:  # float32 error must not grow with the CP size
         cases += [c for c in growth_cases(cps=sorted({1, *cps})) if applicable(info, c)]
     if args.filter:
@@ -207,13 +216,16 @@ def print_case(result: CaseResult, console: Console) -> None:
     from rich.table import Table
 
     table = Table(title=f"{result.case.label()}: {result.status.upper()}" + (f" (exchange {result.mode})" if result.mode else ""))
-    for col in ("quantity", "error", "limit", "ref scale", "baseline err", "rank", "ok"):
+    for col in ("quantity", "error", "limit", "ref scale", "baseline err (worst backend)", "inherited", "rank", "ok"):
         table.add_column(col)
     for name, row in result.metrics.items():
-        base = row.get("base")
+        base, inherited = row.get("base"), row.get("inherited")
         table.add_row(name, f"{row['err']:.3e}", f"{row['limit']:.3e}", f"{row.get('scale', 0):.3e}",
-                      "-" if base is None else f"{base:.3e}", str(row.get("rank", "")), "yes" if row["ok"] else "NO")
+                      "-" if base is None else f"{base:.3e} ({row['base_backend']})",
+                      "-" if inherited is None else f"{inherited:.3e}", str(row.get("rank", "")), "yes" if row["ok"] else "NO")
     console.print(table)
+    if result.backends:
+        console.print(f"SDPA backends: {result.backends}", markup=False, soft_wrap=True)
     if result.details and result.status != "pass":
         console.print(result.details, markup=False, highlight=False)
     console.print(f"reproduce: {result.case.command(result.impl)}", markup=False, soft_wrap=True)
@@ -227,7 +239,7 @@ def _run_torchrun(args, info, console: Console, cases: list[Case] | None = None)
     import torch.distributed as dist
 
     from .launch import torchrun_env
-    from .runner import check_case, expected_results, pack_expected
+    from .runner import check_case, expected_results, pack_expected, unpack_expected
 
     mesh, rank, world, device = torchrun_env(args.backend)
     if cases is None:
@@ -256,7 +268,7 @@ def _run_torchrun(args, info, console: Console, cases: list[Case] | None = None)
         gathered: list = [None] * world
         dist.all_gather_object(gathered, mine)
         done.set()
-        return gathered, {k: None if v is None else {n: t.cpu() for n, t in v.items()} for k, v in expected.items()}
+        return gathered, unpack_expected(pack_expected(expected))
 
     reporter = Reporter(quiet, full_table=getattr(args, "full_table", False))
     t0 = time.perf_counter()

@@ -3,7 +3,11 @@ a one-line command that replays exactly that case.
 
 Drawn: CP size, batch rows, sequence length, document runs (ids 0-4, so padding anywhere and reused ids),
 heads (MHA / GQA / MQA), head dim, window, and every kernel / exchange / layout the implementation offers,
-dtype, doc-id source, activation checkpointing, seed.
+dtype, doc-id source, activation checkpointing, seed, and the q/k projection gain (scores' standard deviation
+is about gain squared: up to 25, where the softmax is peaked and float32 kernels differ most).
+
+``--long`` draws long rows instead (documents up to 1,100 tokens, so every varlen size class and the exact
+path above 1,024 tokens), at small heads; ``--budget`` bounds the wall time of either.
 """
 
 from __future__ import annotations
@@ -21,25 +25,29 @@ from .session import CaseResult, Session
 __all__ = ["case_strategy", "fuzz", "main"]
 
 CP_SIZES = (1, 2, 3, 4, 8)
+GAINS = (0.5, 1.0, 2.0, 3.0, 4.0, 5.0)
+LONG_CP_SIZES = (1, 2, 3, 4)
 
 
-def case_strategy(info, max_cp: int = 8, max_len: int = 40, applicable=None) -> st.SearchStrategy[Case]:
-    """Hypothesis strategy for cases the implementation ``info`` (a runner.ImplInfo) can run."""
-    cps = [c for c in CP_SIZES if c <= max_cp] or [1]
+def case_strategy(info, max_cp: int = 8, max_len: int = 40, applicable=None, long: bool = False) -> st.SearchStrategy[Case]:
+    """Hypothesis strategy for cases the implementation ``info`` (a runner.ImplInfo) can run; ``long``: one row
+    of up to ``max_len`` tokens whose documents may be long (see the module docstring)."""
+    cps = [c for c in (LONG_CP_SIZES if long else CP_SIZES) if c <= max_cp] or [1]
+    max_run = 1100 if long else 8
     kernels = ["varlen", "dense"] if "kernel" in info.options else [None]
     exchanges = ["auto", "allgather", "a2a", "halo"] if "kv_exchange" in info.options else [None]
     layouts = list(getattr(getattr(info.module, "options", None), "LAYOUTS", None) or ["contiguous"]) if "layout" in info.options else [None]
-    windows = [-1, 0, 1, 2, 5] if info.windows else [-1]
+    windows = ([-1, 0, 5, 64, 300] if long else [-1, 0, 1, 2, 5]) if info.windows else [-1]
 
     @st.composite
     def draw_case(draw) -> Case:
-        B = draw(st.integers(1, 2))
-        S = draw(st.integers(1, max_len))
+        B = 1 if long else draw(st.integers(1, 2))
+        S = draw(st.integers(max_len // 2 if long else 1, max_len))
         rows = []
         for _ in range(B):
             runs, total = [], 0
             while total < S:
-                n = draw(st.integers(1, min(8, S - total)))
+                n = draw(st.integers(1, min(max_run, S - total)))
                 runs.append((draw(st.integers(0, 4)), n))
                 total += n
             rows.append(tuple(runs))
@@ -48,9 +56,9 @@ def case_strategy(info, max_cp: int = 8, max_len: int = 40, applicable=None) -> 
             rows=tuple(rows),
             cp=draw(st.sampled_from(cps)),
             name="fuzz",
-            hq=hkv * draw(st.sampled_from([1, 2, 3])),
+            hq=hkv * draw(st.sampled_from([1, 2] if long else [1, 2, 3])),
             hkv=hkv,
-            dim=draw(st.integers(1, 8)),
+            dim=draw(st.integers(1, 4 if long else 8)),
             window=draw(st.sampled_from(windows)),
             kernel=draw(st.sampled_from(kernels)),
             exchange=draw(st.sampled_from(exchanges)),
@@ -59,6 +67,7 @@ def case_strategy(info, max_cp: int = 8, max_len: int = 40, applicable=None) -> 
             seed=draw(st.integers(0, 2**16)),
             source=draw(st.sampled_from(SOURCES)),
             checkpoint=draw(st.sampled_from(CHECKPOINTS)),
+            gain=draw(st.sampled_from(GAINS)),
         )
         if applicable is not None and not applicable(info, case):
             case = Case(**{**case.__dict__, "exchange": "auto"})  # halo is offered only where it applies
@@ -76,22 +85,28 @@ def fuzz(
     max_cp: int = 8,
     max_len: int = 40,
     on_result=None,
+    long: bool = False,
+    budget: float | None = None,
 ) -> tuple[list[CaseResult], CaseResult | None]:
     """Run ``examples`` drawn cases; on a failure hypothesis shrinks it. Returns every result and the minimal
-    failing one (None when all passed)."""
+    failing one (None when all passed). Past ``budget`` seconds, no new draw is run (shrinking a failure found
+    before still is)."""
     from .cli import applicable
 
     info = impl_info(impl)
     results: list[CaseResult] = []
     failures: list[CaseResult] = []
+    t0 = time.perf_counter()
 
     @seed(seed_value)
     @settings(
         max_examples=examples, database=None, deadline=None, derandomize=False, print_blob=False,
         suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink],
     )
-    @given(case_strategy(info, max_cp, max_len, applicable))
+    @given(case_strategy(info, max_cp, max_len, applicable, long))
     def check(case: Case) -> None:
+        if budget is not None and not failures and time.perf_counter() - t0 > budget:
+            return
         result = session.run_one(case, impl=impl)
         results.append(result)
         if on_result:
@@ -126,13 +141,17 @@ def main(args) -> int:
 
     t0 = time.perf_counter()
     with Session(args.impl, case_timeout=args.case_timeout, backend=args.backend or "gloo") as session:
+        max_len = args.max_len or (1300 if args.long else 40)
         results, minimal = fuzz(session, args.impl, examples=args.examples, seed_value=args.seed, max_cp=args.max_cp,
-                                max_len=args.max_len, on_result=progress)
+                                max_len=max_len, on_result=progress, long=args.long, budget=args.budget)
     wall = time.perf_counter() - t0
     if args.json:
         write_json(args.json, results, wall, args.impl, {"fuzz_seed": args.seed, "minimal_failure": minimal.to_dict() if minimal else None})
     if minimal is None:
-        console.print(f"PASS: {len(results)} fuzzed cases (seed {args.seed}) in {wall:.1f} s ({len(results) / wall:.1f} cases/s)", markup=False)
+        cut = f", stopped by the {args.budget:.0f} s budget" if len(results) < args.examples else ""
+        longest = max((r.case.seq_len for r in results), default=0)
+        console.print(f"PASS: {len(results)} fuzzed cases (seed {args.seed}{cut}) in {wall:.1f} s "
+                      f"({len(results) / wall:.1f} cases/s), longest S = {longest}", markup=False)
         return 0
     failed = sum(not r.ok for r in results)
     console.print(f"FAIL: {failed} of {len(results)} fuzzed cases failed (seed {args.seed}); minimal failing case after shrinking:", markup=False)

@@ -5,9 +5,14 @@ small vocabulary -> summed cross-entropy against labels with ``-100`` on padding
 
 1. reference: float64, single device, ``blockdiag_ref.reference_attention``;
 2. baseline (dtypes below float64): the case's dtype, single device, stock SDPA with the dense
-   per-document mask; its error against the reference sets the tolerance (see ``tolerances.py``);
+   per-document mask, once on every SDPA backend of the device; the worst error against the reference sets
+   the tolerance (see ``tolerances.py``);
 3. implementation: the case's dtype, CP-sharded through ``make_cp_blockdiag_batch_and_ctx`` and
-   ``cp_blockdiag_sdpa`` of the module under test.
+   ``cp_blockdiag_sdpa`` of the module under test (on the SDPA backend the case forces, if any).
+
+Each compared quantity reports its error, the baseline error per backend, and the error the implementation
+inherits from its kernel: the baseline error of the backend it ran on (the forced one, else torch's default
+choice for the baseline's inputs).
 
 Every rank builds the same inputs from one seeded generator (nothing is broadcast) and checks its own rows:
 outputs of real rows; padding rows exactly 0; grads of q, k, v (padding rows exactly 0); and, summed over
@@ -18,6 +23,7 @@ moved are checked against its plan too.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
@@ -31,7 +37,7 @@ from torch import Tensor
 from blockdiag_ref import DocLayout, reference_attention
 
 from .cases import Case
-from .tolerances import judge
+from .tolerances import BASELINE_BACKENDS, judge, sdpa_backend
 
 __all__ = ["ImplInfo", "check_case", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
 
@@ -91,8 +97,8 @@ def make_inputs(case: Case) -> dict[str, Tensor]:
     return {
         "doc_ids": ids,
         "x": torch.randn(B, S, E, generator=g, dtype=f64),
-        "wq": w(E, case.hq * case.dim, gain=2.0),
-        "wk": w(E, case.hkv * case.dim, gain=2.0),
+        "wq": w(E, case.hq * case.dim, gain=case.gain),
+        "wk": w(E, case.hkv * case.dim, gain=case.gain),
         "wv": w(E, case.hkv * case.dim),
         "wo": w(case.hq * case.dim, VOCAB),
         "labels": labels,
@@ -123,7 +129,19 @@ def _leaves(inputs: dict[str, Tensor], dtype: torch.dtype, device: torch.device)
     return leaf(inputs["x"]), {k: leaf(inputs[k]) for k in ("wq", "wk", "wv", "wo")}
 
 
-def _single_device(case: Case, inputs: dict[str, Tensor], dtype: torch.dtype, device: torch.device, reference: bool) -> dict:
+def _forced(backend: str | None):
+    """Context forcing one SDPA backend (None: torch's own choice)."""
+    if backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel([sdpa_backend(backend)])
+
+
+def _single_device(
+    case: Case, inputs: dict[str, Tensor], dtype: torch.dtype, device: torch.device, reference: bool,
+    backend: str | None = None,
+) -> dict:
     layout = DocLayout.from_doc_ids(inputs["doc_ids"])
     window = (case.window, 0) if case.window >= 0 else None
     x, ws = _leaves(inputs, dtype, device)
@@ -135,11 +153,13 @@ def _single_device(case: Case, inputs: dict[str, Tensor], dtype: torch.dtype, de
         pad = layout.padding_mask.to(device)[:, None, :, None]
 
         def attend(q, k, v):
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            with _forced(backend):
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
             return torch.where(pad, 0.0, o)
 
     res = _block(case, x, ws, inputs["labels"].to(device), attend)
-    res["loss"].backward()
+    with _forced(backend):
+        res["loss"].backward()
     return {
         "out": res["out"].detach(), "loss": res["loss"].detach(), "x": x.grad,
         **{f"d{n}": res[n].grad for n in ("q", "k", "v")}, **{f"d{n}": ws[n].grad for n in ws},
@@ -183,7 +203,7 @@ def _run_impl(case: Case, impl: ImplInfo, inputs: dict[str, Tensor], dtype, devi
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return torch.utils.checkpoint.checkpoint(plain, q, k, v, use_reentrant=case.checkpoint == "reentrant")
 
-    with train_ctx():
+    with train_ctx(), _forced(case.backend):
         res = _block(case, batch["inputs_embeds"], ws, batch["labels"], attend)
         res["loss"].backward()
     state = getattr(train_ctx, "state", None)
@@ -203,7 +223,12 @@ class _Metrics:
         self.dtype = dtype
         self.rows: dict[str, dict[str, Any]] = {}
 
-    def close(self, name: str, got: Tensor | None, ref: Tensor, base: Tensor | None, group_scale: float = 0.0) -> None:
+    def close(
+        self, name: str, got: Tensor | None, ref: Tensor, bases: dict[str, Tensor] | None, group_scale: float = 0.0,
+        used: str | None = None,
+    ) -> None:
+        """``bases``: the baseline's value of the quantity per SDPA backend; ``used``: the backend the
+        implementation ran on, whose baseline error it inherits."""
         if got is None:
             self.rows[name] = {"err": math.inf, "scale": 0.0, "limit": 0.0, "ok": False, "why": "no gradient reached it"}
             return
@@ -216,9 +241,16 @@ class _Metrics:
         if math.isnan(err):
             err = math.inf
         scale = max(ref64.abs().max().item() if ref64.numel() else 0.0, group_scale)
-        base_err = None if base is None else ((base.detach().double().cpu() - ref64).abs().max().item() if ref64.numel() else 0.0)
+        by_backend = {
+            b: (t.detach().double().cpu() - ref64).abs().max().item() if ref64.numel() else 0.0
+            for b, t in (bases or {}).items()
+        }
+        worst = max(by_backend, key=by_backend.get) if by_backend else None
+        base_err = by_backend.get(worst)
         limit, ok = judge(self.dtype, err, scale, base_err)
         self.rows[name] = {"err": err, "scale": scale, "limit": limit, "ok": ok, "base": base_err}
+        if by_backend:
+            self.rows[name].update(base_backend=worst, base_by_backend=by_backend, inherited=by_backend.get(used))
 
     def exact_zero(self, name: str, got: Tensor | None) -> None:
         if got is None:
@@ -239,22 +271,54 @@ def _heads_view(t: Tensor) -> Tensor:
     return t.transpose(1, 2)
 
 
-def expected_results(case: Case, device: torch.device | str = "cpu") -> dict[str, dict[str, Tensor] | None]:
-    """The reference (float64) and, below float64, the single-device baseline of a case."""
+def expected_results(case: Case, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The reference (float64) and, below float64, the single-device baseline of a case on every SDPA backend
+    of the device: ``{"ref": results, "base": {backend: results} | None, "default_backend": name | None,
+    "refused": {backend: message}}``."""
     device = torch.device(device)
     inputs = make_inputs(case)
     ref = _single_device(case, inputs, torch.float64, device, reference=True)
-    base = None if case.dtype == "float64" else _single_device(case, inputs, getattr(torch, case.dtype), device, reference=False)
-    return {"ref": ref, "base": base}
+    if case.dtype == "float64":
+        return {"ref": ref, "base": None, "default_backend": None, "refused": {}}
+    dtype = getattr(torch, case.dtype)
+    base, refused = {}, {}
+    for backend in BASELINE_BACKENDS.get(device.type, ("math",)):
+        try:
+            base[backend] = _single_device(case, inputs, dtype, device, reference=False, backend=backend)
+        except RuntimeError as exc:  # this backend refuses these inputs: it cannot be the one a user gets
+            refused[backend] = str(exc).splitlines()[0]
+    return {"ref": ref, "base": base, "default_backend": _default_backend(case, dtype, device), "refused": refused}
+
+
+def _default_backend(case: Case, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The backend torch picks by itself for the baseline's SDPA call (same shapes, dtype and mask kind);
+    None if this torch cannot say."""
+    from torch.nn.attention import SDPBackend
+
+    q = torch.zeros(case.batch_size, case.hq, case.seq_len, case.dim, dtype=dtype, device=device)
+    k = torch.zeros(case.batch_size, case.hkv, case.seq_len, case.dim, dtype=dtype, device=device)
+    mask = torch.ones(case.seq_len, case.seq_len, dtype=torch.bool, device=device)
+    try:
+        return SDPBackend(torch._fused_sdp_choice(q, k, k, mask, 0.0, False, enable_gqa=True)).name.lower()
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
+def _tensors(v: dict | None, fn) -> dict | None:
+    return None if v is None else {n: fn(t) for n, t in v.items()}
 
 
 def pack_expected(expected: dict) -> dict:
     """Plain numpy arrays, to travel to the workers by value (no shared-memory tensors)."""
-    return {k: None if v is None else {n: t.detach().cpu().numpy() for n, t in v.items()} for k, v in expected.items()}
+    base = expected["base"]
+    return {**expected, "ref": _tensors(expected["ref"], lambda t: t.detach().cpu().numpy()),
+            "base": None if base is None else {b: _tensors(r, lambda t: t.detach().cpu().numpy()) for b, r in base.items()}}
 
 
 def unpack_expected(packed: dict) -> dict:
-    return {k: None if v is None else {n: torch.from_numpy(a) for n, a in v.items()} for k, v in packed.items()}
+    base = packed["base"]
+    return {**packed, "ref": _tensors(packed["ref"], torch.from_numpy),
+            "base": None if base is None else {b: _tensors(r, torch.from_numpy) for b, r in base.items()}}
 
 
 def check_case(
@@ -265,6 +329,7 @@ def check_case(
     inputs = make_inputs(case)
     expected = unpack_expected(pack_expected(expected_results(case, device)) if expected is None else expected)
     ref, base = expected["ref"], expected["base"]  # host tensors: every comparison runs on the host
+    used = case.backend or expected["default_backend"]
     run = _run_impl(case, impl, inputs, dtype, device, cp_mesh)
     res = run["res"]
     m = _Metrics(case.dtype)
@@ -283,16 +348,16 @@ def check_case(
     def rows_of(full: Tensor | None) -> Tensor | None:
         return None if full is None else _heads_view(full)[rb, rp]
 
-    def base_rows(name: str) -> Tensor | None:
-        return None if base is None else rows_of(base[name])
+    def base_rows(name: str) -> dict[str, Tensor] | None:
+        return None if base is None else {b: rows_of(r[name]) for b, r in base.items()}
 
     out_local = _heads_view(host(res["out"]))
-    m.close("out", out_local[real], rows_of(ref["out"]), base_rows("out"))
+    m.close("out", out_local[real], rows_of(ref["out"]), base_rows("out"), used=used)
     m.exact_zero("out_padding_rows", out_local[padding])
     qkv_scale = max(ref[f"d{n}"].abs().max().item() for n in ("q", "k", "v"))
     for n in ("q", "k", "v"):
         g = host(res[n].grad)
-        m.close(f"d{n}", None if g is None else _heads_view(g)[real], rows_of(ref[f"d{n}"]), base_rows(f"d{n}"), qkv_scale)
+        m.close(f"d{n}", None if g is None else _heads_view(g)[real], rows_of(ref[f"d{n}"]), base_rows(f"d{n}"), qkv_scale, used)
         m.exact_zero(f"d{n}_padding_rows", None if g is None else _heads_view(g)[padding])
 
     # this rank's contributions to quantities summed over ranks; whoever merges the ranks adds them up
@@ -310,9 +375,11 @@ def check_case(
         m.equal("recv_bytes_fwd", fwd["recv_bytes"], calls * report["recv"][rank])
         m.equal("sent_bytes_fwd", fwd["sent_bytes"], calls * report["sent"][rank])
         m.equal("recv_bytes_bwd", bwd["recv_bytes"], bwd["calls"] * report["sent"][rank])
-        if report["mode"] in ("halo", "a2a", "local"):
-            m.equal("recv_bytes_vs_min", fwd["recv_bytes"], calls * report["min_recv"][rank])
         info.update(mode=report["mode"], reason=report["reason"], notes=list(getattr(state, "notes", [])))
+        # what arrived, checked by the parent against the reference mask (verify.exchange_check)
+        info["arrived"] = [list(e.recv_by_source) for e in state.traffic.entries if e.phase == "forward"]
+        info["real_positions"] = torch.stack([rb, rp], 1).tolist()
+        info["local_tokens"] = int(pos.numel())
     info["metrics"] = m.rows
     info["partials"] = {k: None if t is None else t.detach().double().cpu().numpy() for k, t in partials.items()}
     return info
@@ -326,6 +393,7 @@ def summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> dict[str
     of every rank's contribution, in float64 and rank order, against the reference. A rank whose part never
     received a gradient contributes nothing; no gradient on any rank fails."""
     ref, base = expected["ref"], expected["base"]
+    used = case.backend or expected.get("default_backend")
     m = _Metrics(case.dtype)
     w_scale = max(ref[k].abs().max().item() for k in ("dwq", "dwk", "dwv", "dwo"))
     for label, key in SUMMED:
@@ -336,7 +404,8 @@ def summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> dict[str
             for p in parts[1:]:
                 total += p
             got = torch.from_numpy(total).view_as(ref[key])
-        m.close(label, got, ref[key], None if base is None else base[key], w_scale if key.startswith("dw") else 0.0)
+        bases = None if base is None else {b: r[key] for b, r in base.items()}
+        m.close(label, got, ref[key], bases, w_scale if key.startswith("dw") else 0.0, used)
     return m.rows
 
 

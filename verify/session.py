@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cases import Case
+from .exchange_check import exchange_metrics
 from .pool import TaskFailure, WorkerPool
 from .runner import expected_results, pack_expected, run_case, summed_metrics, warm_up
 
@@ -26,6 +27,7 @@ class CaseResult:
     mode: str | None = None  # the exchange the implementation chose, when it reports one
     seconds: float = 0.0
     impl: str = "blockdiag_dist"
+    backends: str = ""  # the SDPA backends the baseline and the implementation ran on (below float64)
 
     @property
     def ok(self) -> bool:
@@ -42,6 +44,7 @@ class CaseResult:
             "case": self.case.to_dict(), "label": self.case.label(), "status": self.status, "mode": self.mode,
             "seconds": round(self.seconds, 6), "failed_metrics": self.failed_metrics, "ranks": self.ranks,
             "metrics": self.metrics, "details": self.details, "reproduce": self.case.command(self.impl),
+            "backends": self.backends,
         }
 
 
@@ -50,7 +53,7 @@ def merge_ranks(case: Case, per_rank: Sequence[dict], expected: dict, seconds: f
     summed over ranks, checked here against ``expected`` (unpacked tensors)."""
     metrics: dict[str, dict[str, Any]] = {}
     bad_ranks: set[int] = set()
-    summed = {"metrics": summed_metrics(case, list(per_rank), expected)}
+    summed = {"metrics": {**summed_metrics(case, list(per_rank), expected), **exchange_metrics(case, per_rank)}}
     for rank, info in [*enumerate(per_rank), ("sum", summed)]:
         for name, row in info["metrics"].items():
             row = dict(row, rank=rank)
@@ -68,6 +71,7 @@ def merge_ranks(case: Case, per_rank: Sequence[dict], expected: dict, seconds: f
     )
     modes = {info.get("mode") for info in per_rank}
     return CaseResult(
+        backends=backends_used(case, expected),
         case=case, status="fail" if failed else "pass", metrics=metrics, failed_metrics=failed,
         ranks=sorted(bad_ranks), details=details, mode=modes.pop() if len(modes) == 1 else None,
         seconds=seconds, impl=impl,
@@ -186,6 +190,16 @@ class Session:
                 timing["run"] = run_before + time.perf_counter() - t_run  # accumulates over calls of run()
                 yield result
                 t0 = time.perf_counter()
+
+
+def backends_used(case: Case, expected: dict) -> str:
+    """Which SDPA backends produced the baseline, which refused, and which one the implementation ran on."""
+    if not expected.get("base"):
+        return ""
+    refused = "".join(f"; {b} refused ({why})" for b, why in expected.get("refused", {}).items())
+    how = "forced" if case.backend else "torch's choice"
+    used = case.backend or expected.get("default_backend") or "an unnamed backend"
+    return f"baseline on {', '.join(expected['base'])}{refused}; implementation on {used} ({how})"
 
 
 def _failure_result(case: Case, failure: TaskFailure, seconds: float, impl: str) -> CaseResult:

@@ -40,7 +40,8 @@ class _AllToAllKV(torch.autograd.Function):
         ctx.meta = (send_splits, recv_splits, kv_tok.shape[0], group, log)
         recv = _a2a_forward(kv_tok, send_rows, send_splits, recv_splits, group)
         if log is not None:
-            log.record("a2a", "forward", sum(send_splits) * kv_tok.shape[1], recv.numel(), kv_tok.element_size())
+            arrived = tuple(part.shape[0] for part in recv.split(recv_splits))
+            log.record("a2a", "forward", sum(send_splits) * kv_tok.shape[1], recv.numel(), kv_tok.element_size(), arrived)
         return recv
 
     @staticmethod

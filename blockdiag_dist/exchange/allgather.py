@@ -36,7 +36,9 @@ class _AllGatherKV(torch.autograd.Function):
         out = _allgather_forward(kv_tok, group, world)
         if log is not None:
             n = kv_tok.numel() * (world - 1)
-            log.record("allgather", "forward", n, n, kv_tok.element_size())
+            rank = dist.get_rank(group)
+            arrived = tuple(0 if r == rank else part.shape[0] for r, part in enumerate(out.chunk(world)))
+            log.record("allgather", "forward", n, n, kv_tok.element_size(), arrived)
         return out
 
     @staticmethod

@@ -46,7 +46,8 @@ class _HaloKV(torch.autograd.Function):
         ctx.meta = (kv_tok.shape[0], rank, world, group, log)
         recv = _halo_forward(kv_tok, send_rows, recv_count, rank, world, group)
         if log is not None:
-            log.record("halo", "forward", send_rows.shape[0] * kv_tok.shape[1], recv.numel(), kv_tok.element_size())
+            arrived = tuple(recv.shape[0] if r == rank - 1 else 0 for r in range(world))
+            log.record("halo", "forward", send_rows.shape[0] * kv_tok.shape[1], recv.numel(), kv_tok.element_size(), arrived)
         return recv
 
     @staticmethod

@@ -15,6 +15,7 @@ class TrafficEntry:
     sent_elements: int
     recv_elements: int
     element_size: int
+    recv_by_source: tuple[int, ...] = ()  # tokens that arrived from each rank (sizes of the received tensors)
 
     @property
     def sent_bytes(self) -> int:
@@ -32,9 +33,9 @@ class TrafficLog:
         self._lock = threading.Lock()
         self.entries: list[TrafficEntry] = []
 
-    def record(self, mode: str, phase: str, sent: int, recv: int, element_size: int) -> None:
+    def record(self, mode: str, phase: str, sent: int, recv: int, element_size: int, recv_by_source: tuple[int, ...] = ()) -> None:
         with self._lock:
-            self.entries.append(TrafficEntry(mode, phase, sent, recv, element_size))
+            self.entries.append(TrafficEntry(mode, phase, sent, recv, element_size, tuple(recv_by_source)))
 
     def totals(self, phase: str | None = None) -> dict[str, int]:
         with self._lock:

@@ -15,6 +15,7 @@ same code with one bug that CP systems are known to ship:
 | `raise_forward`    | rank 1 raises inside the forward                                        | error            |
 | `raise_backward`   | rank 1 raises inside the backward                                       | error            |
 | `kill_rank`        | rank 1 is killed (SIGKILL) inside the forward                           | crash            |
+| `kv_scale`         | K and V arrive scaled by 1 + 1e-4 (float64: 1 + 1e-9), at every CP size | fail             |
 """
 
 from ._toy import BUGS

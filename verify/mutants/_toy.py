@@ -30,7 +30,10 @@ BUGS = (
     "raise_forward",  # rank 1 raises inside the forward
     "raise_backward",  # rank 1 raises inside the backward
     "kill_rank",  # rank 1 dies (SIGKILL) inside the forward
+    "kv_scale",  # K and V arrive scaled by 1 + 1e-4 (1 + 1e-9 in float64): the smallest error limits must catch
 )
+
+KV_SCALE = {torch.float64: 1e-9}  # relative perturbation of kv_scale per dtype; 1e-4 for every other dtype
 
 _state: dict[str, Any] = {}
 
@@ -107,6 +110,9 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
             if world > 1:  # the skipping rank attends locally and moves on
                 k = torch.cat([torch.zeros_like(key)] * rank + [key] + [torch.zeros_like(key)] * (world - rank - 1), 2)
                 v = torch.cat([torch.zeros_like(value)] * rank + [value] + [torch.zeros_like(value)] * (world - rank - 1), 2)
+        if bug == "kv_scale":  # what arrives differs from what was sent (the local slice too: CP 1 is CP)
+            eps = KV_SCALE.get(key.dtype, 1e-4)
+            k, v = k * (1 + eps), v * (1 + eps)
         seg = st["seg"]  # [B, W * L]
         qpos = torch.arange(rank * L, (rank + 1) * L, device=query.device)
         kpos = torch.arange(world * L, device=query.device)

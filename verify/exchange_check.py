@@ -1,0 +1,71 @@
+"""What the K/V exchange delivered, against the minimum computed from the reference mask alone.
+
+Each rank reports the global (row, position) of its real rows and, per forward call, how many tokens arrived
+from each other rank (the sizes of the tensors its collectives returned). Here, from ``blockdiag_ref``'s mask
+and those positions only (no plan of the implementation), rank ``r`` must receive from rank ``s`` exactly the
+keys held by ``s`` that some real query of ``r`` may see: a needed-only exchange (halo, all-to-all) moves
+exactly that, no exchange (local) is allowed only when it is 0 everywhere, and an all-gather moves every
+token of every other rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from blockdiag_ref import DocLayout
+
+from .cases import Case
+
+__all__ = ["exchange_metrics", "needed_from_reference"]
+
+
+def needed_from_reference(doc_ids: Tensor, owner: Tensor, world: int, window: int = -1) -> Tensor:
+    """int64 ``[W (source), W (destination)]``: keys each rank needs from each other rank.
+
+    ``doc_ids [B, S]``; ``owner [B, S]``: the rank holding each real position (-1 for padding positions).
+    """
+    mask = DocLayout.from_doc_ids(doc_ids).materialize_mask(window_size=(window, 0) if window >= 0 else None)[:, 0]
+    counts = torch.zeros(world, world, dtype=torch.int64)
+    for r in range(world):
+        seen = (mask & (owner == r)[:, :, None]).any(1)  # [B, S] keys some real query of r may see
+        for s in range(world):
+            if s != r:
+                counts[s, r] = int((seen & (owner == s)).sum())
+    return counts
+
+
+def exchange_metrics(case: Case, per_rank: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``recv_tokens_vs_needed``: what arrived per (source, destination), summed over forward calls' mismatches
+    (empty when the implementation does not report its exchange)."""
+    if not per_rank or any("arrived" not in info for info in per_rank):
+        return {}
+    world = len(per_rank)
+    ids = torch.tensor(case.doc_ids(), dtype=torch.int64)
+    owner = torch.full_like(ids, -1)
+    for r, info in enumerate(per_rank):
+        rows = torch.tensor(info["real_positions"], dtype=torch.int64).view(-1, 2)
+        owner[rows[:, 0], rows[:, 1]] = r
+    needed = needed_from_reference(ids, owner, world, case.window)
+    bad, worst = [], 0
+    for r, info in enumerate(per_rank):
+        mode = info.get("mode")
+        want = [info["local_tokens"] if (mode == "allgather" and s != r) else int(needed[s, r]) for s in range(world)]
+        calls = info["arrived"] or ([[0] * world] if mode == "local" else [])
+        if not calls:
+            bad.append(f"rank {r} ({mode}): no forward exchange recorded")
+            worst = max(worst, sum(want) or 1)
+        for got in calls:
+            got = list(got) if got else [0] * world
+            diff = sum(abs(g - w) for g, w in zip(got, want)) + abs(len(got) - world)
+            if diff:
+                bad.append(f"rank {r} ({mode}) received {got} tokens per source rank, expected {want}")
+                worst = max(worst, diff)
+    total = int(needed.sum())
+    row = {"err": float(worst), "scale": float(total), "limit": 0.0, "ok": not bad, "expected": total}
+    if bad:
+        row["why"] = "; ".join(bad)
+    return {"recv_tokens_vs_needed": row}
