@@ -50,7 +50,8 @@ fuzz: $(STAMP)
 fuzz-long: $(STAMP)
 	$(PY) -m verify fuzz --long --examples $(LONG_EXAMPLES) --budget $(LONG_BUDGET) --seed $(SEED) $(ARGS)
 
-# Performance figures as side-by-side ratios: results/bench.json, results/bench.png, BENCHMARKS.md.
+# Performance figures as side-by-side ratios: results/bench.json, results/bench.png, BENCHMARKS.md. The peers
+# (make peers) are measured when installed; a missing one is named in the output and its column left empty.
 bench: $(STAMP)
 	$(PY) -m bench --write-md
 

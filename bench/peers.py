@@ -157,7 +157,7 @@ def _check(per_rank: list[dict], single: dict) -> dict:
     return {"max_rel_err": worst, "errors": errs, "ok": worst <= CHECK_RTOL}
 
 
-def bench_peers(S: int, rounds: int, reps: int, peer_reps: int = 1, cp: int = 2) -> dict:
+def bench_peers(S: int, rounds: int, reps: int, peer_reps: int = 1, cp: int = 2, with_peers: bool = True) -> dict:
     """Per workload: single-device time, and per configuration its CP time (median over rounds of per-round
     medians), its ratio to single device in every round (the spread), and its correctness check."""
     from verify.adapters import ADAPTERS
@@ -165,10 +165,11 @@ def bench_peers(S: int, rounds: int, reps: int, peer_reps: int = 1, cp: int = 2)
     threads = torch.get_num_threads()
     configs: dict[str, tuple[str, str | None]] = {name: ("blockdiag_dist", layout) for name, layout in OURS.items()}
     missing = {}
-    for name, impl in PEERS.items():
+    for name, impl in PEERS.items() if with_peers else ():
         mod = importlib.import_module(ADAPTERS[impl])
         if getattr(mod, "UNAVAILABLE", None):
             missing[name] = mod.UNAVAILABLE
+            print(f"bench: peer {name} is missing, its column stays empty (install the peers: make peers): {mod.UNAVAILABLE}", flush=True)
         else:
             configs[name] = (impl, None)
     rows = []
