@@ -157,8 +157,9 @@ def test_kernels_compute_exactly_the_allowed_pairs(ids, world, mode, sharding):
             masked = [b for b in meta.blocks.buckets if b.mask is not None]
             assert all(left >= 0 and b.k_index.shape[1] <= BAND_MIN for b in masked), "a mask on a long piece"
             dense = plan_dense(plan.local_flat_ids(rank), key_flat, plan.segments, sp, left)
-            dense_pairs = {(q, int(key_flat[k])) for q, k in dense.mask[0, 0].nonzero().tolist()}
-            assert dense_pairs == expected
+            dense_pairs = [(q, int(key_flat[k])) for q, k in dense.pairs().tolist()]
+            assert len(dense_pairs) == len(set(dense_pairs)), "dense: a pair is computed twice"
+            assert set(dense_pairs) == expected
 
 
 @pytest.mark.parametrize("ids", LAYOUTS)

@@ -1,8 +1,14 @@
-"""Dense kernel: one SDPA call over all local query tokens against the whole key buffer, with a bool mask
-rebuilt from flat ids. Simple and obviously right; it materializes the ``[Tq, Tk]`` mask, so it is meant for
-small shards and as a second opinion on the varlen kernel.
+"""Dense kernel: one SDPA call per step, batched by row: each local row's queries against that row's keys in the
+key buffer, with a bool mask rebuilt from flat ids. Simple and obviously right; it materializes a
+``[B, L, Sk]`` mask, so it is meant for small shards and as a second opinion on the varlen kernel.
 
-Shape legend: Tq local query tokens (B * L), Tk key-buffer tokens, Hq / Hkv heads, D / Dv head dims.
+Each query's score row holds only its own row's keys, as in stock SDPA run per batch row, never the keys of
+every local row: torch's fused CPU kernel computes ``exp`` with a vectorized approximation on whole vector
+lanes and with libm on a row's remainder, so its float32 gradient error depends on how many keys a score row
+has; flattening all rows into one ``[Tq, Tk]`` call gave peaked softmax rows the error of a longer row.
+
+Shape legend: B local rows of L query tokens (Tq = B * L), Tk key-buffer tokens, Sk the most keys of one row
+(rows with fewer keys are padded with masked slots), Hq / Hkv heads, D / Dv head dims.
 """
 
 from __future__ import annotations
@@ -19,32 +25,57 @@ __all__ = ["DenseMeta", "dense_attention", "plan_dense"]
 
 @dataclass(frozen=True, eq=False)
 class DenseMeta:
-    mask: Tensor  # bool [1, 1, Tq, Tk]
-    pad_q: Tensor  # bool [Tq, 1, 1], True on padding queries
+    mask: Tensor  # bool [B, 1, L, Sk]
+    key_index: Tensor  # int64 [B * Sk] key-buffer row of each key slot (padded slots repeat row 0, masked)
+    pad_q: Tensor  # bool [B, 1, L, 1], True on padding queries
 
     def to(self, device: torch.device) -> DenseMeta:
-        return DenseMeta(self.mask.to(device), self.pad_q.to(device))
+        return DenseMeta(self.mask.to(device), self.key_index.to(device), self.pad_q.to(device))
+
+    def pairs(self) -> Tensor:
+        """int64 ``[n, 2]``: (local query row, key-buffer row) of every pair the mask allows."""
+        b, _, i, j = self.mask.nonzero().unbind(1)
+        L, Sk = self.mask.shape[2], self.mask.shape[3]
+        return torch.stack([b * L + i, self.key_index[b * Sk + j]], 1)
 
 
 def plan_dense(q_flat: Tensor, k_flat: Tensor, segments: Tensor, padded_len: int, window_left: int) -> DenseMeta:
-    """Mask of local queries (flat ids ``[Tq]``) against the key buffer (flat ids ``[Tk]``)."""
-    seg_q, seg_k = segments[q_flat][:, None], segments[k_flat][None, :]
-    pos_q, pos_k = (q_flat % padded_len)[:, None], (k_flat % padded_len)[None, :]
-    mask = (seg_q == seg_k) & (seg_q != 0) & (pos_k <= pos_q)
+    """Per-row mask of local queries (flat ids ``[Tq]``, row after row) against the keys of their row in the
+    key buffer (flat ids ``[Tk]``, in buffer order)."""
+    B = segments.numel() // padded_len
+    L = q_flat.numel() // B
+    q_row = (q_flat // padded_len).view(B, L)
+    if not bool((q_row == torch.arange(B)[:, None]).all()):
+        raise ValueError(f"plan_dense: expected local queries as {B} rows of {L} tokens each of its own row, got rows {q_row.tolist()}")
+    k_row = k_flat // padded_len
+    counts = torch.bincount(k_row, minlength=B)
+    Sk = int(counts.max()) if k_flat.numel() else 0
+    order = torch.sort(k_row, stable=True).indices  # buffer rows grouped by row, buffer order kept
+    slot = torch.arange(k_flat.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    key_index = torch.zeros(B, Sk, dtype=torch.int64)
+    valid = torch.zeros(B, Sk, dtype=torch.bool)
+    key_index[k_row[order], slot] = order
+    valid[k_row[order], slot] = True
+    kf = k_flat[key_index]  # [B, Sk]
+    seg_q, seg_k = segments[q_flat].view(B, L, 1), segments[kf].view(B, 1, Sk)
+    pos_q, pos_k = (q_flat % padded_len).view(B, L, 1), (kf % padded_len).view(B, 1, Sk)
+    mask = (seg_q == seg_k) & (seg_q != 0) & (pos_k <= pos_q) & valid[:, None, :]
     if window_left >= 0:
         mask &= pos_k >= pos_q - window_left
-    return DenseMeta(mask=mask[None, None], pad_q=(segments[q_flat] == 0)[:, None, None])
+    return DenseMeta(mask=mask[:, None], key_index=key_index.flatten(), pad_q=(seg_q == 0)[:, None])
 
 
 def dense_attention(
     q_tok: Tensor, kv_buf: Tensor, meta: DenseMeta, *, heads_kv: int, dim_v: int, dropout_p: float, scale: float | None
 ) -> Tensor:
     """``q_tok [Tq, Hq, D]`` and the key buffer ``kv_buf [Tk, Hkv * (D + Dv)]`` (keys then values per token)
-    -> ``[Tq, Hq, Dv]``; padding rows exactly 0."""
-    kd = heads_kv * q_tok.shape[2]
-    q = q_tok.transpose(0, 1)[None]  # [1, Hq, Tq, D]
-    k = kv_buf[:, :kd].unflatten(1, (heads_kv, -1)).transpose(0, 1)[None]
-    v = kv_buf[:, kd:].unflatten(1, (heads_kv, dim_v)).transpose(0, 1)[None]
-    gqa = q.shape[1] != k.shape[1]
-    out = stock_sdpa(q, k, v, attn_mask=meta.mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
-    return torch.where(meta.pad_q, 0.0, out[0].transpose(0, 1))
+    -> ``[Tq, Hq, Dv]``; padding rows exactly 0, padded key slots and masked keys exactly 0 gradient."""
+    B, _, L, Sk = meta.mask.shape
+    Hq, D = q_tok.shape[1], q_tok.shape[2]
+    kd = heads_kv * D
+    q = q_tok.view(B, L, Hq, D).transpose(1, 2)  # [B, Hq, L, D]
+    rows = kv_buf.index_select(0, meta.key_index).view(B, Sk, -1)
+    k = rows[..., :kd].unflatten(2, (heads_kv, D)).transpose(1, 2)  # [B, Hkv, Sk, D]
+    v = rows[..., kd:].unflatten(2, (heads_kv, dim_v)).transpose(1, 2)
+    out = stock_sdpa(q, k, v, attn_mask=meta.mask, dropout_p=dropout_p, scale=scale, enable_gqa=Hq != heads_kv)
+    return torch.where(meta.pad_q, 0.0, out).transpose(1, 2).reshape(B * L, Hq, dim_v)
