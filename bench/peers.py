@@ -75,12 +75,12 @@ def _prepare(module, mesh, q, k, v, grad, ids):
 
     def step() -> None:
         with ctx():
-            out = module.cp_blockdiag_sdpa(*qkv(x_local), enable_gqa=True)
+            out = module.cp_blockdiag_sdpa(*qkv(x_local), is_causal=True, enable_gqa=True)
             torch.autograd.grad(out, x_local, g)
 
     def check() -> dict:
         with ctx():
-            out = module.cp_blockdiag_sdpa(*qkv(x), enable_gqa=True)
+            out = module.cp_blockdiag_sdpa(*qkv(x), is_causal=True, enable_gqa=True)
             grads = torch.autograd.grad(out, leaves, g)
         return {"out": out.detach(), "positions": positions[0], "padding": padding[0], "grads": grads}
 

@@ -4,7 +4,7 @@ A forward call uses the active step (``with train_ctx():``). A recompute must us
 whatever the caller did with ``train_ctx`` since (exited it, deleted it, entered another step's context, as
 pipeline schedules do): the forward leaves the step in the autograd graph, and the recompute finds it there.
 
-- Every call made with grad enabled tags its output's autograd node, and a few nodes upstream of the query
+- Every call made with grad enabled tags the autograd nodes it created, and a few nodes upstream of the query
   (so that a recompute started from a sibling branch finds them too), with a strong reference to the step.
 - Reentrant checkpointing runs its forward without grad inside an ``autograd.Function``; the call tags that
   Function's node, which is the node running when backward recomputes it.
@@ -40,11 +40,21 @@ def _taggable(node) -> bool:
     return node is not None and type(node).__name__ != "AccumulateGrad"
 
 
-def bind_output(out: Tensor, query: Tensor, state: StepState) -> None:
-    """Tag ``out``'s node and up to ``UPSTREAM_TAGS`` untagged nodes upstream of ``query`` with ``state``."""
-    if _taggable(out.grad_fn):
-        out.grad_fn.metadata[_KEY] = state
-    queue = deque([query.grad_fn])
+def bind_output(out: Tensor, inputs: tuple[Tensor, ...], state: StepState) -> None:
+    """Tag with ``state`` every node the call created (from ``out``'s node down to the nodes of ``inputs``, the
+    call's query, key and value), and up to ``UPSTREAM_TAGS`` untagged nodes upstream of the query (``inputs[0]``).
+    A non-reentrant checkpoint recomputes from whichever of the call's own nodes first unpacks a saved tensor."""
+    stop = {t.grad_fn for t in inputs if t.grad_fn is not None}
+    queue = deque([out.grad_fn])
+    seen = set()
+    while queue:
+        node = queue.popleft()
+        if not _taggable(node) or node in stop or node in seen:
+            continue
+        seen.add(node)
+        node.metadata.setdefault(_KEY, state)
+        queue.extend(n for n, _ in node.next_functions)
+    queue = deque([inputs[0].grad_fn])
     tagged = 0
     while queue and tagged < UPSTREAM_TAGS:
         node = queue.popleft()

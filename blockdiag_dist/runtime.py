@@ -105,7 +105,7 @@ def cp_blockdiag_sdpa(
             use_flash=why_not is None,
         )
     if torch.is_grad_enabled():
-        bind_output(out, query, state)
+        bind_output(out, (query, key, value), state)
     return out.view(B, L, Hq, Dv).transpose(1, 2)
 
 

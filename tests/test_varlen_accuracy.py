@@ -60,7 +60,7 @@ def _varlen(window: int | None):
 
     def run(q, k, v):
         with ctx():
-            return cp_blockdiag_sdpa(q, k, v, enable_gqa=True, **kw)
+            return cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True, **kw)
 
     return run
 

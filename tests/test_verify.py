@@ -273,8 +273,10 @@ def test_workers_exit_when_their_parent_dies():
 
 
 # ---- long layouts --------------------------------------------------------------------------------------
-def _bucket_lengths(case: Case) -> set[tuple[int, int, bool]]:
-    """(query length, key length, masked) of every varlen bucket of every rank of a case."""
+def _bucket_lengths(case: Case) -> set[tuple[int, int, str]]:
+    """(query length, key length, kind) of every varlen bucket of every rank of a case; kind: "causal" (a causal
+    square), "prefix" (unmasked keys before the queries: the piece's document started on another rank) or
+    "mask" (an explicit mask)."""
     import torch
 
     from blockdiag_dist.plan import plan_step
@@ -284,15 +286,18 @@ def _bucket_lengths(case: Case) -> set[tuple[int, int, bool]]:
     out = set()
     for rank in range(case.cp):
         state = StepState(plan, rank=rank, group=None, device=torch.device("cpu"), kv_exchange="a2a", kernel="varlen")
-        for b in state.window_plan(case.window).kernel_meta.buckets:
-            out.add((b.q_index.shape[1], b.k_index.shape[1], b.mask is not None))
+        for b in state.window_plan(case.window).kernel_meta.blocks.buckets:
+            kind = "mask" if b.mask is not None else "causal" if b.causal else "prefix"
+            out.add((b.q_index.shape[1], b.k_index.shape[1], kind))
     return out
 
 
 def test_long_cases_reach_every_size_class_regime_and_the_exact_path():
+    import torch
     from verify.cases import long_cases
 
     from blockdiag_dist.kernels.varlen import EXACT_ABOVE, EXACT_UP_TO
+    from blockdiag_ref import DocLayout
 
     cases = long_cases(layouts=("contiguous", "balanced"))
     lengths = set().union(*(_bucket_lengths(c) for c in cases))
@@ -301,8 +306,10 @@ def test_long_cases_reach_every_size_class_regime_and_the_exact_path():
     for lo, hi in regimes:
         assert any(lo <= n <= hi for n in q_lens), (lo, hi, sorted(q_lens))
     assert any(n > EXACT_ABOVE for n in q_lens), sorted(q_lens)  # a whole long document, exact length
-    # a document longer than EXACT_ABOVE cut by a rank boundary: a masked piece whose keys start on another rank
+    # a document longer than EXACT_ABOVE cut by a rank boundary: a piece whose keys start on another rank (its
+    # unmasked prefix block, merged with its causal square)
     for layout in ("contiguous", "balanced"):
         cut = [c for c in cases if c.name == "exact-path" and c.cp == 2 and c.window < 0 and c.layout == layout]
-        assert cut and any(lk > EXACT_ABOVE and masked for _, lk, masked in _bucket_lengths(cut[0])), layout
+        assert cut and DocLayout.from_doc_ids(torch.tensor(cut[0].doc_ids())).max_seqlen > EXACT_ABOVE
+        assert cut and any(kind == "prefix" for _, _, kind in _bucket_lengths(cut[0])), layout
     assert {c.window for c in cases} >= {-1, 64, 100} and {c.dtype for c in cases} == {"float64", "float32"}

@@ -78,9 +78,9 @@ def convention_groups(case: Case, conv: Conventions) -> Tensor:
     return out
 
 
-def convention_expected(case: Case, conv: Conventions) -> dict[str, dict[str, Tensor] | None]:
+def convention_expected(case: Case, conv: Conventions) -> dict:
     """:func:`verify.runner.expected_results` of ``case`` with documents as ``conv`` declares them."""
-    from .runner import _single_device, make_inputs
+    from .runner import expected_results, make_inputs
 
     if conv.document == "id" and case.window >= 0:
         raise ValueError(f"document='id' re-check: expected no window, got window {case.window}")
@@ -100,11 +100,7 @@ def convention_expected(case: Case, conv: Conventions) -> dict[str, dict[str, Te
         out["x"] = res["x"][rows, inv]  # [B, S, E]
         return out
 
-    ref = unpermute(_single_device(case, permuted, torch.float64, torch.device("cpu"), reference=True))
-    base = None
-    if case.dtype != "float64":
-        base = unpermute(_single_device(case, permuted, getattr(torch, case.dtype), torch.device("cpu"), reference=False))
-    return {"ref": ref, "base": base}
+    return expected_results(case, "cpu", inputs=permuted, restore=unpermute)
 
 
 # ---- classification --------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import contextlib
 import importlib
 import inspect
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -272,20 +272,25 @@ def _heads_view(t: Tensor) -> Tensor:
     return t.transpose(1, 2)
 
 
-def expected_results(case: Case, device: torch.device | str = "cpu") -> dict[str, Any]:
+def expected_results(
+    case: Case, device: torch.device | str = "cpu", inputs: dict[str, Tensor] | None = None,
+    restore: Callable[[dict], dict] | None = None,
+) -> dict[str, Any]:
     """The reference (float64) and, below float64, the single-device baseline of a case on every SDPA backend
     of the device: ``{"ref": results, "base": {backend: results} | None, "default_backend": name | None,
-    "refused": {backend: message}}``."""
+    "refused": {backend: message}}``. ``inputs`` replaces the case's own (e.g. reordered tokens) and
+    ``restore`` maps each result back (both for re-checks under another convention, ``verify.classify``)."""
     device = torch.device(device)
-    inputs = make_inputs(case)
-    ref = _single_device(case, inputs, torch.float64, device, reference=True)
+    inputs = make_inputs(case) if inputs is None else inputs
+    restore = restore or (lambda res: res)
+    ref = restore(_single_device(case, inputs, torch.float64, device, reference=True))
     if case.dtype == "float64":
         return {"ref": ref, "base": None, "default_backend": None, "refused": {}}
     dtype = getattr(torch, case.dtype)
     base, refused = {}, {}
     for backend in BASELINE_BACKENDS.get(device.type, ("math",)):
         try:
-            base[backend] = _single_device(case, inputs, dtype, device, reference=False, backend=backend)
+            base[backend] = restore(_single_device(case, inputs, dtype, device, reference=False, backend=backend))
         except RuntimeError as exc:  # this backend refuses these inputs: it cannot be the one a user gets
             refused[backend] = str(exc).splitlines()[0]
     return {"ref": ref, "base": base, "default_backend": _default_backend(case, dtype, device), "refused": refused}

@@ -412,7 +412,7 @@ class _MergedBlocks(torch.autograd.Function):
         ctx.save_for_backward(g_q, g_kv, out, lse)
         ctx.plan, ctx.shapes, ctx.heads, ctx.scale = plan, (qshape, kshape), (Hq, heads_kv, D), scale
         ctx.sizes = (q_tok.shape, kv_buf.shape)
-        return out
+        return out.clone()  # the caller may modify its output in place (on every rank alike); backward keeps its own
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -110,7 +110,7 @@ def attention_step(
     positions = positions[0] if positions.dim() == 3 else positions
     grad = torch.ones(B, Hq, S, D, dtype=q.dtype, device=q.device) if grad_out_BHSD is None else grad_out_BHSD
     with train_ctx():
-        out = module.cp_blockdiag_sdpa(q, k, v, enable_gqa=Hq != Hkv)
+        out = module.cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)
         padding = batch["padding_mask"].to(torch.bool)
         g = grad.transpose(1, 2)[torch.arange(B, device=q.device)[:, None], positions.clamp(0, S - 1)].transpose(1, 2)
         out.backward(torch.where(padding[:, None, :, None], 0.0, g))
