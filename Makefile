@@ -50,12 +50,12 @@ fuzz: $(STAMP)
 fuzz-long: $(STAMP)
 	$(PY) -m verify fuzz --long --examples $(LONG_EXAMPLES) --budget $(LONG_BUDGET) --seed $(SEED) $(ARGS)
 
-# Performance figures as side-by-side ratios: results/bench.json, results/bench.png, BENCHMARKS.md. The peers
-# (make peers) are measured when installed; a missing one is named in the output and its column left empty.
-bench: $(STAMP)
+# Performance figures as side-by-side ratios: results/bench.json, results/bench.png, BENCHMARKS.md. Installs the
+# peers (make peers) first; a peer that still fails to import is named in the output and its column left empty.
+bench: $(STAMP) $(PEERS_STAMP)
 	$(PY) -m bench --write-md
 
-bench-quick: $(STAMP)
+bench-quick: $(STAMP) $(PEERS_STAMP)
 	$(PY) -m bench --quick
 
 # A few steps of the tiny decoder at CP 1 and CP 2 (CPU, gloo); the last line is the loss parity, exit 1 if it fails.
