@@ -47,6 +47,7 @@ EXACT_ABOVE = 1024  # pieces longer than this run at their exact length
 EXACT_UP_TO = 16  # ... and so do pieces this short (see size_class)
 BAND_MIN = EXACT_UP_TO  # a windowed piece with at most this many keys runs as one masked block, not bands
 FULL, CAUSAL, MASKED = 0, 1, 2  # block kinds of the maskless plan
+PRIMARY, SECONDARY = 0, 1  # every real query row has one primary block, and at most one secondary
 _fused_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fused_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -76,10 +77,16 @@ class Bucket:
     k_index: Tensor  # int64 [n, Lk] rows of the key buffer
     mask: Tensor | None  # bool [n, 1, Lq, Lk] (masked plan, and narrow windows); None: see ``causal``
     causal: bool = True  # without a mask: top-left causal (True) or unmasked (False)
+    secondary: bool = False  # maskless plan: a prefix or band block, merged into its rows' primary block
+    merged: bool = False  # maskless plan: some real row of this bucket has a slot in another bucket too
+    padded: bool = True  # maskless plan: some slot of this bucket is a padded slot
+    q_start: int = -1  # maskless plan: with n == 1, the first row when q_index is one range of rows, else -1
+    k_start: int = -1  # likewise for k_index
 
     def to(self, device: torch.device) -> Bucket:
         mask = None if self.mask is None else self.mask.to(device)
-        return Bucket(self.q_index.to(device), self.k_index.to(device), mask, self.causal)
+        return Bucket(self.q_index.to(device), self.k_index.to(device), mask, self.causal, self.secondary, self.merged,
+                      self.padded, self.q_start, self.k_start)
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,18 +96,26 @@ class BucketPlan:
     buckets: tuple[Bucket, ...]
     q_gather: Tensor  # int64: every bucket's q_index, flattened and concatenated
     k_gather: Tensor  # int64: likewise for k_index
-    out_rows: Tensor  # int64: for every bucket slot (same order), its query row, or Tq for a padded slot
+    # int64: for every bucket slot (same order), its query row; a padded slot gets a spare row >= Tq (masked
+    # plan: all share row Tq; maskless plan: one private row each, so a row never takes two padded slots)
+    out_rows: Tensor
+    num_rows: int = 0  # rows of the output buffer: Tq and the spare rows
+    q_rest: Tensor | None = None  # int64: q_index of the buckets that are not one range (q_start < 0), concatenated
+    k_rest: Tensor | None = None  # likewise for keys
 
     @classmethod
-    def of(cls, buckets: list[Bucket], slot_rows: list[Tensor]) -> BucketPlan:
+    def of(cls, buckets: list[Bucket], slot_rows: list[Tensor], num_rows: int) -> BucketPlan:
         empty = torch.zeros(0, dtype=torch.int64)
         cat = lambda ts: torch.cat(ts) if ts else empty  # noqa: E731
         return cls(tuple(buckets), cat([b.q_index.flatten() for b in buckets]),
-                   cat([b.k_index.flatten() for b in buckets]), cat(slot_rows))
+                   cat([b.k_index.flatten() for b in buckets]), cat(slot_rows), num_rows,
+                   cat([b.q_index.flatten() for b in buckets if b.q_start < 0]),
+                   cat([b.k_index.flatten() for b in buckets if b.k_start < 0]))
 
     def to(self, device: torch.device) -> BucketPlan:
         return BucketPlan(tuple(b.to(device) for b in self.buckets), self.q_gather.to(device),
-                          self.k_gather.to(device), self.out_rows.to(device))
+                          self.k_gather.to(device), self.out_rows.to(device), self.num_rows,
+                          self.q_rest.to(device), self.k_rest.to(device))
 
 
 @dataclass(frozen=True, eq=False)
@@ -229,17 +244,18 @@ def _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, 
         mk = (binds & (p_last - p_kfirst + 1 <= band_min)).nonzero().flatten()
         qf, ql, kf = p_qfirst[mk], p_last[mk], p_kfirst[mk]
         parts.append(dict(piece=mk, q0=qf, qdir=1, k0=kf, kdir=1, klo=kf, khi=ql, qlo=qf, qhi=ql, kind=MASKED,
-                          lq=size_class(p_len[mk]), lk=size_class(ql - kf + 1)))
+                          lq=size_class(p_len[mk]), lk=size_class(ql - kf + 1), role=PRIMARY))
         binds[mk] = False
     # square blocks of pieces the window does not cut
     qf, ql = p_qfirst[whole], p_last[whole]
     cls = size_class(p_len[whole])
-    parts.append(dict(piece=whole, q0=qf, qdir=1, k0=qf, kdir=1, klo=qf, khi=ql, qlo=qf, qhi=ql, kind=CAUSAL, lq=cls, lk=cls))
+    parts.append(dict(piece=whole, q0=qf, qdir=1, k0=qf, kdir=1, klo=qf, khi=ql, qlo=qf, qhi=ql, kind=CAUSAL, lq=cls, lk=cls,
+                      role=PRIMARY))
     # unmasked prefix blocks (keys before the first query), at the prefix's exact length
     pre = whole[p_kfirst[whole] < p_qfirst[whole]]
     qf, ql, kf = p_qfirst[pre], p_last[pre], p_kfirst[pre]
     parts.append(dict(piece=pre, q0=qf, qdir=1, k0=kf, kdir=1, klo=kf, khi=qf - 1, qlo=qf, qhi=ql, kind=FULL,
-                      lq=size_class(p_len[pre]), lk=qf - kf))
+                      lq=size_class(p_len[pre]), lk=qf - kf, role=SECONDARY))
     if bool(binds.any()):
         # chunks of c = max(left, 1) positions aligned to the document start
         cut = binds.nonzero().flatten()
@@ -251,28 +267,29 @@ def _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, 
         s = p_dstart[piece] + k * c
         qlo, qhi = torch.maximum(s, p_qfirst[piece]), torch.minimum(s + c - 1, p_last[piece])
         cls = size_class(torch.full_like(s, c))
-        parts.append(dict(piece=piece, q0=s, qdir=1, k0=s, kdir=1, klo=s, khi=qhi, qlo=qlo, qhi=qhi, kind=CAUSAL, lq=cls, lk=cls))
+        parts.append(dict(piece=piece, q0=s, qdir=1, k0=s, kdir=1, klo=s, khi=qhi, qlo=qlo, qhi=qhi, kind=CAUSAL, lq=cls, lk=cls,
+                          role=PRIMARY))
         if left >= 1:  # the band on the left positions before each chunk, in reverse order (none for chunk 0)
             band = k > 0
             piece, s, qlo, qhi, cls = piece[band], s[band], qlo[band], qhi[band], cls[band]
             parts.append(dict(piece=piece, q0=s + c - 1, qdir=-1, k0=s - 1, kdir=-1, klo=s - left, khi=s - 1,
-                              qlo=qlo, qhi=qhi, kind=CAUSAL, lq=cls, lk=cls))
+                              qlo=qlo, qhi=qhi, kind=CAUSAL, lq=cls, lk=cls, role=SECONDARY))
     return _bucket(parts, p_start - p_qfirst, p_flat0 - p_qfirst, key_lut, Tq, left)
 
 
 def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut: Tensor, Tq: int, left: int) -> BucketPlan:
-    """Group blocks by (kind, Lq, Lk) and build each bucket's gather indices, output rows and (kind MASKED
-    only) mask. ``p_row0``: local row a piece's position 0 would have; ``p_base``: flat id of its row's
-    position 0."""
+    """Group blocks by (role, kind, Lq, Lk), primary buckets first, and build each bucket's gather indices,
+    output rows and (kind MASKED only) mask. ``p_row0``: local row a piece's position 0 would have;
+    ``p_base``: flat id of its row's position 0."""
     full = lambda x, like: x.expand_as(like) if isinstance(x, Tensor) else torch.full_like(like, x)  # noqa: E731
-    cols = ("piece", "q0", "qdir", "k0", "kdir", "klo", "khi", "qlo", "qhi", "kind", "lq", "lk")
+    cols = ("piece", "q0", "qdir", "k0", "kdir", "klo", "khi", "qlo", "qhi", "kind", "lq", "lk", "role")
     blk = {name: torch.cat([full(p[name], p["piece"]) for p in parts]) for name in cols}
-    group_key = blk["kind"] * 2**60 + blk["lq"] * 2**30 + blk["lk"]  # sizes < 2**30
-    keys, group_of = torch.unique(group_key, return_inverse=True)
-    buckets: list[Bucket] = []
+    group_key = blk["role"] * 2**62 + blk["kind"] * 2**60 + blk["lq"] * 2**30 + blk["lk"]  # sizes < 2**30
+    keys, group_of = torch.unique(group_key, return_inverse=True)  # sorted: primary buckets come first
+    buckets: list[dict] = []
     slot_rows: list[Tensor] = []
     for g, key in enumerate(keys.tolist()):
-        kind, lq, lk = key >> 60, (key >> 30) & (2**30 - 1), key & (2**30 - 1)
+        role, kind, lq, lk = key >> 62, (key >> 60) & 3, (key >> 30) & (2**30 - 1), key & (2**30 - 1)
         b = {name: t[group_of == g, None] for name, t in blk.items()}
         qpos = b["q0"] + b["qdir"] * torch.arange(lq)[None, :]
         valid = (qpos >= b["qlo"]) & (qpos <= b["qhi"])
@@ -289,9 +306,30 @@ def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut: Tensor, 
             qp, kp = qpos[:, :, None], kraw[:, None, :]
             m = valid[:, :, None] & (kp <= b["khi"][:, :, None]) & (kp <= qp) & (kp >= qp - left)
             mask = (m | (~valid[:, :, None] & (torch.arange(lk) == 0)))[:, None]
-        buckets.append(Bucket(q_index=q_index, k_index=k_index, mask=mask, causal=kind == CAUSAL))
-        slot_rows.append(torch.where(valid, q_index, Tq).flatten())
-    return BucketPlan.of(buckets, slot_rows)
+        buckets.append(dict(q_index=q_index, k_index=k_index, mask=mask, causal=kind == CAUSAL, secondary=role == SECONDARY))
+        slot_rows.append(torch.where(valid, q_index, -1).flatten())
+    # every padded slot gets a spare row of its own (>= Tq); a real row with two slots is merged
+    rows = torch.cat(slot_rows) if slot_rows else torch.zeros(0, dtype=torch.int64)
+    padded = rows < 0
+    rows[padded] = Tq + torch.arange(int(padded.sum()))
+    shared = torch.bincount(rows[~padded], minlength=Tq) > 1
+    out, o = [], 0
+    for b, sr in zip(buckets, slot_rows):
+        mine = rows[o : o + sr.numel()]
+        out.append(mine)
+        o += sr.numel()
+        b["merged"] = b["secondary"] or bool(shared[mine[mine < Tq]].any())
+        b["padded"] = bool((mine >= Tq).any())
+        b["q_start"], b["k_start"] = _range_start(b["q_index"]), _range_start(b["k_index"])
+    return BucketPlan.of([Bucket(**b) for b in buckets], out, Tq + int(padded.sum()))
+
+
+def _range_start(index: Tensor) -> int:
+    """``index[0, 0]`` when ``index`` is ``[[s, s + 1, ..., s + L - 1]]`` (one bucket slot row), else -1."""
+    if index.shape[0] != 1:
+        return -1
+    s = int(index[0, 0])
+    return s if torch.equal(index[0], torch.arange(s, s + index.shape[1])) else -1
 
 
 def _masked_plan(meta: VarlenMeta) -> BucketPlan:
@@ -327,7 +365,7 @@ def _masked_plan(meta: VarlenMeta) -> BucketPlan:
             mask = m[:, None]
         buckets.append(Bucket(q_index=q_index, k_index=k_index, mask=mask))
         slot_rows.append(torch.where(a < qlen, q_index, Tq).flatten())
-    return BucketPlan.of(buckets, slot_rows)
+    return BucketPlan.of(buckets, slot_rows, Tq + 1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -382,60 +420,123 @@ def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 class _MergedBlocks(torch.autograd.Function):
-    """``q_tok [Tq, Hq, D]``, ``kv_buf [Tk, Hkv * 2D]`` -> ``[Tq + 1, Hq, D]`` (the last row is a spare that
-    collects padded slots): every bucket through the fused op, the blocks of a row merged by log-sum-exp.
-    Backward: each bucket's fused backward with the merged output and logsumexp of its rows."""
+    """``q_tok [Tq, Hq, D]``, ``kv_buf [Tk, Hkv * 2D]`` -> ``[R, Hq, D]`` (rows ``Tq..R-1`` are the padded
+    slots' spare rows, zero-graded once sliced off): every bucket through the fused op.
+
+    Primary buckets (every real row in exactly one) are copied into place; each secondary bucket is then
+    merged into its rows by log-sum-exp. Backward: each bucket's fused backward with its rows' merged output
+    and logsumexp; a bucket none of whose rows was merged reuses its own forward output and logsumexp, and a
+    padded slot keeps its own (so its probabilities stay <= 1 and its zero gradient stays finite).
+    """
 
     @staticmethod
-    def forward(ctx, q_tok: Tensor, kv_buf: Tensor, plan: BucketPlan, heads_kv: int, scale: float | None):
+    def forward(ctx, q_tok: Tensor, kv_buf: Tensor, pad_rows: Tensor, plan: BucketPlan, heads_kv: int, scale: float | None):
         Hq, D = q_tok.shape[1], q_tok.shape[2]
         qshape = [tuple(b.q_index.shape) for b in plan.buckets]
         kshape = [tuple(b.k_index.shape) for b in plan.buckets]
-        g_q = q_tok.reshape(q_tok.shape[0], Hq * D).index_select(0, plan.q_gather)
-        g_kv = kv_buf.index_select(0, plan.k_gather)
-        qs = _views(g_q, qshape, [(Hq, D)])
-        kvs = _views(g_kv, kshape, [(heads_kv, D), (heads_kv, D)])
+        q_rows = q_tok.reshape(q_tok.shape[0], Hq * D)
+        g_q, g_kv = q_rows.index_select(0, plan.q_rest), kv_buf.index_select(0, plan.k_rest)
+        qs = _operands(q_rows, g_q, [b.q_start for b in plan.buckets], qshape, [(Hq, D)])
+        kvs = _operands(kv_buf, g_kv, [b.k_start for b in plan.buckets], kshape, [(heads_kv, D), (heads_kv, D)])
         outs, lses = [], []
         for b, q, k, v in zip(plan.buckets, qs, kvs[0::2], kvs[1::2]):
             o, lse = _fused_fwd(q, k, v, 0.0, b.causal, attn_mask=_additive(b.mask, q.dtype), scale=scale)
-            outs.append(o.transpose(1, 2).reshape(-1, Hq, D))
-            lses.append(lse.transpose(1, 2).reshape(-1, Hq))
-        o_s, lse_s = torch.cat(outs), torch.cat(lses)  # [N slots, Hq, D], [N slots, Hq]
-        rows = plan.out_rows
-        spare = q_tok.shape[0] + 1
-        top = lse_s.new_full((spare, Hq), -torch.inf).scatter_reduce_(0, rows[:, None].expand(-1, Hq), lse_s, "amax")
-        w = torch.exp(lse_s - top.index_select(0, rows))
-        den = lse_s.new_zeros((spare, Hq)).index_add_(0, rows, w)
-        lse = top + torch.log(den)
-        weighted = o_s.to(lse_s.dtype) * (w / den.index_select(0, rows))[..., None]  # merged in lse's precision
-        out = lse_s.new_zeros((spare, Hq, D)).index_add_(0, rows, weighted).to(q_tok.dtype)
-        ctx.save_for_backward(g_q, g_kv, out, lse)
+            outs.append(o)
+            lses.append(lse)
+        acc = lses[0].dtype  # merged in logsumexp's precision (float32 for half inputs)
+        out = q_tok.new_empty((plan.num_rows, Hq, D), dtype=acc)
+        lse_rows = q_tok.new_empty((plan.num_rows, Hq), dtype=acc)
+        out.index_fill_(0, pad_rows, 0.0)
+        Tq = q_tok.shape[0]
+        out[Tq:], lse_rows[Tq:] = 0.0, -torch.inf  # a secondary bucket's padded slot merges with nothing
+        rows_of = _split(plan.out_rows, qshape)
+        for b, o, lse, rows in zip(plan.buckets, outs, lses, rows_of):
+            o_t, l_t = o.transpose(1, 2).reshape(-1, Hq, D).to(acc), lse.transpose(1, 2).reshape(-1, Hq)
+            if b.secondary:  # its rows already hold their primary block: merge
+                l_cur = lse_rows.index_select(0, rows)
+                top = torch.maximum(l_cur, l_t)  # weights relative to the larger: exact differences, sum in [1, 2]
+                w_cur, w_t = torch.exp(l_cur - top), torch.exp(l_t - top)
+                den = w_cur + w_t
+                o_t = out.index_select(0, rows) * (w_cur / den)[..., None] + o_t * (w_t / den)[..., None]
+                l_t = top + torch.log(den)
+            out.index_copy_(0, rows, o_t)
+            if b.merged:  # read back by a later merge, or saved for backward
+                lse_rows.index_copy_(0, rows, l_t)
+        out = out.to(q_tok.dtype)
+        saved = []
+        for b, o, lse, rows, (n, lq) in zip(plan.buckets, outs, lses, rows_of, qshape):
+            if b.merged:  # this bucket's rows as merged (a padded slot's spare row holds its own values)
+                o = out.index_select(0, rows).view(n, lq, Hq, D).transpose(1, 2)
+                lse = lse_rows.index_select(0, rows).view(n, lq, Hq).transpose(1, 2)
+            saved += [o, lse.contiguous()]
+        ctx.save_for_backward(q_rows, kv_buf, g_q, g_kv, *saved)
         ctx.plan, ctx.shapes, ctx.heads, ctx.scale = plan, (qshape, kshape), (Hq, heads_kv, D), scale
         ctx.sizes = (q_tok.shape, kv_buf.shape)
-        return out.clone()  # the caller may modify its output in place (on every rank alike); backward keeps its own
+        # the Tq query rows over the buffer's storage, as a tensor rather than a view (autograd forbids in-place
+        # ops on views made inside a custom Function, and the caller may modify its output in place)
+        return out.new_empty(0).set_(out.untyped_storage(), 0, (Tq, Hq, D), (Hq * D, D, 1))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):
-        g_q, g_kv, out, lse = ctx.saved_tensors
+        q_rows, kv_buf, g_q, g_kv, *saved = ctx.saved_tensors
         plan, (qshape, kshape), (Hq, Hkv, D) = ctx.plan, ctx.shapes, ctx.heads
-        rows = plan.out_rows
-        do_s, o_s, lse_s = grad_out.index_select(0, rows), out.index_select(0, rows), lse.index_select(0, rows)
-        qs = _views(g_q, qshape, [(Hq, D)])
-        kvs = _views(g_kv, kshape, [(Hkv, D), (Hkv, D)])
-        dq_s, dkv_s, o = [], [], 0
-        for b, q, k, v, (n, lq), (_, lk) in zip(plan.buckets, qs, kvs[0::2], kvs[1::2], qshape, kshape):
-            sl = slice(o, o + n * lq)
-            view = lambda t: t[sl].unflatten(0, (n, lq)).transpose(1, 2)  # noqa: E731
-            dq, dk, dv = _fused_bwd(view(do_s), q, k, v, view(o_s), view(lse_s).contiguous(), 0.0, b.causal,
-                                    attn_mask=_additive(b.mask, q.dtype), scale=ctx.scale)
-            dq_s.append(dq.transpose(1, 2).reshape(n * lq, Hq * D))
-            dkv_s.append(torch.cat([dk.transpose(1, 2).reshape(n * lk, Hkv * D), dv.transpose(1, 2).reshape(n * lk, Hkv * D)], 1))
-            o += n * lq
         q_shape, kv_shape = ctx.sizes
-        dq_tok = g_q.new_zeros((q_shape[0], Hq * D)).index_add_(0, plan.q_gather, torch.cat(dq_s)).view(q_shape)
-        dkv = g_kv.new_zeros(kv_shape).index_add_(0, plan.k_gather, torch.cat(dkv_s))
-        return dq_tok, dkv, None, None, None
+        dq_tok = g_q.new_zeros((q_shape[0], Hq * D))
+        dkv = g_kv.new_zeros(kv_shape)
+        dk_half, dv_half = dkv[:, : Hkv * D], dkv[:, Hkv * D :]
+        q_starts, k_starts = [b.q_start for b in plan.buckets], [b.k_start for b in plan.buckets]
+        qs = _operands(q_rows, g_q, q_starts, qshape, [(Hq, D)])
+        kvs = _operands(kv_buf, g_kv, k_starts, kshape, [(Hkv, D), (Hkv, D)])
+        q_idx = iter(_split(plan.q_rest, [sh for st, sh in zip(q_starts, qshape) if st < 0]))
+        k_idx = iter(_split(plan.k_rest, [sh for st, sh in zip(k_starts, kshape) if st < 0]))
+        rows_of = _split(plan.out_rows, qshape)
+        for i, (b, q, k, v, (n, lq), (_, lk)) in enumerate(zip(plan.buckets, qs, kvs[0::2], kvs[1::2], qshape, kshape)):
+            rows = rows_of[i]
+            do = grad_out.index_select(0, rows.clamp(max=q_shape[0] - 1))
+            if b.padded:  # a padded slot's output was dropped: zero gradient
+                do.masked_fill_((rows >= q_shape[0])[:, None, None], 0.0)
+            do = do.view(n, lq, Hq, D).transpose(1, 2)
+            dq, dk, dv = _fused_bwd(do, q, k, v, saved[2 * i], saved[2 * i + 1], 0.0, b.causal,
+                                    attn_mask=_additive(b.mask, q.dtype), scale=ctx.scale)
+            qi, ki = (None if b.q_start >= 0 else next(q_idx)), (None if b.k_start >= 0 else next(k_idx))
+            _accumulate(dq_tok, b.q_start, qi, dq.transpose(1, 2).reshape(n * lq, Hq * D))
+            _accumulate(dk_half, b.k_start, ki, dk.transpose(1, 2).reshape(n * lk, Hkv * D))
+            _accumulate(dv_half, b.k_start, ki, dv.transpose(1, 2).reshape(n * lk, Hkv * D))
+        return dq_tok.view(q_shape), dkv, None, None, None, None
+
+
+def _operands(src: Tensor, gathered: Tensor, starts: list[int], shapes: list[tuple[int, int]],
+              split: list[tuple[int, int]]) -> list[Tensor]:
+    """Per bucket ``[n, H, Ls, d]`` views for each column range ``(heads, dim)`` of ``split`` (the columns of a
+    row hold the ranges side by side): of ``src`` rows ``[s, s + Ls)`` for a bucket that is one range starting
+    at ``s``, else of its rows of ``gathered`` (the other buckets' rows, in bucket order)."""
+    outs, o = [], 0
+    for s, (n, ls) in zip(starts, shapes):
+        if s >= 0:
+            rows = src[s : s + ls].unsqueeze(0)
+        else:
+            rows = gathered[o : o + n * ls].unflatten(0, (n, ls))
+            o += n * ls
+        col = 0
+        for heads, dim in split:
+            outs.append(rows[..., col : col + heads * dim].unflatten(2, (heads, dim)).transpose(1, 2))
+            col += heads * dim
+    return outs
+
+
+def _accumulate(dst: Tensor, start: int, index: Tensor | None, grad: Tensor) -> None:
+    """Add a bucket's gradient rows into ``dst``: into rows ``[start, start + len)`` when the bucket is one
+    range, else at rows ``index``."""
+    if index is None:
+        dst[start : start + grad.shape[0]].add_(grad)
+    else:
+        dst.index_add_(0, index, grad)
+
+
+def _split(flat: Tensor, shapes: list[tuple[int, int]]) -> list[Tensor]:
+    """``flat`` cut into consecutive pieces of ``n * l`` elements for each ``(n, l)``."""
+    return list(flat.split([n * ln for n, ln in shapes]))
 
 
 # ---- the masked plan: gathers and scatter with one pass each way (autograd's own would zero-fill full-size
@@ -563,8 +664,7 @@ def varlen_attention(
         own = v_own.repeat_interleave(Hq // heads_kv, dim=1)
         return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v).index_copy(0, rows, own)  # q stays in the graph
     if fused_unusable_reason(q_tok, D, dim_v, dropout_p) is None:
-        # the spare last row collects padded slots; slicing it off gives it exactly zero gradient
-        return _MergedBlocks.apply(q_tok, kv_buf, meta.blocks, heads_kv, scale)[:-1]
+        return _MergedBlocks.apply(q_tok, kv_buf, meta.pad_rows, meta.blocks, heads_kv, scale)
     plan = meta.masked(q_tok.device)
     gqa = Hq != heads_kv
     qs = _GatherQueries.apply(q_tok, plan.q_gather, [b.q_index.shape for b in plan.buckets])
