@@ -80,15 +80,23 @@ def _peer_cell(c: dict) -> str:
     return f"{c['median_seconds']:.2f} s ({c['median_ratio']:.2f}x{spread}){verdict}"
 
 
+def goals_table(res: dict) -> tuple[str, list[str], list[list[str]]] | None:
+    """(title, header, rows) of the goals table, or None when no section with a goal ran."""
+    figures = goal_figures(res)
+    if not figures:
+        return None
+    return ("Goals: each figure of this run against its goal, and the bound this machine sets where the run "
+            "measures one (see bench.report.goal_figures)", ["figure", "measured", "goal", "bound on this machine"],
+            [[what, f"{value:.2f}x", _met(key, value), "-" if bound is None else f"{bound:.2f}x"]
+             for key, what, value, bound in figures])
+
+
 def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of every section present in ``res``."""
     out = []
-    figures = goal_figures(res)
-    if figures:
-        out.append(("Goals: each figure of this run against its goal, and the bound this machine sets where the run "
-                    "measures one (see bench.report.goal_figures)", ["figure", "measured", "goal", "bound on this machine"],
-                    [[what, f"{value:.2f}x", _met(key, value), "-" if bound is None else f"{bound:.2f}x"]
-                     for key, what, value, bound in figures]))
+    goals = goals_table(res)
+    if goals:
+        out.append(goals)
     if "peers" in res:
         p = res["peers"]
         names = list(p["rows"][0]["configs"])
