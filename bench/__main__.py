@@ -1,4 +1,4 @@
-"""``python -m bench`` (``make bench``; ``make bench-quick`` < 2 minutes): every performance figure of the
+"""``python -m bench`` (``make bench``; ``make bench-quick``: smaller sizes, fewer repeats): every performance figure of the
 project, each a ratio of two things measured side by side in this run.
 
 Writes ``results/bench.json`` and ``results/bench.png``; with ``--write-md`` also ``BENCHMARKS.md`` (and the
@@ -167,7 +167,7 @@ def run(quick: bool) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (< 2 minutes)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     p.add_argument("--out", default=str(ROOT / "results"), help="folder for bench.json and bench.png")
     p.add_argument("--write-md", action="store_true", help="also write BENCHMARKS.md and docs/benchmarks.png")
     args = p.parse_args(argv)
