@@ -401,27 +401,14 @@ def fused_unusable_reason(q_tok: Tensor, dim: int, dim_v: int, dropout_p: float)
     return None
 
 
-def _views(g: Tensor, shapes: list[tuple[int, int]], split: list[tuple[int, int]]) -> list[Tensor]:
-    """Per bucket ``[n, H, Ls, d]`` views of rows ``g [sum n * Ls, H * d]`` for each column range in ``split``
-    ``(heads, dim)`` (the columns of one row hold the ranges side by side)."""
-    outs, o = [], 0
-    for n, ls in shapes:
-        rows, col = g[o : o + n * ls].unflatten(0, (n, ls)), 0
-        for heads, dim in split:
-            outs.append(rows[..., col : col + heads * dim].unflatten(2, (heads, dim)).transpose(1, 2))
-            col += heads * dim
-        o += n * ls
-    return outs
-
-
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """A bool mask as the fused op takes it: 0 where allowed, -inf elsewhere, in the query's dtype."""
     return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
 
 
 class _MergedBlocks(torch.autograd.Function):
-    """``q_tok [Tq, Hq, D]``, ``kv_buf [Tk, Hkv * 2D]`` -> ``[R, Hq, D]`` (rows ``Tq..R-1`` are the padded
-    slots' spare rows, zero-graded once sliced off): every bucket through the fused op.
+    """``q_tok [Tq, Hq, D]``, ``kv_buf [Tk, Hkv * 2D]`` -> ``[Tq, Hq, D]``: every bucket through the fused op,
+    into a buffer whose rows after ``Tq`` are the padded slots' spare rows (one each, dropped).
 
     Primary buckets (every real row in exactly one) are copied into place; each secondary bucket is then
     merged into its rows by log-sum-exp. Backward: each bucket's fused backward with its rows' merged output
