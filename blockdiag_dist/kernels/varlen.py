@@ -99,9 +99,9 @@ class BucketPlan:
     # int64: for every bucket slot (same order), its query row; a padded slot gets a spare row >= Tq (masked
     # plan: all share row Tq; maskless plan: one private row each, so a row never takes two padded slots)
     out_rows: Tensor
-    num_rows: int = 0  # rows of the output buffer: Tq and the spare rows
-    q_rest: Tensor | None = None  # int64: q_index of the buckets that are not one range (q_start < 0), concatenated
-    k_rest: Tensor | None = None  # likewise for keys
+    num_rows: int  # rows of the output buffer: Tq and the spare rows
+    q_rest: Tensor  # int64: q_index of the buckets that are not one range (q_start < 0), concatenated
+    k_rest: Tensor  # likewise for keys
 
     @classmethod
     def of(cls, buckets: list[Bucket], slot_rows: list[Tensor], num_rows: int) -> BucketPlan:
