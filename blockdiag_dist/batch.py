@@ -153,7 +153,8 @@ def make_cp_blockdiag_batch_and_ctx(
             turns the default off); ``False`` saves one small all-gather per window and step.
         expect_attention: a normal exit of ``train_ctx()`` raises ``AttentionNotRoutedError`` when no attention
             call reached ``cp_blockdiag_sdpa`` in the step (attention that bypasses it attends only within the
-            rank's shard); ``False`` for a model without attention.
+            rank's shard). ``False`` only for a model that does not mix along the sequence at all; recurrent
+            and convolution layers are judged by the guard either way (:mod:`blockdiag_dist.guard`).
 
     Returns:
         ``(train_ctx, batch)``: ``train_ctx()`` is a context manager activating the step state (run forward

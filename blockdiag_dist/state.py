@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import guard as _guard
 from .exchange import TrafficLog, a2a_kv, allgather_kv, halo_kv
 from .exchange.allgather import all_gather_tensor
 from .kernels.dense import DenseMeta, plan_dense
@@ -84,6 +85,7 @@ class StepState:
         self._windows: dict[int, WindowPlan] = {}
         self._agreed: set[int] = set()  # windows whose plan the CP group compared (check_consensus)
         self._lock = threading.RLock()
+        self.guard = _guard.StepGuard(plan.shards.local_len, self.note)  # refuses layers not computed per document
 
     # ---- shapes ---------------------------------------------------------------------------------------
     @property
@@ -113,10 +115,11 @@ class StepState:
             raise AttentionNotRoutedError(
                 "train_ctx(): the step's context exited without any attention call reaching cp_blockdiag_sdpa; "
                 "expected at least one. The batch is sharded, so attention that bypasses it (attn_implementation "
-                "'eager' / 'flash_attention_2', or a module that bound scaled_dot_product_attention by name before "
-                "sdpa_routing()) attends only within this rank's shard. Route it through cp_blockdiag_sdpa "
-                "(sdpa_routing(), register_transformers_attention()), or pass expect_attention=False to "
-                "make_cp_blockdiag_batch_and_ctx for a model without attention."
+                "'eager' / 'sdpa' / 'flash_attention_2', a model whose attention does not use transformers' "
+                "attention interface, or a module that bound scaled_dot_product_attention by name before "
+                "sdpa_routing()) attends only within this rank's shard, across document ends: this step's "
+                "gradients are wrong. Route every attention call through cp_blockdiag_sdpa (sdpa_routing(), "
+                "register_transformers_attention())."
             )
 
     # ---- per-window plans -----------------------------------------------------------------------------
@@ -301,16 +304,27 @@ def last_exited_state() -> StepState | None:
     return _last_exited() if _last_exited is not None else None
 
 
+def _active_guard() -> _guard.StepGuard | None:
+    """The innermost active step's guard, read without the lock (called before every module's forward)."""
+    try:
+        return _active[-1].guard
+    except IndexError:
+        return None
+
+
 @contextlib.contextmanager
 def activate(state: StepState) -> Iterator[StepState]:
-    """Make ``state`` the active step state for the duration of the block; on a normal exit, raise
+    """Make ``state`` the active step state for the duration of the block, with the guard that refuses layers
+    not computed per document (:mod:`blockdiag_dist.guard`); on a normal exit, raise
     :class:`AttentionNotRoutedError` if the step expects attention and no call reached it."""
     global _last_exited
     with _active_lock:
         _active.append(state)
+    _guard.install(_active_guard)
     try:
         yield state
     finally:
+        _guard.uninstall()
         with _active_lock:
             # remove this exact entry (contexts of different steps may interleave across threads)
             for i in range(len(_active) - 1, -1, -1):

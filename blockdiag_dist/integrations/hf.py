@@ -23,10 +23,81 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..runtime import cp_blockdiag_sdpa
+from ..state import current_state
 
-__all__ = ["ATTENTION_NAME", "blockdiag_attention_forward", "register_transformers_attention"]
+__all__ = ["ATTENTION_NAME", "UnsupportedAttentionError", "blockdiag_attention_forward", "register_transformers_attention"]
 
 ATTENTION_NAME = "blockdiag_cp"
+
+# Keywords transformers' layers pass to an attention function, by what blockdiag does with them. Every keyword
+# is in exactly one of these; any other is refused (it may change what attention computes).
+# - do not change what attention computes (bookkeeping of the model's forward):
+NEUTRAL_KWARGS = frozenset({
+    "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
+    "output_router_logits", "num_items_in_batch", "return_dict", "layer_idx", "past_key_values", "past_key_value",
+    "cache",
+})
+# - describe the documents of the rows as given; under a step blockdiag takes them from the batch function
+#   (the full doc ids), and outside one the mask or position ids of the call carry them to stock SDPA:
+DOCUMENT_KWARGS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+# - change the math, not carried: refused on every rank, before any collective
+REFUSED_KWARGS = {
+    "s_aux": "attention sinks (a learned per-head logit in each softmax denominator)",
+    "sinks": "attention sinks (a learned per-head logit in each softmax denominator)",
+    "softcap": "logit soft-capping (softcap * tanh(scores / softcap))",
+    "position_bias": "an additive position bias (ALiBi or relative-position buckets)",
+    "indices": "sparse attention over selected key indices",
+    "block_indices": "block-sparse attention over selected key blocks",
+}
+
+
+class UnsupportedAttentionError(ValueError):
+    """An attention layer asked for something blockdiag_cp does not compute (a variant, an argument it does
+    not know, a model that is wrong once packed); raised on every rank before any collective."""
+
+
+def _refuse(module: nn.Module, expected: str, got: str) -> UnsupportedAttentionError:
+    return UnsupportedAttentionError(
+        f"{ATTENTION_NAME} attention in {type(module).__name__}: expected {expected}, got {got}. Refused rather "
+        "than computed without it: the result would be silently wrong."
+    )
+
+
+def _check_layer(module: nn.Module, kwargs: dict[str, Any], softcap: float | None) -> None:
+    """Refuse what this layer asks for that blockdiag does not compute (see the tables above)."""
+    if softcap is not None:
+        raise _refuse(module, "no logit soft-capping (softcap=None)", f"softcap={softcap}: " + REFUSED_KWARGS["softcap"])
+    for key, value in kwargs.items():
+        if key in REFUSED_KWARGS and value is not None:
+            raise _refuse(module, f"no {key!r}", f"{key!r}: {REFUSED_KWARGS[key]}")
+    unknown = sorted(k for k in kwargs if k not in NEUTRAL_KWARGS | DOCUMENT_KWARGS | REFUSED_KWARGS.keys())
+    if unknown:
+        raise _refuse(
+            module, f"only keywords blockdiag knows ({sorted(NEUTRAL_KWARGS | DOCUMENT_KWARGS)})",
+            f"{unknown}, which may change what attention computes",
+        )
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None and _layer_type(module, config) in (None, "chunked_attention"):
+        raise _refuse(
+            module, "full or sliding-window causal attention",
+            f"chunked local attention (config.attention_chunk_size={chunk}): transformers expresses it only through "
+            f"a mask, which it does not build for {ATTENTION_NAME!r}",
+        )
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        raise _refuse(
+            module, "a layer whose math follows its position_ids",
+            "NoPE attention temperature tuning (config.attn_temperature_tuning=True): the layer scales queries by "
+            "positions it takes from torch.arange over the rows, not from position_ids, which is wrong for every "
+            "document but the row's first once packed, with or without CP",
+        )
+
+
+def _layer_type(module: nn.Module, config: Any) -> str | None:
+    types, idx = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if types is None or idx is None or not 0 <= idx < len(types):
+        return None
+    return types[idx]
 
 
 def blockdiag_attention_forward(
@@ -39,22 +110,31 @@ def blockdiag_attention_forward(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """A transformers attention function over :func:`~blockdiag_dist.cp_blockdiag_sdpa`.
 
     ``query [B, Hq, L, D]``, ``key [B, Hkv, L, D]``, ``value [B, Hkv, L, Dv]`` -> ``([B, L, Hq, Dv], None)``.
-    Inside a step context: causal attention per document across CP ranks (``attention_mask`` is replaced by the
-    per-document mask). A layer's ``sliding_window = w`` (each query sees ``w`` keys, itself included) becomes
-    ``window_size=(w - 1, 0)``. Outside a context: stock SDPA, causal over the row, with ``attention_mask``
-    if one is given.
+    Inside a step context: causal attention per document across CP ranks (a bool ``attention_mask`` is replaced
+    by the per-document mask, recorded in the step's notes). A layer's ``sliding_window = w`` (each query sees
+    ``w`` keys, itself included) becomes ``window_size=(w - 1, 0)``. Outside a context: stock SDPA, causal over
+    the row, with ``attention_mask`` if one is given.
+
+    Every keyword is honoured or refused (``UnsupportedAttentionError``, the same on every rank, before any
+    collective): sinks, soft-capping, position biases, sparse indices, chunked attention, NoPE temperature
+    tuning and keywords it does not know are refused; so are a non-causal layer and, under a step, an additive
+    float ``attention_mask`` (a bias).
     """
-    if softcap is not None:
-        raise ValueError(f"{ATTENTION_NAME} attention: expected softcap=None (not supported), got {softcap}")
-    if not getattr(module, "is_causal", True):
-        raise ValueError(
-            f"{ATTENTION_NAME} attention: expected a causal (decoder) attention layer, got {type(module).__name__} "
-            "with is_causal=False"
+    _check_layer(module, kwargs, softcap)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if not causal:
+        raise _refuse(module, "a causal (decoder) attention layer", f"is_causal=False")
+    if attention_mask is not None and attention_mask.is_floating_point() and current_state() is not None:
+        raise _refuse(
+            module, "no attention_mask, or a bool one (replaced by the per-document causal mask)",
+            f"an additive float attention_mask of shape {tuple(attention_mask.shape)} (a bias, e.g. ALiBi, "
+            "is not carried)",
         )
     out = cp_blockdiag_sdpa(
         query,

@@ -1,0 +1,318 @@
+"""Never silent on a layer CP does not compute per document.
+
+Under CP every layer that mixes information along the sequence must see documents, not rows. blockdiag_dist
+computes softmax attention per document (:func:`~blockdiag_dist.cp_blockdiag_sdpa`) and the mixers declared
+with :func:`declare_per_document`; any other layer that mixes along the sequence would run across document ends
+and start a document continuing from another rank from zero state: trained, silently wrong. While a step
+context is active, this guard refuses such a layer on every rank, before it computes:
+
+- **at the first call of a module in the step**, its whole subtree is scanned (the model's root, usually: one
+  scan per step). Refused: a module whose class, or a base class, is a known sequence mixer of the pinned
+  transformers (:data:`KNOWN_MIXERS`: Mamba, Mamba2, short convolutions, Gated DeltaNet, delta, lightning and
+  linear attention, RG-LRU, xLSTM, RWKV), or any module holding a state-space / gated-decay parameter
+  (:data:`RECURRENT_PARAMETERS`: ``A_log``, ``dt_bias``);
+- **at the call of a sequence operator**: an ``nn.Conv1d`` of kernel > 1 or an ``nn.RNN`` / ``LSTM`` / ``GRU``
+  whose input runs along this rank's ``L`` rows (a length within the convolution's padding of ``L``).
+
+The rule does not see a mixer written with plain tensor ops (a ``cumsum`` scan, ``F.conv1d`` called directly,
+a custom kernel) in a class it does not know; ``check_model`` lists what it finds, before training.
+Every ``UnsupportedLayerError`` names the layer, its class, what it is, and what would make it work.
+
+Shape legend: B batch rows, L rows held by this rank.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = [
+    "KNOWN_MIXERS",
+    "MIXER_KINDS",
+    "Finding",
+    "UnsupportedLayerError",
+    "check_model",
+    "declare_per_document",
+    "per_document_reason",
+]
+
+
+class UnsupportedLayerError(RuntimeError):
+    """A layer that mixes along the sequence, not computed per document under CP, was called in a CP step."""
+
+
+# kind -> what the layer computes along the sequence (in the refusal's words)
+MIXER_KINDS: dict[str, str] = {
+    "mamba": "a Mamba selective-scan state-space mixer (a recurrent state and a causal convolution)",
+    "mamba2": "a Mamba2 (SSD) state-space mixer (a recurrent state and a causal convolution)",
+    "short_conv": "a short causal convolution along the sequence",
+    "gated_delta_net": "a Gated DeltaNet linear-attention mixer (a recurrent state and a causal convolution)",
+    "delta_attention": "a delta-rule linear-attention mixer (a recurrent state and a causal convolution)",
+    "linear_attention": "a linear-attention mixer (a recurrent state)",
+    "lightning_attention": "a lightning (linear) attention mixer (a recurrent state)",
+    "rglru": "an RG-LRU recurrent block (a recurrent state and a causal convolution)",
+    "xlstm": "an xLSTM (mLSTM) recurrent layer (a recurrent state)",
+    "rwkv": "an RWKV time-mixing layer (a recurrent state and a token shift)",
+    "token_shift": "a token shift (each token mixes in the previous one)",
+    "recurrent": "a layer holding a state-space / gated-decay parameter (a recurrence along the sequence)",
+    "conv1d": "a Conv1d along the sequence",
+    "rnn": "a recurrent network (nn.RNN / LSTM / GRU) along the sequence",
+}
+
+# Class name -> kind: the sequence mixers of the pinned transformers (5.24) besides softmax attention. A class
+# matches by its own name or any base class's, so subclasses and same-named copies are refused too.
+KNOWN_MIXERS: dict[str, str] = {
+    # Mamba (selective scan)
+    "MambaMixer": "mamba", "FalconMambaMixer": "mamba", "JambaMambaMixer": "mamba", "ZambaMambaMixer": "mamba",
+    # Mamba2 (SSD)
+    "Mamba2Mixer": "mamba2", "BambaMixer": "mamba2", "FalconH1Mixer": "mamba2", "NemotronHMamba2Mixer": "mamba2",
+    "GraniteMoeHybridMambaLayer": "mamba2", "Zamba2MambaMixer": "mamba2",
+    # short convolutions
+    "Lfm2ShortConv": "short_conv", "Lfm2MoeShortConv": "short_conv", "Lfm3ShortConv": "short_conv",
+    "InklingShortConvolution": "short_conv", "Inkling2ShortConvolution": "short_conv",
+    "Inkling2DynamicShortConvolution": "short_conv",
+    # Gated DeltaNet
+    "Qwen3NextGatedDeltaNet": "gated_delta_net", "Qwen3_5GatedDeltaNet": "gated_delta_net",
+    "Qwen3_5MoeGatedDeltaNet": "gated_delta_net", "OlmoHybridGatedDeltaNet": "gated_delta_net",
+    "LaraMiniGatedDeltaNet": "gated_delta_net", "Qwen4ExpTextGatedDeltaNet": "gated_delta_net",
+    # delta rule (KDA), linear and lightning attention
+    "KimiLinearDeltaAttention": "delta_attention", "BailingHybridDeltaAttention": "delta_attention",
+    "Glm5NextTextLinearAttention": "linear_attention", "MiniMaxLightningAttention": "lightning_attention",
+    # RG-LRU, xLSTM, RWKV
+    "RecurrentGemmaRglru": "rglru", "RecurrentGemmaRecurrentBlock": "rglru",
+    "xLSTMLayer": "xlstm", "xLSTMBackend": "xlstm",
+    "RwkvSelfAttention": "rwkv", "RwkvFeedForward": "token_shift",
+}
+
+# Parameters that only a recurrence along the sequence holds (Mamba's A_log / dt_bias, Gated DeltaNet's A_log).
+RECURRENT_PARAMETERS = ("A_log", "dt_bias")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One layer the rule refuses (or, with ``per_document`` set, one it lets through as computed per document)."""
+
+    name: str  # qualified module name in the scanned tree ("" for the root)
+    cls: str  # the module's class name
+    kind: str  # a key of MIXER_KINDS
+    reason: str  # how it was recognised
+    per_document: str | None = None  # how it is computed per document, when it is
+
+    def message(self) -> str:
+        where = f"layer {self.name!r} ({self.cls})" if self.name else f"layer {self.cls}"
+        return (
+            f"blockdiag_dist: {where} is {MIXER_KINDS[self.kind]} ({self.reason}); it mixes along the sequence and "
+            "is not computed per document under CP, so it would run across document ends and start a document "
+            "continuing from another rank from zero state: its gradients would be silently wrong. Expected every "
+            "layer that mixes along the sequence to be computed per document; got this one. What works: softmax "
+            "attention through cp_blockdiag_sdpa (sdpa_routing(), register_transformers_attention()) and the "
+            f"mixers of blockdiag_dist.mixers ({_supported_summary()}). A layer you compute per document yourself "
+            "(from the step's documents, current_state().docs) is declared with declare_per_document(module, how). "
+            "Refused on every rank, before the layer ran."
+        )
+
+
+class _Registry:
+    """Classes and modules declared as computed per document, and lazy installers for known classes."""
+
+    def __init__(self) -> None:
+        self.classes: dict[type, str] = {}
+        self.modules: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self.installers: dict[str, tuple[str, Callable[[type], str]]] = {}  # class name -> (kind, install)
+        self.lock = threading.Lock()
+
+
+_registry = _Registry()
+
+
+def declare_per_document(target: type | nn.Module, how: str) -> None:
+    """Declare that ``target`` (a module class or one module) computes per document under a CP step, so that the
+    guard lets it run: ``how`` says how (shown by :func:`check_model` and in notes). Declare only a layer that
+    keeps documents apart and carries the state of a document continuing from another rank (e.g. from the
+    step's ``docs``), or one that does not mix along the sequence at all."""
+    if not isinstance(how, str) or not how:
+        raise ValueError(f"declare_per_document: expected a non-empty description 'how', got {how!r}")
+    if isinstance(target, type) and issubclass(target, nn.Module):
+        _registry.classes[target] = how
+    elif isinstance(target, nn.Module):
+        _registry.modules[target] = how
+    else:
+        raise ValueError(f"declare_per_document: expected an nn.Module class or instance, got {type(target).__name__}")
+
+
+def register_installer(class_name: str, kind: str, install: Callable[[type], str]) -> None:
+    """A per-document implementation of a known mixer class, installed on the class (by ``install(cls)``, which
+    returns its ``how``) the first time the guard meets the class in a step. Used by the integrations."""
+    if kind not in MIXER_KINDS:
+        raise ValueError(f"register_installer: expected a kind of {sorted(MIXER_KINDS)}, got {kind!r}")
+    _registry.installers[class_name] = (kind, install)
+
+
+def per_document_reason(module: nn.Module) -> str | None:
+    """How ``module`` is computed per document (declared, or installed for its class), or None."""
+    how = _registry.modules.get(module)
+    if how is not None:
+        return how
+    for cls in type(module).__mro__:
+        how = _registry.classes.get(cls)
+        if how is not None:
+            return how
+    return None
+
+
+def _supported_summary() -> str:
+    names = sorted(_registry.installers)
+    return ", ".join(names) if names else "none yet"
+
+
+def _known_kind(cls: type) -> tuple[str, str] | None:
+    for base in cls.__mro__:
+        kind = KNOWN_MIXERS.get(base.__name__)
+        if kind is not None:
+            via = "" if base is cls else f", a subclass of {base.__name__}"
+            return kind, f"a known sequence mixer{via}"
+    return None
+
+
+def _install(cls: type) -> str | None:
+    """Install the per-document implementation registered for ``cls`` (or a base), once; its ``how``, or None."""
+    for base in cls.__mro__:
+        entry = _registry.installers.get(base.__name__)
+        if entry is not None:
+            with _registry.lock:
+                how = _registry.classes.get(base)
+                if how is None:
+                    how = entry[1](base)
+                    _registry.classes[base] = how
+            return how
+    return None
+
+
+def classify(module: nn.Module) -> Finding | None:
+    """What the scan rule says of one module (not its children): None if it does not recognise a sequence
+    mixer; a :class:`Finding` otherwise, with ``per_document`` set when it is computed per document."""
+    cls = type(module)
+    known = _known_kind(cls)
+    if known is not None:
+        kind, reason = known
+    else:
+        params = [n for n in RECURRENT_PARAMETERS if n in module._parameters]
+        if not params:
+            return None
+        kind, reason = "recurrent", f"it holds the parameter {params[0]!r}"
+    how = per_document_reason(module) or (_install(cls) if known is not None else None)
+    return Finding(name="", cls=cls.__name__, kind=kind, reason=reason, per_document=how)
+
+
+def _walk(root: nn.Module, seen: dict[int, bool] | None = None):
+    """``(name, module, finding, inside)`` for ``root``'s tree in module order, not descending into a module
+    computed per document (its children are its own: ``inside`` is True for them) nor into one in ``seen``."""
+    stack = [("", root, False)]
+    while stack:
+        name, module, inside = stack.pop()
+        if seen is not None and id(module) in seen:
+            continue
+        finding = None if inside else classify(module)
+        yield name, module, finding, inside
+        inside = inside or (finding is not None and finding.per_document is not None)
+        children = [(f"{name}.{n}" if name else n, m, inside) for n, m in module._modules.items() if m is not None]
+        stack.extend(reversed(children))
+
+
+def check_model(model: nn.Module) -> list[Finding]:
+    """Every layer of ``model`` the scan rule recognises as a sequence mixer, in module order, each with how
+    it is computed per document or ``per_document=None`` (refused under a CP step). Does not descend into a
+    module computed per document. Sequence operators (``nn.Conv1d``, RNNs) are judged at their call, by the
+    shape of their input, and are not listed here."""
+    return [
+        Finding(name=name, cls=f.cls, kind=f.kind, reason=f.reason, per_document=f.per_document)
+        for name, _, f, _ in _walk(model)
+        if f is not None
+    ]
+
+
+# ---- the step's guard -------------------------------------------------------------------------------------
+class StepGuard:
+    """Per step: which modules were scanned, and the root each scan started from (to name layers)."""
+
+    def __init__(self, local_len: int, notes: Callable[[str], None]) -> None:
+        self.local_len = local_len
+        self.note = notes
+        self.verdicts: dict[int, bool] = {}  # id(module) -> True: checked, inside a per-document mixer
+        self.names: dict[int, str] = {}  # id(module) -> its name in the tree its scan started from
+        self._modules: list[nn.Module] = []  # keeps the ids above valid for the step
+
+    def before_call(self, module: nn.Module, args: tuple) -> None:
+        inside = self.verdicts.get(id(module))
+        if inside is None:
+            self._scan(module)
+            inside = self.verdicts[id(module)]
+        if not inside:
+            self._check_operator(module, args)
+
+    def _scan(self, root: nn.Module) -> None:
+        for name, module, f, inside in _walk(root, self.verdicts):
+            if f is not None and f.per_document is None:
+                raise UnsupportedLayerError(Finding(name, f.cls, f.kind, f.reason).message())
+            if f is not None:
+                self.note(f"{f.cls}: computed per document ({f.per_document})")
+            self.verdicts[id(module)] = inside or f is not None
+            self.names[id(module)] = name
+            self._modules.append(module)
+
+    def _check_operator(self, module: nn.Module, args: tuple) -> None:
+        L = self.local_len
+        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1 and args and torch.is_tensor(args[0]):
+            length = args[0].shape[-1]
+            reach = (module.kernel_size[0] - 1) * module.dilation[0]
+            if L <= length <= L + 2 * reach:
+                raise UnsupportedLayerError(
+                    Finding(self.names.get(id(module), ""), type(module).__name__, "conv1d",
+                            f"kernel {module.kernel_size[0]} over an input of length {length}, this rank's "
+                            f"L = {L} rows").message()
+                )
+        elif isinstance(module, nn.RNNBase) and args and torch.is_tensor(args[0]) and args[0].dim() >= 2:
+            x = args[0]
+            length = x.shape[1] if (module.batch_first and x.dim() == 3) else x.shape[0]
+            if length == L:
+                raise UnsupportedLayerError(
+                    Finding(self.names.get(id(module), ""), type(module).__name__, "rnn",
+                            f"an input of length {length} = this rank's L rows").message()
+                )
+
+
+_hook_lock = threading.Lock()
+_hook_handle = None
+_hook_users = 0
+
+
+def install(get_guard: Callable[[], StepGuard | None]) -> None:
+    """Install the process-wide forward pre-hook (once for any number of active steps)."""
+    global _hook_handle, _hook_users
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():  # the eager call of an enclosing module scanned it
+            return None
+        guard = get_guard()
+        if guard is not None:
+            guard.before_call(module, args)
+        return None
+
+    with _hook_lock:
+        _hook_users += 1
+        if _hook_handle is None:
+            _hook_handle = nn.modules.module.register_module_forward_pre_hook(hook)
+
+
+def uninstall() -> None:
+    global _hook_handle, _hook_users
+    with _hook_lock:
+        _hook_users -= 1
+        if _hook_users == 0 and _hook_handle is not None:
+            _hook_handle.remove()
+            _hook_handle = None
