@@ -1,0 +1,223 @@
+"""One training step of a whole model, three ways, and their comparison.
+
+- **the truth** (:func:`document_reference`): each document alone through the same model on one device, with
+  the model's stock attention and the same weights; the loss is the cross-entropy summed over every document's
+  next-token targets, and the gradients are those of that sum;
+- **packed on one device** (:func:`packed_reference`): the packed rows through the stock model, no CP. A model
+  that differs from the truth here is wrong once packed whatever CP does (e.g. positions from ``torch.arange``
+  of the rows instead of ``position_ids``);
+- **under CP** (:func:`cp_step`): the packed rows sharded by an implementation's
+  ``make_cp_blockdiag_batch_and_ctx``, forward and backward inside its ``train_ctx()``, the loss summed over the
+  step's targets and the gradients summed over the CP group (every rank returns the same result).
+
+:func:`compare` gives the loss's and every parameter's relative error (Frobenius), grouped by module kind
+(:func:`module_kind`), and names the first parameter, in module order, whose error exceeds a limit.
+
+Shape legend: B rows, S packed length, L rows of one rank, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from blockdiag_dist.integrations import IGNORE_INDEX, causal_lm_loss, pack_documents
+
+__all__ = [
+    "Comparison",
+    "StepResult",
+    "compare",
+    "cp_step",
+    "document_reference",
+    "module_kind",
+    "packed_reference",
+    "param_grads",
+    "text_forward",
+]
+
+Forward = Callable[[nn.Module, Mapping[str, Tensor]], Tensor]  # (model, batch) -> logits [B, L, V]
+
+
+def text_forward(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+    """A transformers causal LM on ``input_ids`` with per-document ``position_ids``: logits ``[B, L, V]``. No
+    labels (the model would shift them; the targets are pre-shifted) and no cache."""
+    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+
+
+@dataclass
+class StepResult:
+    """One step's summed loss and every parameter's gradient (float64 host copies, by parameter name; zeros for
+    a parameter that received none)."""
+
+    loss: float
+    grads: dict[str, np.ndarray]
+    targets: int
+    notes: list[str] = field(default_factory=list)  # what the implementation recorded (fallbacks, substitutions)
+
+
+def param_grads(model: nn.Module) -> dict[str, np.ndarray]:
+    """Every trainable parameter's gradient as a float64 numpy array (zeros where ``.grad`` is None)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        out[name] = np.zeros(tuple(p.shape)) if g is None else g.detach().to(torch.float64).cpu().numpy().copy()
+    return out
+
+
+def document_reference(model: nn.Module, docs: Sequence[Tensor], forward: Forward = text_forward) -> StepResult:
+    """The truth: each document ``docs[i]`` (int64 token ids ``[n_i]``) alone as a row ``[1, n_i]`` with positions
+    ``0 .. n_i - 1``; the summed next-token cross-entropy of every document, and its gradients."""
+    model.zero_grad(set_to_none=True)
+    total, targets = 0.0, 0
+    for doc in docs:
+        batch = pack_documents([doc], seq_len=len(doc))
+        loss = causal_lm_loss(forward(model, batch), batch["labels"], 1)  # a sum: divided by 1
+        loss.backward()
+        total += float(loss.detach())
+        targets += int((batch["labels"] != IGNORE_INDEX).sum())
+    return StepResult(loss=total, grads=param_grads(model), targets=targets)
+
+
+def packed_reference(model: nn.Module, batch: Mapping[str, Tensor], forward: Forward = text_forward) -> StepResult:
+    """The packed rows ``batch`` (``input_ids``, ``labels``, ``position_ids`` ``[B, S]``) through ``model`` on one
+    device, no CP: what the model computes once packed, with whatever attention it was built with."""
+    model.zero_grad(set_to_none=True)
+    loss = causal_lm_loss(forward(model, batch), batch["labels"], 1)
+    loss.backward()
+    return StepResult(loss=float(loss.detach()), grads=param_grads(model), targets=int((batch["labels"] != IGNORE_INDEX).sum()))
+
+
+def cp_step(
+    model: nn.Module,
+    batch: Mapping[str, Tensor],
+    cp_mesh: Any,
+    forward: Forward = text_forward,
+    *,
+    make_batch_and_ctx: Callable | None = None,
+    **options: Any,
+) -> StepResult:
+    """The step under CP on this rank: ``make_batch_and_ctx(cp_mesh, None, batch, **options)`` (default
+    blockdiag_dist's), forward and backward inside ``train_ctx()``, then the loss and the gradients summed over
+    the CP group (``cp_mesh`` a 1-D DeviceMesh, a ProcessGroup or None for one rank). Same result on every rank."""
+    if make_batch_and_ctx is None:
+        from blockdiag_dist import make_cp_blockdiag_batch_and_ctx as make_batch_and_ctx
+    model.zero_grad(set_to_none=True)
+    train_ctx, local = make_batch_and_ctx(cp_mesh, None, dict(batch), **options)
+    with train_ctx():
+        loss = causal_lm_loss(forward(model, local), local["labels"], 1)
+        loss.backward()
+    group = None if cp_mesh is None else (cp_mesh if isinstance(cp_mesh, dist.ProcessGroup) else cp_mesh.get_group())
+    grads = param_grads(model)
+    summed = torch.tensor([float(loss.detach()), float((local["labels"] != IGNORE_INDEX).sum())], dtype=torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        names = sorted(grads)
+        flat = torch.from_numpy(np.concatenate([grads[n].ravel() for n in names] + [summed.numpy()]))
+        dist.all_reduce(flat, group=group)
+        sizes = [grads[n].size for n in names]
+        parts = flat[: sum(sizes)].split(sizes)
+        grads = {n: part.numpy().reshape(grads[n].shape).copy() for n, part in zip(names, parts)}
+        summed = flat[sum(sizes):]
+    state = getattr(train_ctx, "state", None)
+    return StepResult(loss=float(summed[0]), grads=grads, targets=int(summed[1]), notes=list(getattr(state, "notes", [])))
+
+
+# ---- grouping and comparison ------------------------------------------------------------------------------
+KINDS = ("attention", "linear attention / state space", "convolution", "mlp", "norm", "embedding", "vision", "other")
+
+_VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision|image_encoder|multi_modal_projector|mm_projector)(\.|$)")
+
+
+def module_kind(model: nn.Module, param_name: str) -> str:
+    """The kind of module a parameter belongs to (one of :data:`KINDS`), from the classes on its module path:
+    vision towers first, then the innermost recognisable module (a sequence mixer the guard knows, an attention,
+    a convolution, an MLP or experts, a norm, an embedding or the output head)."""
+    from blockdiag_dist.guard import KNOWN_MIXERS
+
+    if _VISION.search(param_name):
+        return "vision"
+    path = param_name.split(".")[:-1]
+    modules, m = [], model
+    for part in path:
+        m = getattr(m, part, None)
+        if m is None:
+            break
+        modules.append(m)
+    leaf = param_name.split(".")[-1]
+    for mod in reversed(modules):
+        names = [c.__name__ for c in type(mod).__mro__]
+        if any(n in KNOWN_MIXERS for n in names) or leaf in ("A_log", "dt_bias"):
+            return "linear attention / state space"
+        if isinstance(mod, (nn.Conv1d,)):
+            return "convolution"
+        if isinstance(mod, nn.Embedding) or names[0].endswith("Embedding"):
+            return "embedding"
+        low = names[0].lower()
+        if "norm" in low:
+            return "norm"
+        if "attention" in low or low.endswith("attn"):
+            return "attention"
+        if any(k in low for k in ("mlp", "expert", "moe", "feedforward", "ffn")):
+            return "mlp"
+    if path and path[-1] in ("lm_head", "embed_tokens", "wte", "embed_out"):
+        return "embedding"
+    return "other"
+
+
+@dataclass
+class Comparison:
+    """``got`` against ``ref``: the loss's relative error, every parameter's, each group's worst, and the first
+    parameter (in module order) above ``limit``."""
+
+    loss_rel: float
+    per_param: dict[str, float]
+    per_kind: dict[str, tuple[float, str]]  # kind -> (worst relative error, its parameter)
+    first_wrong: str | None
+    limit: float
+
+    @property
+    def worst(self) -> float:
+        return max([self.loss_rel, *self.per_param.values()])
+
+    @property
+    def ok(self) -> bool:
+        return self.worst <= self.limit
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{k} {e:.1e}" for k, (e, _) in self.per_kind.items())
+        head = f"loss {self.loss_rel:.1e}; {kinds}"
+        return head if self.first_wrong is None else f"{head}; first wrong: {self.first_wrong} ({self.per_param[self.first_wrong]:.1e})"
+
+
+def _rel(got: np.ndarray, ref: np.ndarray) -> float:
+    scale = float(np.linalg.norm(ref))
+    diff = float(np.linalg.norm(got - ref))
+    return diff / scale if scale > 0 else diff
+
+
+def compare(ref: StepResult, got: StepResult, model: nn.Module, limit: float) -> Comparison:
+    """Relative (Frobenius) errors of ``got`` against ``ref``, grouped by :func:`module_kind` of ``model``."""
+    missing = sorted(set(ref.grads) ^ set(got.grads))
+    if missing:
+        raise ValueError(f"compare: expected the same parameters in both steps, got {missing[:5]} in only one")
+    loss_rel = abs(got.loss - ref.loss) / max(abs(ref.loss), np.finfo(np.float64).tiny)
+    per_param = {n: _rel(got.grads[n], ref.grads[n]) for n in ref.grads}
+    per_kind: dict[str, tuple[float, str]] = {}
+    for name, err in per_param.items():
+        kind = module_kind(model, name)
+        if kind not in per_kind or err > per_kind[kind][0]:
+            per_kind[kind] = (err, name)
+    order = [n for n, _ in model.named_parameters() if n in per_param]
+    first = next((n for n in order if per_param[n] > limit), None)
+    per_kind = {k: per_kind[k] for k in KINDS if k in per_kind}
+    return Comparison(loss_rel=loss_rel, per_param=per_param, per_kind=per_kind, first_wrong=first, limit=limit)
