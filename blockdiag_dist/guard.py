@@ -59,6 +59,8 @@ MIXER_KINDS: dict[str, str] = {
     "xlstm": "an xLSTM (mLSTM) recurrent layer (a recurrent state)",
     "rwkv": "an RWKV time-mixing layer (a recurrent state and a token shift)",
     "token_shift": "a token shift (each token mixes in the previous one)",
+    "alibi_attention": "softmax attention with an ALiBi bias that the layer computes itself, not through "
+                       "transformers' attention interface or scaled_dot_product_attention, so blockdiag cannot route it",
     "recurrent": "a layer holding a state-space / gated-decay parameter (a recurrence along the sequence)",
     "conv1d": "a Conv1d along the sequence",
     "rnn": "a recurrent network (nn.RNN / LSTM / GRU) along the sequence",
@@ -87,6 +89,9 @@ KNOWN_MIXERS: dict[str, str] = {
     "RecurrentGemmaRglru": "rglru", "RecurrentGemmaRecurrentBlock": "rglru",
     "xLSTMLayer": "xlstm", "xLSTMBackend": "xlstm",
     "RwkvSelfAttention": "rwkv", "RwkvFeedForward": "token_shift",
+    # attention computed by the layer itself, with ALiBi (Falcon's rotary variant is refused at build time by
+    # register_transformers_attention, its attention does not call the interface either)
+    "BloomAttention": "alibi_attention", "MptAttention": "alibi_attention", "FalconAttention": "alibi_attention",
 }
 
 # Parameters that only a recurrence along the sequence holds (Mamba's A_log / dt_bias, Gated DeltaNet's A_log).
@@ -106,14 +111,14 @@ class Finding:
     def message(self) -> str:
         where = f"layer {self.name!r} ({self.cls})" if self.name else f"layer {self.cls}"
         return (
-            f"blockdiag_dist: {where} is {MIXER_KINDS[self.kind]} ({self.reason}); it mixes along the sequence and "
-            "is not computed per document under CP, so it would run across document ends and start a document "
-            "continuing from another rank from zero state: its gradients would be silently wrong. Expected every "
-            "layer that mixes along the sequence to be computed per document; got this one. What works: softmax "
+            f"blockdiag_dist: {where} mixes along the sequence and is not computed per document under CP: it is "
+            f"{MIXER_KINDS[self.kind]} ({self.reason}). Expected every layer that mixes along the sequence to be "
+            "computed per document; this one would mix tokens across document ends and miss the part of its "
+            "document held by other ranks: its gradients would be silently wrong. Computed per document: softmax "
             "attention through cp_blockdiag_sdpa (sdpa_routing(), register_transformers_attention()) and the "
-            f"mixers of blockdiag_dist.mixers ({_supported_summary()}). A layer you compute per document yourself "
-            "(from the step's documents, current_state().docs) is declared with declare_per_document(module, how). "
-            "Refused on every rank, before the layer ran."
+            f"mixers {_supported_summary()}; a layer your own code computes per document (from the step's "
+            "documents, current_state().docs) is declared with declare_per_document(module, how). Refused on every "
+            "rank, before the layer ran."
         )
 
 
@@ -167,7 +172,7 @@ def per_document_reason(module: nn.Module) -> str | None:
 
 def _supported_summary() -> str:
     names = sorted(_registry.installers)
-    return ", ".join(names) if names else "none yet"
+    return "of " + ", ".join(names) if names else "declared per document (none of transformers' yet)"
 
 
 def _known_kind(cls: type) -> tuple[str, str] | None:
@@ -175,7 +180,7 @@ def _known_kind(cls: type) -> tuple[str, str] | None:
         kind = KNOWN_MIXERS.get(base.__name__)
         if kind is not None:
             via = "" if base is cls else f", a subclass of {base.__name__}"
-            return kind, f"a known sequence mixer{via}"
+            return kind, f"recognised by its class{via}"
     return None
 
 

@@ -153,7 +153,9 @@ def blockdiag_attention_forward(
 
 def register_transformers_attention(name: str = ATTENTION_NAME) -> str:
     """Register :func:`blockdiag_attention_forward` in ``transformers.AttentionInterface`` under ``name``;
-    returns ``name``, to pass as ``attn_implementation`` (or to set on ``model.set_attn_implementation``)."""
+    returns ``name``, to pass as ``attn_implementation`` (or to set on ``model.set_attn_implementation``).
+    Models whose attention layers do not call the interface are refused by name when built with it (Falcon) or
+    when a step meets them (BLOOM, MPT: :mod:`blockdiag_dist.guard`)."""
     try:
         from transformers import AttentionInterface
     except ImportError as e:
@@ -162,4 +164,26 @@ def register_transformers_attention(name: str = ATTENTION_NAME) -> str:
             "install the extra: pip install 'blockdiag[hf]'"
         ) from e
     AttentionInterface.register(name, blockdiag_attention_forward)
+    _refuse_falcon(name)
     return name
+
+
+def _refuse_falcon(name: str) -> None:
+    """Falcon picks its attention class from a table keyed by the implementation's name (a ``KeyError`` at build
+    for any other name); its classes compute attention themselves (ALiBi when ``config.alibi``). Give ``name`` a
+    class that refuses, saying so."""
+    try:
+        from transformers.models.falcon import modeling_falcon
+    except ImportError:
+        return
+
+    class RefusedFalconAttention(nn.Module):
+        def __init__(self, config: Any, layer_idx: int | None = None) -> None:
+            variant = "an ALiBi bias (config.alibi=True)" if getattr(config, "alibi", False) else "rotary positions"
+            raise UnsupportedAttentionError(
+                f"{name} attention: expected a model whose attention layers call transformers' attention interface, "
+                f"got Falcon: FalconAttention computes attention itself, with {variant}, so {name!r} cannot route "
+                "it per document. Refused rather than computed within each rank's shard."
+            )
+
+    modeling_falcon.FALCON_ATTENTION_CLASSES.setdefault(name, RefusedFalconAttention)
