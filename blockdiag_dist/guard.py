@@ -66,6 +66,7 @@ MIXER_KINDS: dict[str, str] = {
                        "transformers' attention interface or scaled_dot_product_attention, so blockdiag cannot route it",
     "own_attention": "softmax attention the layer computes itself (a softmax in its own code, no call of "
                      "scaled_dot_product_attention or transformers' attention interface), so blockdiag cannot route it",
+    "sparse_attention": "sparse attention over keys an indexer selects from the sequence",
     "compressed_attention": "attention over compressed blocks of the sequence (a compressor or indexer over "
                             "neighbouring tokens)",
     "row_positions": "a positional embedding computed from the row's length (torch.arange over the rows), not from "
@@ -106,7 +107,13 @@ KNOWN_MIXERS: dict[str, str] = {
     "BloomAttention": "alibi_attention", "MptAttention": "alibi_attention", "FalconAttention": "alibi_attention",
     # attention over compressed blocks (DeepSeek-V4), byte patching (BLT)
     "DeepseekV4HCACompressor": "compressed_attention", "DeepseekV4CSACompressor": "compressed_attention",
-    "DeepseekV4Indexer": "compressed_attention", "BltPatcher": "byte_patching", "BltModel": "byte_patching",
+    "DeepseekV4Indexer": "compressed_attention",
+    # sparse attention over indexer-selected keys (DeepSeek-V3.2 DSA and its descendants)
+    "DeepseekV32Indexer": "sparse_attention", "AXK2Indexer": "sparse_attention", "Dots3NoteTextIndexer": "sparse_attention",
+    "Glm5NextTextIndexer": "sparse_attention", "GlmMoeDsaIndexer": "sparse_attention", "HYV4Indexer": "sparse_attention",
+    "HYV4VLIndexer": "sparse_attention", "MiniMaxM3VLIndexer": "sparse_attention",
+    "MistralLarge4TextIndexer": "sparse_attention", "Qwen4ExpTextQSAIndexer": "sparse_attention",
+    "BltPatcher": "byte_patching", "BltModel": "byte_patching",
     # decoders that compute their positions from the row's length, whatever position_ids say
     "BartDecoder": "row_positions", "BigBirdPegasusDecoder": "row_positions", "BlenderbotDecoder": "row_positions",
     "BlenderbotSmallDecoder": "row_positions", "MarianDecoder": "row_positions", "MBartDecoder": "row_positions",
@@ -131,14 +138,13 @@ class Finding:
     def message(self) -> str:
         where = f"layer {self.name!r} ({self.cls})" if self.name else f"layer {self.cls}"
         return (
-            f"blockdiag_dist: {where} mixes along the sequence and is not computed per document under CP: it is "
-            f"{MIXER_KINDS[self.kind]} ({self.reason}). Expected every layer that mixes along the sequence to be "
-            "computed per document; this one would mix tokens across document ends and miss the part of its "
-            "document held by other ranks: its gradients would be silently wrong. Computed per document: softmax "
-            "attention through cp_blockdiag_sdpa (sdpa_routing(), register_transformers_attention()) and the "
-            f"mixers {_supported_summary()}; a layer your own code computes per document (from the step's "
-            "documents, current_state().docs) is declared with declare_per_document(module, how). Refused on every "
-            "rank, before the layer ran."
+            f"blockdiag_dist: {where} is not computed per document under CP: it is {MIXER_KINDS[self.kind]} "
+            f"({self.reason}). Expected every layer that mixes along the sequence to be computed per document; this "
+            "one would mix tokens across document ends and miss the part of its document held by other ranks: its "
+            "gradients would be silently wrong. Computed per document: softmax attention through cp_blockdiag_sdpa "
+            f"(sdpa_routing(), register_transformers_attention()) and the mixers {_supported_summary()}; a layer "
+            "your own code computes per document (from the step's documents, current_state().docs) is declared with "
+            "declare_per_document(module, how). Refused on every rank, before the layer ran."
         )
 
 
