@@ -158,6 +158,17 @@ def register_installer(class_name: str, kind: str, install: Callable[[type], str
     _registry.installers[class_name] = (kind, install)
 
 
+_visitors: list[Callable[[nn.Module], None]] = []
+
+
+def register_scan_visitor(visit: Callable[[nn.Module], None]) -> None:
+    """Call ``visit(module)`` for every module a step's scan meets (once per module and step, before the module
+    and its children run: the scan starts at the first module called in the step). Used by the integrations to
+    prepare a model for the step (e.g. a hook at a vision-language model's decoder entry). Idempotent."""
+    if visit not in _visitors:
+        _visitors.append(visit)
+
+
 def per_document_reason(module: nn.Module) -> str | None:
     """How ``module`` is computed per document (declared, or installed for its class), or None."""
     how = _registry.modules.get(module)
@@ -262,6 +273,8 @@ class StepGuard:
 
     def _scan(self, root: nn.Module) -> None:
         for name, module, f, inside in _walk(root, self.verdicts):
+            for visit in _visitors:
+                visit(module)
             if f is not None and f.per_document is None:
                 raise UnsupportedLayerError(Finding(name, f.cls, f.kind, f.reason).message())
             if f is not None:
