@@ -50,9 +50,9 @@ def _cp_blockdiag_doc_ids(batch: dict, seq_len: int, device, batch_size: int) ->
     """Resolve per-position document ids ``[B, S]`` (int64, 0 == padding) for the mask.
 
     Prefers ``_packed_seq_ids``; else a 4-D block-causal ``attention_mask`` (every document in it is
-    recovered); else a 2-D indexed ``attention_mask``, or a validity one split where 2-D ``position_ids``
-    restart at 0; else documents from 2-D ``position_ids`` restarting at 0 (transformers'
-    ``DataCollatorWithFlattening``); else one document per row.
+    recovered); else a 2-D indexed ``attention_mask``, or a validity one split where ``position_ids`` restart
+    at 0; else documents from ``position_ids`` restarting at 0 (transformers' ``DataCollatorWithFlattening``;
+    ``[n, B, S]`` mRoPE positions restarting at 0 on every axis); else one document per row.
     Delegates to :func:`blockdiag_ref.doc_ids_from_batch`.
     """
     return doc_ids_from_batch(batch, seq_len, batch_size, device)
@@ -182,7 +182,9 @@ def make_cp_blockdiag_batch_and_ctx(
             (one-rank CP, no communication) are accepted too.
         tp_mesh: accepted for ``_cp_make_batch_fn`` signature compatibility; unused.
         batch: exactly one of ``inputs_embeds [B, S, H]`` / ``input_ids [B, S]``, plus any of ``labels``,
-            ``position_ids [B, S]`` or ``[n, B, S]``, ``_packed_seq_ids``, ``attention_mask``, ``loss_mask``.
+            ``position_ids [B, S]`` or ``[n, B, S]`` (mRoPE), ``_packed_seq_ids``, ``attention_mask``,
+            ``loss_mask``, and for a vision-language model its inputs (``pixel_values``, ``image_grid_thw``, ...,
+            never sharded), ``visual_pos_masks [B, S]`` and ``_deepstack_visual_embeds``.
             Mutated in place, after all validation: ``attention_mask`` is dropped, ``padding_mask [B, S]``
             (True = pad) is added, every sequence-aligned tensor is padded to ``W * L`` and sliced to this
             rank's ``L`` rows. ``inputs_embeds`` is sliced differentiably, so grads reach the full tensor.
