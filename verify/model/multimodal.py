@@ -1,0 +1,125 @@
+"""One step of a tiny vision-language model under CP, by either recipe, on this rank: the cases of the multimodal
+parity tests (tests/test_vlm.py) and of docs/multimodal.md's figures.
+
+The documents (:func:`documents`): two rows of ``S = 41``; row 0 holds a document opening with text and an image
+of 4 x 8 patches (29 tokens) and one opening with an image of 4 x 4 patches (12 tokens), so at CP 2 the first
+image spans the rank boundary; row 1 a text-only document (9 tokens) and one with an image of 4 x 4 patches in its
+middle (17 tokens), then padding.
+
+Recipes:
+
+- ``"own"``: the model's own forward, ``model(**model_inputs(batch))``, on the batch of
+  :func:`~blockdiag_dist.integrations.pack_multimodal_documents` with ``shard_primary=False``: the model embeds
+  and splices on the full rows, the integration shards its decoder entry;
+- ``"preshard"`` (NeMo Automodel's recipe): the user runs the vision tower and splices its features into the
+  embedded rows on the full rows, then hands ``inputs_embeds``, ``position_ids [3, B, S]``, ``labels``,
+  ``_packed_seq_ids`` (and for deepstack ``visual_pos_masks``, ``_deepstack_visual_embeds``) to the batch
+  function, and calls the language model and the head on the shard.
+
+Shape legend: B rows, S row length, L rows of this rank, H hidden size, V vocabulary, n_vis visual tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from blockdiag_dist.integrations import pack_multimodal_documents
+
+from .harness import StepResult, cp_step
+
+__all__ = ["RECIPES", "SEQ_LEN", "documents", "packed_batch", "preshard_batch", "preshard_forward", "run_case"]
+
+SEQ_LEN = 41
+RECIPES = ("own", "preshard")
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def documents(seed: int = 0, dtype: torch.dtype = torch.float64) -> list[dict]:
+    """The four documents above (random patches from ``seed``), identical on every rank."""
+    from examples.vlm import image_document
+
+    g = torch.Generator().manual_seed(seed)
+    return [
+        image_document([5, 6, 7], (1, 4, 8), list(range(10, 26)), g, dtype),  # 3 + 1 + 8 + 1 + 16 = 29 tokens
+        image_document([], (1, 4, 4), [30, 31, 32, 33, 34, 35, 36], g, dtype),  # image first: 4 + 1 + 7 = 12
+        image_document([40, 41, 42, 43, 44, 45, 46, 47, 48], None, [], g, dtype),  # text only: 9
+        image_document([50, 51, 52, 53], (1, 4, 4), [54, 55, 56, 57, 58, 59, 60], g, dtype),  # 4 + 1 + 4 + 1 + 7
+    ]
+
+
+def packed_batch(docs: list[dict]) -> dict[str, Tensor]:
+    """The documents packed into rows of :data:`SEQ_LEN` with per-document mRoPE positions."""
+    from examples.vlm import IMAGE_TOKEN, MERGE
+
+    return pack_multimodal_documents(docs, SEQ_LEN, image_token_id=IMAGE_TOKEN, spatial_merge_size=MERGE)
+
+
+def preshard_batch(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, Any]:
+    """The user's part of the pre-shard recipe, on the full rows: embed, run the vision tower, splice its features
+    at the image tokens; for deepstack, ``visual_pos_masks [B, S]`` and ``_deepstack_visual_embeds`` (a list of
+    ``[n_vis, H]``, one per level, in the order of ``inputs_embeds[visual_pos_masks]``)."""
+    inner = model.model
+    ids = batch["input_ids"]
+    embeds = inner.get_input_embeddings()(ids)
+    vision = inner.get_image_features(batch["pixel_values"], batch["image_grid_thw"], return_dict=True)
+    mask = ids == model.config.image_token_id
+    embeds = embeds.masked_scatter(mask[..., None], torch.cat(vision.pooler_output).to(embeds.dtype))
+    out: dict[str, Any] = {"inputs_embeds": embeds, "position_ids": batch["position_ids"], "labels": batch["labels"]}
+    if "_packed_seq_ids" in batch:
+        out["_packed_seq_ids"] = batch["_packed_seq_ids"]
+    deepstack = getattr(vision, "deepstack_features", None)
+    if deepstack:
+        out["visual_pos_masks"] = mask
+        out["_deepstack_visual_embeds"] = [torch.cat(level).to(embeds.dtype) for level in deepstack]
+    return out
+
+
+def preshard_forward(model: nn.Module, local: dict[str, Any]) -> Tensor:
+    """The shard through the language model (and its deepstack inputs) and the head: logits ``[B, L, V]``."""
+    extra = {}
+    if "_deepstack_visual_embeds" in local:
+        extra = {"visual_pos_masks": local["visual_pos_masks"], "deepstack_visual_embeds": local["_deepstack_visual_embeds"]}
+    hidden = model.model.language_model(
+        inputs_embeds=local["inputs_embeds"], position_ids=local["position_ids"], use_cache=False, **extra
+    ).last_hidden_state
+    return model.lm_head(hidden)
+
+
+def run_case(
+    family: str,
+    recipe: str,
+    layout: str = "contiguous",
+    *,
+    dtype: str = "float64",
+    checkpointing: str | None = None,
+    autocast: str | None = None,
+    doc_ids: bool = True,
+    seed: int = 0,
+) -> StepResult:
+    """One step of ``family`` by ``recipe`` on this rank (CP over the default group when one is initialised, else
+    CP 1), loss and gradients summed over the CP group. ``autocast="bfloat16"``: the step under CPU autocast;
+    ``doc_ids=False``: the batch without ``_packed_seq_ids`` (the documents come from the mRoPE positions)."""
+    from examples.vlm import build_tiny_vlm, vlm_forward
+
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe: expected one of {RECIPES}, got {recipe!r}")
+    model = build_tiny_vlm(family, dtype=_DTYPES[dtype], seed=seed, checkpointing=checkpointing)
+    batch = packed_batch(documents(seed + 1, _DTYPES[dtype]))
+    if not doc_ids:
+        batch.pop("_packed_seq_ids")
+    mesh = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from verify.pool import worker_info
+
+        mesh = worker_info()["cp_mesh"]
+    amp = torch.autocast("cpu", dtype=getattr(torch, autocast)) if autocast else contextlib.nullcontext()
+    with amp:
+        model.zero_grad(set_to_none=True)
+        if recipe == "own":
+            return cp_step(model, batch, mesh, vlm_forward, shard_primary=False, layout=layout)
+        return cp_step(model, preshard_batch(model, batch), mesh, preshard_forward, layout=layout)
