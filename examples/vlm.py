@@ -78,13 +78,13 @@ def image_document(text_before: Sequence[int], grid: tuple[int, int, int] | None
                    generator: torch.Generator, dtype: torch.dtype = torch.float64) -> dict:
     """A document: ``text_before``, then an image of patch ``grid`` (t, h, w) between vision start / end tokens
     (none when ``grid`` is None; with an empty ``text_before`` the image is the document's first token), then
-    ``text_after``; random patches."""
+    ``text_after``; random patches (drawn in float64 whatever ``dtype``, so every dtype sees the same image)."""
     tokens = list(text_before)
     doc: dict = {}
     if grid is not None:
         t, h, w = grid
         tokens += ([VISION_START] if text_before else []) + [IMAGE_TOKEN] * (t * h * w // MERGE**2) + [VISION_END]
-        doc["pixel_values"] = torch.randn(t * h * w, PATCH_FEATURES, generator=generator, dtype=dtype)
+        doc["pixel_values"] = torch.randn(t * h * w, PATCH_FEATURES, generator=generator, dtype=torch.float64).to(dtype)
         doc["image_grid_thw"] = torch.tensor([grid])
     doc["input_ids"] = torch.tensor(tokens + list(text_after))
     return doc

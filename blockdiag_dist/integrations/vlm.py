@@ -63,8 +63,8 @@ def _is_encoder(module: nn.Module) -> bool:
     return config is not None and getattr(type(config), "base_config_key", None) in ENCODER_CONFIG_KEYS
 
 
-# language model -> the handle of its decoder-entry hook (installed once per module, inert outside a step built
-# with shard_primary=False)
+# language model -> the handles of its decoder-entry hook and of its model's input check (installed once per
+# module, inert outside a step)
 _hooked: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
@@ -81,7 +81,10 @@ def _visit(module: nn.Module) -> None:
         return
     if not any(_is_encoder(child) for name, child in module.named_children() if name != "language_model"):
         return
-    _hooked[lm] = lm.register_forward_pre_hook(_shard_decoder_entry, with_kwargs=True)
+    _hooked[lm] = (
+        lm.register_forward_pre_hook(_shard_decoder_entry, with_kwargs=True),
+        module.register_forward_pre_hook(_check_model_inputs, with_kwargs=True),
+    )
     for m in lm.modules():
         _sharded_region.add(m)
 
@@ -164,3 +167,66 @@ def _shard_decoder_entry(module: nn.Module, args: tuple, kwargs: dict[str, Any])
     state.decoder_entries += 1
     state.note(f"{name}: decoder entry sharded with the step's plan (shard_primary=False): {', '.join(sharded)}")
     return args, new
+
+
+def _check_model_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook of a vision-language model (the module holding the vision tower and the language model):
+    under a step, before anything computes, the same on every rank (the rows are replicated): its image inputs
+    must be spliced on the full rows (``shard_primary=False``), and its image tokens must match the features
+    ``image_grid_thw`` gives, each image within one document."""
+    state = current_state()
+    pixels = kwargs.get("pixel_values")
+    if state is None or (pixels is None and kwargs.get("pixel_values_videos") is None):
+        return None
+    name = type(module).__name__
+    if state.shard_primary:
+        raise ValueError(
+            f"{name}: pixel values under a CP step built with shard_primary=True; expected shard_primary=False for "
+            "the model's own forward (it embeds input_ids and splices the vision features on the full rows; the "
+            "integration shards its decoder entry), got input_ids sharded to this rank's rows, into which the model "
+            "would splice every image's features. (Or splice on the full rows yourself and pass inputs_embeds.)"
+        )
+    ids, grids = kwargs.get("input_ids"), kwargs.get("image_grid_thw")
+    config = getattr(module, "config", None)
+    token = getattr(config, "image_token_id", None)
+    merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", None)
+    if pixels is None or not isinstance(ids, Tensor) or not isinstance(grids, Tensor) or token is None or not merge:
+        return None
+    patches = int(grids.prod(-1).sum())
+    if pixels.shape[0] != patches:
+        raise ValueError(
+            f"{name}: pixel_values: expected {patches} rows, one per patch of image_grid_thw {grids.tolist()}, got "
+            f"shape {tuple(pixels.shape)}"
+        )
+    doc_ids = state.plan.layout.segment_ids  # [B, S] (0 = padding), replicated
+    flat_docs = doc_ids.reshape(-1)[(ids == token).reshape(-1).cpu()]  # the document of each image token, in order
+    per_image = (grids.prod(-1) // merge**2).tolist()
+    if flat_docs.numel() != sum(per_image):
+        raise ValueError(
+            f"{name}: image tokens ({token}): expected {sum(per_image)}, one per vision feature of image_grid_thw "
+            f"{grids.tolist()} (spatial_merge_size {merge}), got {flat_docs.numel()} ({_tokens_per_document(ids == token, doc_ids)})"
+        )
+    start = 0
+    for j, n in enumerate(per_image):
+        held = torch.unique(flat_docs[start:start + n]).tolist()
+        if len(held) != 1 or held[0] == 0:
+            raise ValueError(
+                f"{name}: image {j} (grid {grids[j].tolist()}, {n} tokens): expected its tokens within one document, "
+                f"got them in documents {held} (0 = padding); the image tokens of the rows do not match the images "
+                "in order"
+            )
+        start += n
+    return None
+
+
+def _tokens_per_document(mask: Tensor, doc_ids: Tensor) -> str:
+    parts = []
+    for b in range(mask.shape[0]):
+        ids, counts = torch.unique_consecutive(doc_ids[b], return_counts=True)
+        start = 0
+        for d, n in zip(ids.tolist(), counts.tolist()):
+            k = int(mask[b, start:start + n].sum())
+            if k:
+                parts.append(f"row {b} {'padding' if d == 0 else f'document {d}'}: {k}")
+            start += n
+    return ", ".join(parts) or "none"

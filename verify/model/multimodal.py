@@ -32,9 +32,28 @@ from blockdiag_dist.integrations import pack_multimodal_documents
 
 from .harness import StepResult, cp_step
 
-__all__ = ["RECIPES", "SEQ_LEN", "documents", "packed_batch", "preshard_batch", "preshard_forward", "run_case"]
+__all__ = [
+    "FLOAT32_STEPS",
+    "RECIPES",
+    "SEQ_LEN",
+    "documents",
+    "error_of",
+    "float64_throughout",
+    "packed_batch",
+    "preshard_batch",
+    "preshard_forward",
+    "run_case",
+]
 
 SEQ_LEN = 41
+# What the stock models compute in float32 even in a float64 model, forward and backward (the gradient through
+# each step is rounded to float32): where an ulp-level difference upstream (a different summation order under CP)
+# can flip a float32 rounding.
+FLOAT32_STEPS = {
+    "RMSNorm": "the RMS norms (Qwen2.5-VL: decoder, vision blocks and patch merger; Qwen3-VL: decoder) normalise in "
+               "float32 and cast back",
+    "vision rotary": "the vision tower rotates q and k in float32 (apply_rotary_pos_emb_vision) and casts back",
+}
 RECIPES = ("own", "preshard")
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -90,6 +109,43 @@ def preshard_forward(model: nn.Module, local: dict[str, Any]) -> Tensor:
     return model.lm_head(hidden)
 
 
+def _rms_norm_in_input_dtype(self, hidden_states: Tensor) -> Tensor:
+    dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+    h = hidden_states.to(dtype)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * h.to(hidden_states.dtype)
+
+
+def _rotary_vision_in_input_dtype(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import rotate_half
+
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    cos, sin = cos.unsqueeze(-2).to(dtype), sin.unsqueeze(-2).to(dtype)
+    qd, kd = q.to(dtype), k.to(dtype)
+    return (qd * cos + rotate_half(qd) * sin).to(q.dtype), (kd * cos + rotate_half(kd) * sin).to(k.dtype)
+
+
+@contextlib.contextmanager
+def float64_throughout():
+    """Within the block, the steps of :data:`FLOAT32_STEPS` compute in their input's dtype (float32 at least)
+    instead: a float64 model then stays in float64, so CP's own error is seen at float64's resolution."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as q25
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as q3
+
+    patches = [(q25.Qwen2_5_VLRMSNorm, "forward", _rms_norm_in_input_dtype),
+               (q3.Qwen3VLTextRMSNorm, "forward", _rms_norm_in_input_dtype),
+               (q25, "apply_rotary_pos_emb_vision", _rotary_vision_in_input_dtype),
+               (q3, "apply_rotary_pos_emb_vision", _rotary_vision_in_input_dtype)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for owner, name, fn in patches:
+            setattr(owner, name, fn)
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
 def run_case(
     family: str,
     recipe: str,
@@ -99,11 +155,15 @@ def run_case(
     checkpointing: str | None = None,
     autocast: str | None = None,
     doc_ids: bool = True,
+    in_float64: bool = False,
+    shard_primary: bool | None = None,
     seed: int = 0,
 ) -> StepResult:
     """One step of ``family`` by ``recipe`` on this rank (CP over the default group when one is initialised, else
     CP 1), loss and gradients summed over the CP group. ``autocast="bfloat16"``: the step under CPU autocast;
-    ``doc_ids=False``: the batch without ``_packed_seq_ids`` (the documents come from the mRoPE positions)."""
+    ``doc_ids=False``: the batch without ``_packed_seq_ids`` (the documents come from the mRoPE positions);
+    ``in_float64``: under :func:`float64_throughout`; ``shard_primary``: the batch function's option (default:
+    ``False`` for ``"own"``, ``True`` for ``"preshard"``)."""
     from examples.vlm import build_tiny_vlm, vlm_forward
 
     if recipe not in RECIPES:
@@ -118,8 +178,20 @@ def run_case(
 
         mesh = worker_info()["cp_mesh"]
     amp = torch.autocast("cpu", dtype=getattr(torch, autocast)) if autocast else contextlib.nullcontext()
-    with amp:
+    with amp, (float64_throughout() if in_float64 else contextlib.nullcontext()):
         model.zero_grad(set_to_none=True)
         if recipe == "own":
-            return cp_step(model, batch, mesh, vlm_forward, shard_primary=False, layout=layout)
-        return cp_step(model, preshard_batch(model, batch), mesh, preshard_forward, layout=layout)
+            own = False if shard_primary is None else shard_primary
+            return cp_step(model, batch, mesh, vlm_forward, shard_primary=own, layout=layout)
+        pre = True if shard_primary is None else shard_primary
+        return cp_step(model, preshard_batch(model, batch), mesh, preshard_forward, layout=layout, shard_primary=pre)
+
+
+def error_of(fn: Any, *args: Any, **kwargs: Any) -> str | None:
+    """``"ErrorType: message"`` of what ``fn(*args, **kwargs)`` raises on this rank, or None (a pool task that
+    expects a refusal on every rank without the pool restarting its group)."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the caller judges the error
+        return f"{type(e).__name__}: {e}"
+    return None
