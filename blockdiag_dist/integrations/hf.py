@@ -14,6 +14,11 @@ replaced by the per-document causal mask (``noncausal="causal"``, recorded in th
 Under CP: pass ``position_ids`` (per-document positions, sharded by the batch function) and no ``labels``.
 Models shift ``labels`` inside their loss, which is wrong on a shard; compute the loss from the logits with
 pre-shifted labels (:func:`~blockdiag_dist.integrations.causal_lm_loss`). Pass ``use_cache=False`` in training.
+
+Vision-language models: the vision tower's bidirectional attention runs stock SDPA on this rank (its tensors are
+not sharded; decided per module, :mod:`~blockdiag_dist.integrations.vlm`), and with the batch function's
+``shard_primary=False`` the model's own forward embeds and splices on the full rows while its decoder entry is
+sharded by the integration (docs/multimodal.md).
 """
 
 from __future__ import annotations
