@@ -174,6 +174,7 @@ def make_cp_blockdiag_batch_and_ctx(
     check_consensus: bool | None = None,
     expect_attention: bool = True,
     shard_primary: bool = True,
+    shard_vision: bool = False,
 ) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
     """Shard a packed batch for block-diagonal CP and build the step state.
 
@@ -217,6 +218,9 @@ def make_cp_blockdiag_batch_and_ctx(
             context's exit. ``pixel_values``, ``image_grid_thw`` and the other vision inputs are never sharded.
             With ``True`` (default), ``_deepstack_visual_embeds`` (a list of ``[n_vis, H]``, one row per visual
             token of ``visual_pos_masks``) keeps the rows of the visual tokens this rank holds, in its order.
+        shard_vision: with ``shard_primary=False``, a vision-language model's vision tower runs on this rank's
+            share of the images (balanced by a modelled cost) instead of all of them, and a differentiable gather
+            gives every rank the whole output (:mod:`blockdiag_dist.integrations.vision_shard`).
 
     Returns:
         ``(train_ctx, batch)``: ``train_ctx()`` is a context manager activating the step state (run forward
@@ -237,6 +241,13 @@ def make_cp_blockdiag_batch_and_ctx(
         raise ValueError(f"padding_token_id: expected an int, got {type(padding_token_id).__name__}")
     if not isinstance(shard_primary, bool):
         raise ValueError(f"shard_primary: expected a bool, got {type(shard_primary).__name__}")
+    if not isinstance(shard_vision, bool):
+        raise ValueError(f"shard_vision: expected a bool, got {type(shard_vision).__name__}")
+    if shard_vision and shard_primary:
+        raise ValueError(
+            "shard_vision=True: expected shard_primary=False (the model's own forward runs its vision tower under "
+            "the step), got shard_primary=True"
+        )
     if not shard_primary:
         from .integrations import vlm  # noqa: F401  (registers the scan visitor that hooks decoder entries)
     group, world, rank = _mesh_info(cp_mesh)
@@ -250,7 +261,7 @@ def make_cp_blockdiag_batch_and_ctx(
     state = StepState(
         plan, rank=rank, group=group, device=device, kv_exchange=kv_exchange, kernel=kernel_name,
         check_consensus=check_consensus, expect_attention=expect_attention, shard_primary=shard_primary,
-        padding_token_id=padding_token_id,
+        padding_token_id=padding_token_id, shard_vision=shard_vision,
     )
     substitution = kernel_substitution(kernel_requested)
     if substitution:

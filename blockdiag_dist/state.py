@@ -83,6 +83,7 @@ class StepState:
         expect_attention: bool = True,
         shard_primary: bool = True,
         padding_token_id: int = 0,
+        shard_vision: bool = False,
     ) -> None:
         self.plan = plan
         self.rank = rank
@@ -96,6 +97,7 @@ class StepState:
         self.attention_calls = 0  # calls of cp_blockdiag_sdpa that computed under this step
         self.shard_primary = shard_primary  # False: the model's inputs stay full, sharded at its decoder's entry
         self.padding_token_id = padding_token_id
+        self.shard_vision = shard_vision  # vision towers run on this rank's share of the images (integrations)
         self.decoder_entries = 0  # decoder entries sharded in this step (shard_primary=False)
         self.traffic = TrafficLog()
         self.notes: list[str] = []  # fallbacks and substitutions that happened, with their reasons

@@ -193,9 +193,11 @@ def test_parity_at_cp1():
 @pytest.mark.parametrize("world", [2, 4])
 def test_parity_at_cp2_and_cp4(pools, world):
     """Both recipes, every layout, with the float32 steps kept in float64 (<= 1e-10); the stock models by the
-    model's own forward in the balanced layout (within twice the cost of their float32 steps)."""
+    model's own forward in the balanced layout (within twice the cost of their float32 steps), with the vision
+    tower's images sharded (at CP 4, fewer images than ranks: replicated, and noted)."""
     stock = [(f, "own", "balanced") for f in FAMILIES]
-    calls = [((f, r, layout), {"in_float64": True}) for f, r, layout in CASES] + [(c, {}) for c in stock]
+    calls = [((f, r, layout), {"in_float64": True}) for f, r, layout in CASES]
+    calls += [(c, {"shard_vision": True}) for c in stock]
     names = [f"CP {world} {c}" for c, _ in calls]
     outcomes = list(pools(world).run_many(run_case, calls, timeout=TASK_TIMEOUT_S, names=names))
     assert all(isinstance(o, list) for o in outcomes), next(o for o in outcomes if not isinstance(o, list))
@@ -205,15 +207,20 @@ def test_parity_at_cp2_and_cp4(pools, world):
         why = stock_ok(family, got)
         if why:
             failures.append(f"CP {world} {family} stock: {why}")
+        expect = "images sharded over 2 CP ranks" if world == 2 else "fewer images than CP ranks (3 < 4)"
+        if not any(expect in n for n in got.notes):
+            failures.append(f"CP {world} {family} shard_vision: expected a note '{expect}', got {got.notes}")
     assert not failures, "\n".join(failures)
 
 
 def test_checkpointing_autocast_and_documents_from_positions_at_cp2(pools):
-    """Activation checkpointing (vision blocks and decoder layers recomputed), bf16 autocast, and a batch whose
-    documents are given only by its mRoPE positions (no _packed_seq_ids: the silent case of the issue)."""
+    """Activation checkpointing (vision blocks and decoder layers recomputed), bf16 autocast, a batch whose
+    documents are given only by its mRoPE positions (no _packed_seq_ids: the silent case of the issue), and the
+    vision tower's images sharded across the ranks (shard_vision=True: 3 images, 2 ranks)."""
     checks = [((f, "own", "balanced"), {"checkpointing": ck, "in_float64": True})
               for f in FAMILIES for ck in ("reentrant", "non_reentrant")]
     checks += [((f, r, "balanced"), {"doc_ids": False, "in_float64": True}) for f in FAMILIES for r in RECIPES]
+    checks += [((f, "own", layout), {"shard_vision": True, "in_float64": True}) for f in FAMILIES for layout in LAYOUTS]
     bf16 = [((f, "own", "balanced"), {"dtype": "float32", "autocast": "bfloat16"}) for f in FAMILIES]
     calls = checks + bf16
     names = [f"CP 2 {a} {k}" for a, k in calls]
@@ -224,6 +231,8 @@ def test_checkpointing_autocast_and_documents_from_positions_at_cp2(pools):
         c = judge(args[0], o[0])
         if not c.ok:
             failures.append(f"{args} {kwargs}: {c.summary()}")
+        if kwargs.get("shard_vision") and not any("3 images sharded over 2 CP ranks" in n for n in o[0].notes):
+            failures.append(f"{args} {kwargs}: the images were not sharded ({o[0].notes})")
     for (args, _), o in zip(bf16, outcomes[len(checks):]):
         model, exact = truth(args[0], False)
         _, single = truth(args[0], False, torch.float32, True)  # the same computation on one device

@@ -81,9 +81,14 @@ def _visit(module: nn.Module) -> None:
         return
     if not any(_is_encoder(child) for name, child in module.named_children() if name != "language_model"):
         return
+    from .vision_shard import gather_images, shard_images
+
+    encoders = [child for name, child in module.named_children() if name != "language_model" and _is_encoder(child)]
     _hooked[lm] = (
         lm.register_forward_pre_hook(_shard_decoder_entry, with_kwargs=True),
         module.register_forward_pre_hook(_check_model_inputs, with_kwargs=True),
+        *[e.register_forward_pre_hook(shard_images, with_kwargs=True) for e in encoders],
+        *[e.register_forward_hook(gather_images, with_kwargs=True) for e in encoders],
     )
     for m in lm.modules():
         _sharded_region.add(m)

@@ -157,6 +157,7 @@ def run_case(
     doc_ids: bool = True,
     in_float64: bool = False,
     shard_primary: bool | None = None,
+    shard_vision: bool = False,
     seed: int = 0,
 ) -> StepResult:
     """One step of ``family`` by ``recipe`` on this rank (CP over the default group when one is initialised, else
@@ -182,7 +183,7 @@ def run_case(
         model.zero_grad(set_to_none=True)
         if recipe == "own":
             own = False if shard_primary is None else shard_primary
-            return cp_step(model, batch, mesh, vlm_forward, shard_primary=own, layout=layout)
+            return cp_step(model, batch, mesh, vlm_forward, shard_primary=own, layout=layout, shard_vision=shard_vision)
         pre = True if shard_primary is None else shard_primary
         return cp_step(model, preshard_batch(model, batch), mesh, preshard_forward, layout=layout, shard_primary=pre)
 
