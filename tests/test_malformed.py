@@ -91,6 +91,7 @@ MULTIMODAL_BATCH_ROWS = [
     ("mrope-restart", "mRoPE `position_ids [3, B, S]` restarting without every axis at 0 (no doc ids, no mask)", mrope_restart, {}, r"position_ids: expected \[n, B, S\] positions that restart at 0 on every axis .*got row 0, position 4 at \(1, 1, 1\) after \(3, 3, 3\) at position 3"),
     ("mrope-length", "mRoPE `position_ids [3, B, S']` with another length", lambda b: b.update(position_ids=torch.zeros(3, 2, 6, dtype=torch.long)), {}, r"position_ids: expected \[B, S\] = \[2, 7\] or \[n, B, S\].*got \(3, 2, 6\)"),
     ("shard-primary-type", "`shard_primary` that is not a bool", lambda b: None, {"shard_primary": 1}, "shard_primary: expected a bool, got int"),
+    ("shard-vision-primary", "`shard_vision=True` with the primary stream sharded", lambda b: None, {"shard_vision": True}, r"shard_vision=True: expected shard_primary=False .*got shard_primary=True"),
 ]
 
 
