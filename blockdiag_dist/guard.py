@@ -305,32 +305,38 @@ class StepGuard:
 
 
 _hook_lock = threading.Lock()
-_hook_handle = None
+_hook_handle = None  # one handle for the process: re-inserted under the same id on every install
 _hook_users = 0
+_get_guard: Callable[[], StepGuard | None] = lambda: None
+
+
+def _hook(module: nn.Module, args: tuple) -> None:
+    if torch.compiler.is_compiling():  # the eager call of an enclosing module scanned it
+        return None
+    guard = _get_guard()
+    if guard is not None:
+        guard.before_call(module, args)
+    return None
 
 
 def install(get_guard: Callable[[], StepGuard | None]) -> None:
-    """Install the process-wide forward pre-hook (once for any number of active steps)."""
-    global _hook_handle, _hook_users
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        if torch.compiler.is_compiling():  # the eager call of an enclosing module scanned it
-            return None
-        guard = get_guard()
-        if guard is not None:
-            guard.before_call(module, args)
-        return None
-
+    """Install the process-wide forward pre-hook (once for any number of active steps). The same function under
+    the same handle id every time, so that code compiled by ``torch.compile`` (which guards on the global hooks)
+    is not recompiled for every step."""
+    global _hook_handle, _hook_users, _get_guard
     with _hook_lock:
         _hook_users += 1
+        _get_guard = get_guard
+        hooks = nn.modules.module._global_forward_pre_hooks
         if _hook_handle is None:
-            _hook_handle = nn.modules.module.register_module_forward_pre_hook(hook)
+            _hook_handle = nn.modules.module.register_module_forward_pre_hook(_hook)
+        elif _hook_handle.id not in hooks:
+            hooks[_hook_handle.id] = _hook
 
 
 def uninstall() -> None:
-    global _hook_handle, _hook_users
+    global _hook_users
     with _hook_lock:
         _hook_users -= 1
         if _hook_users == 0 and _hook_handle is not None:
             _hook_handle.remove()
-            _hook_handle = None

@@ -2,9 +2,9 @@
 forward and NeMo's pre-shard recipe train at CP 1, 2 and 4, every layout, with the loss and every parameter's
 gradient, vision tower included, equal to each document run alone through the stock model.
 
-The stock models compute two steps in float32 even when float64 (:data:`verify.model.multimodal.FLOAT32_STEPS`:
+The stock models compute two steps in float32 even when float64 (:data:`verify.model.vlm_cases.FLOAT32_STEPS`:
 RMS norms, the vision tower's q/k rotation), forward and backward. Judged at float64's resolution (<= 1e-10)
-with those steps kept in float64 (:func:`~verify.model.multimodal.float64_throughout`); the stock model is judged
+with those steps kept in float64 (:func:`~verify.model.vlm_cases.float64_throughout`); the stock model is judged
 against the cost of its own float32 steps measured on one device.
 """
 
@@ -27,13 +27,14 @@ from blockdiag_dist.integrations.hf import UnsupportedAttentionError  # noqa: E4
 from blockdiag_dist.state import DecoderEntryNotShardedError  # noqa: E402
 from blockdiag_ref import doc_ids_from_batch  # noqa: E402
 from examples.vlm import IMAGE_TOKEN, MERGE, build_tiny_vlm, image_document, vlm_forward  # noqa: E402
-from verify.model.harness import Comparison, compare, multimodal_document_reference  # noqa: E402
-from verify.model.multimodal import (  # noqa: E402
+from verify.model.harness import Comparison, compare  # noqa: E402
+from verify.model.vlm_cases import (  # noqa: E402
     RECIPES,
     SEQ_LEN,
     documents,
     error_of,
     float64_throughout,
+    multimodal_document_reference,
     packed_batch,
     run_case,
 )

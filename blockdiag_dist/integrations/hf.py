@@ -143,8 +143,8 @@ def blockdiag_attention_forward(
     _check_layer(module, kwargs, softcap)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not causal:
-        out = _encoder_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs)
-        return out, None
+        return _encoder_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                                  kwargs), None
     if attention_mask is not None and attention_mask.is_floating_point() and current_state() is not None:
         raise _refuse(
             module, "no attention_mask, or a bool one (replaced by the per-document causal mask)",
@@ -175,6 +175,7 @@ def _encoder_attention(
     dropout: float,
     scaling: float | None,
     sliding_window: int | None,
+    softcap: float | None,
     kwargs: dict[str, Any],
 ) -> Tensor:
     """A bidirectional layer: stock SDPA on this rank's tensors when they are an encoder's (CP does not shard
@@ -193,9 +194,11 @@ def _encoder_attention(
             f"is_causal=False in {where}: bidirectional attention over the sharded sequence is not computed per "
             "document",
         )
-    if sliding_window is not None or kwargs.get("seq_idx") is not None:
-        raise _refuse(module, "full bidirectional attention in an encoder layer",
-                      f"sliding_window={sliding_window}, seq_idx={kwargs.get('seq_idx') is not None}")
+    variants = {"sliding_window": sliding_window, "softcap": softcap, "s_aux": kwargs.get("s_aux"),
+                "seq_idx": kwargs.get("seq_idx")}
+    asked = sorted(k for k, v in variants.items() if v is not None)
+    if asked:
+        raise _refuse(module, "plain bidirectional attention in an encoder layer", f"{asked}, not carried there")
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     gqa = query.shape[1] != key.shape[1]
     if cu_q is None and cu_k is None:

@@ -15,6 +15,12 @@ the decoder's rows; the vision tower's patches are never sharded. Two things fol
   slices ``inputs_embeds``, ``position_ids`` (``[B, S]`` or ``[3, B, S]``), ``visual_pos_masks`` and the
   deepstack embeddings with the step's plan, differentiably, so gradients reach the vision tower.
 
+The same scan hooks the model (the module holding the tower and the language model): under a step its image
+inputs are checked before anything computes (image tokens against ``image_grid_thw``'s features, each image
+within one document; pixel values with ``shard_primary=True`` are refused), and its tower, with
+``shard_vision=True``, runs on this rank's share of the images (:mod:`~blockdiag_dist.integrations.vision_shard`).
+The hooks are installed once per module and are inert outside a step.
+
 Shape legend: B batch rows, S the packed row's length, L rows held by this rank, H hidden size, Hq / Hkv heads,
 D / Dv head dims, T tokens of an encoder call, n_vis visual tokens of the batch.
 """
@@ -31,7 +37,7 @@ from ..guard import register_scan_visitor
 from ..sharding import shard_tensor, shard_visual_tokens
 from ..state import current_state
 
-__all__ = ["ENCODER_CONFIG_KEYS", "hooked_language_models", "in_sharded_region", "unsharded_reason"]
+__all__ = ["ENCODER_CONFIG_KEYS", "in_sharded_region", "unsharded_reason"]
 
 # ``base_config_key`` of the sub-configs whose modules run on tensors CP does not shard (images' patches, audio
 # frames): their attention layers are bidirectional over those tensors and run locally.
@@ -41,16 +47,17 @@ ENCODER_CONFIG_KEYS = ("vision_config", "audio_config")
 _sharded_region: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+def _is_encoder(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return config is not None and getattr(type(config), "base_config_key", None) in ENCODER_CONFIG_KEYS
+
+
 def unsharded_reason(module: nn.Module) -> str | None:
     """Why ``module`` runs on tensors CP does not shard (its config is an encoder's sub-config), or None.
     A module inside a language model whose rows CP shards never does."""
-    if module in _sharded_region:
+    if module in _sharded_region or not _is_encoder(module):
         return None
-    config = getattr(module, "config", None)
-    key = getattr(type(config), "base_config_key", None) if config is not None else None
-    if key in ENCODER_CONFIG_KEYS:
-        return f"its config is a {key} ({type(config).__name__})"
-    return None
+    return f"its config is a {type(module.config).base_config_key} ({type(module.config).__name__})"
 
 
 def in_sharded_region(module: nn.Module) -> bool:
@@ -58,24 +65,15 @@ def in_sharded_region(module: nn.Module) -> bool:
     return module in _sharded_region
 
 
-def _is_encoder(module: nn.Module) -> bool:
-    config = getattr(module, "config", None)
-    return config is not None and getattr(type(config), "base_config_key", None) in ENCODER_CONFIG_KEYS
-
-
 # language model -> the handles of its decoder-entry hook and of its model's input check (installed once per
 # module, inert outside a step)
 _hooked: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
-def hooked_language_models() -> list[nn.Module]:
-    """The language models whose decoder entry the integration shards (for tests and reports)."""
-    return list(_hooked)
-
-
 def _visit(module: nn.Module) -> None:
     """A step's scan met ``module``: if it is a vision-language model (a ``language_model`` child next to an
-    encoder child), hook its language model's entry and mark the language model's modules as sharded."""
+    encoder child), hook its language model's entry, its own inputs and its encoders, and mark the language
+    model's modules as sharded."""
     lm = module._modules.get("language_model")
     if lm is None or lm in _hooked:
         return

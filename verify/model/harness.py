@@ -2,8 +2,7 @@
 
 - **the truth** (:func:`document_reference`): each document alone through the same model on one device, with
   the model's stock attention and the same weights; the loss is the cross-entropy summed over every document's
-  next-token targets, and the gradients are those of that sum (for a vision-language model,
-  :func:`multimodal_document_reference`: each (text, images) document alone through the model's own forward);
+  next-token targets, and the gradients are those of that sum;
 - **packed on one device** (:func:`packed_reference`): the packed rows through the stock model, no CP. A model
   that differs from the truth here is wrong once packed whatever CP does (e.g. positions from ``torch.arange``
   of the rows instead of ``position_ids``);
@@ -38,7 +37,6 @@ __all__ = [
     "cp_step",
     "document_reference",
     "module_kind",
-    "multimodal_document_reference",
     "packed_reference",
     "param_grads",
     "text_forward",
@@ -88,34 +86,6 @@ def document_reference(model: nn.Module, docs: Sequence[Tensor], forward: Forwar
         loss.backward()
         total += float(loss.detach())
         targets += int((batch["labels"] != IGNORE_INDEX).sum())
-    return StepResult(loss=total, grads=param_grads(model), targets=targets)
-
-
-def multimodal_document_reference(
-    model: nn.Module, docs: Sequence[Mapping[str, Any]], *, image_token_id: int | None = None
-) -> StepResult:
-    """The truth for a vision-language model: each (text, images) document alone, through the model's own forward
-    with its stock attention: ``model(input_ids [1, n], pixel_values, image_grid_thw, mm_token_type_ids)``, the
-    model computing its own mRoPE positions (``get_rope_index``) and splicing its own vision features. The loss is
-    the next-token cross-entropy summed over every document's targets, none where the target is an image token
-    (``image_token_id``, default ``model.config.image_token_id``); the gradients are those of that sum, vision
-    tower included. A document is a mapping with ``input_ids [n]`` and, when it holds images, ``pixel_values``
-    and ``image_grid_thw``."""
-    image_token_id = model.config.image_token_id if image_token_id is None else image_token_id
-    model.zero_grad(set_to_none=True)
-    total, targets = 0.0, 0
-    for doc in docs:
-        ids = torch.as_tensor(doc["input_ids"]).to(torch.int64)[None]
-        inputs = {"input_ids": ids, "mm_token_type_ids": (ids == image_token_id).to(torch.int64)}
-        if doc.get("image_grid_thw") is not None:
-            inputs.update(pixel_values=doc["pixel_values"], image_grid_thw=torch.as_tensor(doc["image_grid_thw"]))
-        labels = torch.full_like(ids, IGNORE_INDEX)
-        labels[:, :-1] = ids[:, 1:].masked_fill(ids[:, 1:] == image_token_id, IGNORE_INDEX)
-        logits = model(**inputs, use_cache=False).logits
-        loss = causal_lm_loss(logits, labels, 1)  # a sum: divided by 1
-        loss.backward()
-        total += float(loss.detach())
-        targets += int((labels != IGNORE_INDEX).sum())
     return StepResult(loss=total, grads=param_grads(model), targets=targets)
 
 

@@ -1,5 +1,7 @@
-"""One step of a tiny vision-language model under CP, by either recipe, on this rank: the cases of the multimodal
-parity tests (tests/test_vlm.py) and of docs/multimodal.md's figures.
+"""Vision-language models stepped three ways: the truth (:func:`multimodal_document_reference`: each (text,
+images) document alone through the stock model's own forward) and one step under CP by either recipe on this rank
+(:func:`run_case`): the cases of the multimodal parity tests (tests/test_vlm.py) and of docs/multimodal.md's
+figures. Compared with :func:`verify.model.harness.compare`.
 
 The documents (:func:`documents`): two rows of ``S = 41``; row 0 holds a document opening with text and an image
 of 4 x 8 patches (29 tokens) and one opening with an image of 4 x 4 patches (12 tokens), so at CP 2 the first
@@ -28,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from blockdiag_dist.integrations import pack_multimodal_documents
+from blockdiag_dist.integrations import IGNORE_INDEX, causal_lm_loss, pack_multimodal_documents
 
-from .harness import StepResult, cp_step
+from .harness import StepResult, cp_step, param_grads
 
 __all__ = [
     "FLOAT32_STEPS",
@@ -39,6 +41,7 @@ __all__ = [
     "documents",
     "error_of",
     "float64_throughout",
+    "multimodal_document_reference",
     "packed_batch",
     "preshard_batch",
     "preshard_forward",
@@ -56,6 +59,33 @@ FLOAT32_STEPS = {
 }
 RECIPES = ("own", "preshard")
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def multimodal_document_reference(
+    model: nn.Module, docs: list[dict], *, image_token_id: int | None = None
+) -> StepResult:
+    """The truth for a vision-language model: each (text, images) document alone, through the model's own forward
+    with its stock attention: ``model(input_ids [1, n], pixel_values, image_grid_thw, mm_token_type_ids)``, the
+    model computing its own mRoPE positions (``get_rope_index``) and splicing its own vision features. The loss is
+    the next-token cross-entropy summed over every document's targets, none where the target is an image token
+    (``image_token_id``, default ``model.config.image_token_id``); the gradients are those of that sum, vision
+    tower included. A document is a mapping with ``input_ids [n]`` and, when it holds images, ``pixel_values``
+    and ``image_grid_thw``."""
+    image_token_id = model.config.image_token_id if image_token_id is None else image_token_id
+    model.zero_grad(set_to_none=True)
+    total, targets = 0.0, 0
+    for doc in docs:
+        ids = torch.as_tensor(doc["input_ids"]).to(torch.int64)[None]
+        inputs = {"input_ids": ids, "mm_token_type_ids": (ids == image_token_id).to(torch.int64)}
+        if doc.get("image_grid_thw") is not None:
+            inputs.update(pixel_values=doc["pixel_values"], image_grid_thw=torch.as_tensor(doc["image_grid_thw"]))
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[:, :-1] = ids[:, 1:].masked_fill(ids[:, 1:] == image_token_id, IGNORE_INDEX)
+        loss = causal_lm_loss(model(**inputs, use_cache=False).logits, labels, 1)  # a sum: divided by 1
+        loss.backward()
+        total += float(loss.detach())
+        targets += int((labels != IGNORE_INDEX).sum())
+    return StepResult(loss=total, grads=param_grads(model), targets=targets)
 
 
 def documents(seed: int = 0, dtype: torch.dtype = torch.float64) -> list[dict]:
