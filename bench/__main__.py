@@ -25,6 +25,7 @@ from verify.report import make_console
 from .dist import consensus_cost, peak_memory, timed_steps
 from .kernel import D, H, HKV, attention_step, bench_kernel, bench_scaling
 from .peers import bench_peers
+from .vision import vision_steps
 from .workloads import interleaved, layout_of, long_tail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +141,16 @@ def bench_balance(cps, S, seeds, step_cp, step_S, reps) -> dict:
                                      "work_per_rank": work}}
 
 
+def bench_vision(size: str, reps: int, timeout=1800) -> dict:
+    """CP 2: a vision-language step with the vision tower replicated vs its images sharded (bench.vision)."""
+    with WorkerPool(2, collective_timeout=timeout) as pool:
+        per_rank = pool.run(vision_steps, args=(size, reps), timeout=timeout, name=f"vision cp2 {size}")
+    r = per_rank[0]
+    r["cp"] = 2
+    r["sharded_over_replicated"] = r["seconds"]["sharded"] / r["seconds"]["replicated"]
+    return r
+
+
 def run(quick: bool) -> dict:
     console = make_console()
     t0 = time.perf_counter()
@@ -153,6 +164,7 @@ def run(quick: bool) -> dict:
         ("balance", lambda: bench_balance((4, 8), 32768, (0, 1, 2), step_cp=2, step_S=8192 if quick else 32768, reps=2 if quick else 3)),
         ("consensus", lambda: bench_consensus(4, 8192 if quick else 32768, reps=3 if quick else 5)),
         ("verifier", lambda: bench_verifier((2, 4), 60 if quick else 200)),
+        ("vision", lambda: bench_vision("quick" if quick else "full", reps=2 if quick else 3)),
     ]
     if not quick:
         sections.append(("memory", lambda: bench_memory(131072, 4)))

@@ -184,6 +184,17 @@ def register_installer(class_name: str, kind: str, install: Callable[[type], str
     _registry.installers[class_name] = (kind, install)
 
 
+_visitors: list[Callable[[nn.Module], None]] = []
+
+
+def register_scan_visitor(visit: Callable[[nn.Module], None]) -> None:
+    """Call ``visit(module)`` for every module a step's scan meets (once per module and step, before the module
+    and its children run: the scan starts at the first module called in the step). Used by the integrations to
+    prepare a model for the step (e.g. a hook at a vision-language model's decoder entry). Idempotent."""
+    if visit not in _visitors:
+        _visitors.append(visit)
+
+
 def per_document_reason(module: nn.Module) -> str | None:
     """How ``module`` is computed per document (declared, or installed for its class), or None."""
     how = _registry.modules.get(module)
@@ -321,6 +332,8 @@ class StepGuard:
 
     def _scan(self, root: nn.Module) -> None:
         for name, module, f, inside in _walk(root, self.verdicts):
+            for visit in _visitors:
+                visit(module)
             if f is not None and f.per_document is None:
                 raise UnsupportedLayerError(Finding(name, f.cls, f.kind, f.reason).message())
             if f is not None:
@@ -363,35 +376,49 @@ class StepGuard:
 
 
 _hook_lock = threading.Lock()
-_hook_handles: list = []
 _hook_users = 0
+_get_guard: Callable[[], StepGuard | None] = lambda: None
+
+
+def _before(module: nn.Module, args: tuple) -> None:
+    if torch.compiler.is_compiling():  # the eager call of an enclosing module scanned it
+        return None
+    guard = _get_guard()
+    if guard is not None:
+        guard.before_call(module, args)
+    return None
+
+
+def _after(module: nn.Module, args: tuple, output: object) -> None:
+    if torch.compiler.is_compiling():
+        return None
+    guard = _get_guard()
+    if guard is not None:
+        guard.after_call(module, output)
+    return None
+
+
+# (registry of global hooks, register function, hook, its handle once registered). The same functions under the
+# same handle ids every time, so that code compiled by torch.compile (which guards on the global hooks) is not
+# recompiled for every step.
+_HOOKS = [
+    [nn.modules.module._global_forward_pre_hooks, nn.modules.module.register_module_forward_pre_hook, _before, None],
+    [nn.modules.module._global_forward_hooks, nn.modules.module.register_module_forward_hook, _after, None],
+]
 
 
 def install(get_guard: Callable[[], StepGuard | None]) -> None:
     """Install the process-wide forward hooks (once for any number of active steps)."""
-    global _hook_users
-
-    def before(module: nn.Module, args: tuple) -> None:
-        if torch.compiler.is_compiling():  # the eager call of an enclosing module scanned it
-            return None
-        guard = get_guard()
-        if guard is not None:
-            guard.before_call(module, args)
-        return None
-
-    def after(module: nn.Module, args: tuple, output: object) -> None:
-        if torch.compiler.is_compiling():
-            return None
-        guard = get_guard()
-        if guard is not None:
-            guard.after_call(module, output)
-        return None
-
+    global _hook_users, _get_guard
     with _hook_lock:
         _hook_users += 1
-        if not _hook_handles:
-            _hook_handles.append(nn.modules.module.register_module_forward_pre_hook(before))
-            _hook_handles.append(nn.modules.module.register_module_forward_hook(after))
+        _get_guard = get_guard
+        for entry in _HOOKS:
+            hooks, register, hook, handle = entry
+            if handle is None:
+                entry[3] = register(hook)
+            elif handle.id not in hooks:
+                hooks[handle.id] = hook
 
 
 def uninstall() -> None:
@@ -399,6 +426,6 @@ def uninstall() -> None:
     with _hook_lock:
         _hook_users -= 1
         if _hook_users == 0:
-            for handle in _hook_handles:
-                handle.remove()
-            _hook_handles.clear()
+            for _, _, _, handle in _HOOKS:
+                if handle is not None:
+                    handle.remove()

@@ -27,7 +27,15 @@ from .kernels.dense import DenseMeta, plan_dense
 from .kernels.varlen import VarlenMeta, plan_varlen
 from .plan import ExchangePlan, StepPlan
 
-__all__ = ["AttentionNotRoutedError", "PlanMismatchError", "StepState", "WindowPlan", "activate", "current_state"]
+__all__ = [
+    "AttentionNotRoutedError",
+    "DecoderEntryNotShardedError",
+    "PlanMismatchError",
+    "StepState",
+    "WindowPlan",
+    "activate",
+    "current_state",
+]
 
 log = logging.getLogger("blockdiag_dist")
 
@@ -38,6 +46,10 @@ class PlanMismatchError(RuntimeError):
 
 class AttentionNotRoutedError(RuntimeError):
     """A step's context exited without any attention call reaching ``cp_blockdiag_sdpa``."""
+
+
+class DecoderEntryNotShardedError(RuntimeError):
+    """A step built with ``shard_primary=False`` exited without the model's decoder entry being sharded."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,6 +81,9 @@ class StepState:
         kernel: str,
         check_consensus: bool = True,
         expect_attention: bool = True,
+        shard_primary: bool = True,
+        padding_token_id: int = 0,
+        shard_vision: bool = False,
     ) -> None:
         self.plan = plan
         self.rank = rank
@@ -80,6 +95,10 @@ class StepState:
         self.check_consensus = check_consensus
         self.expect_attention = expect_attention
         self.attention_calls = 0  # calls of cp_blockdiag_sdpa that computed under this step
+        self.shard_primary = shard_primary  # False: the model's inputs stay full, sharded at its decoder's entry
+        self.padding_token_id = padding_token_id
+        self.shard_vision = shard_vision  # vision towers run on this rank's share of the images (integrations)
+        self.decoder_entries = 0  # decoder entries sharded in this step (shard_primary=False)
         self.traffic = TrafficLog()
         self.notes: list[str] = []  # fallbacks and substitutions that happened, with their reasons
         self._windows: dict[int, WindowPlan] = {}
@@ -91,6 +110,11 @@ class StepState:
     @property
     def batch_size(self) -> int:
         return self.plan.layout.batch_size
+
+    @property
+    def seq_len(self) -> int:
+        """``S``: the length of the rows as given to the batch function."""
+        return self.plan.shards.seq_len
 
     @property
     def local_len(self) -> int:
@@ -120,6 +144,14 @@ class StepState:
                 "sdpa_routing()) attends only within this rank's shard, across document ends: this step's "
                 "gradients are wrong. Route every attention call through cp_blockdiag_sdpa (sdpa_routing(), "
                 "register_transformers_attention())."
+            )
+        if not self.shard_primary and self.decoder_entries == 0:
+            raise DecoderEntryNotShardedError(
+                "train_ctx(): the step was built with shard_primary=False (the model's inputs stay full, to be "
+                "sharded at its decoder's entry) and exited without any decoder entry being sharded; expected the "
+                "model's language model to be entered at least once. The integration shards the entry of a "
+                "transformers vision-language model's language_model (blockdiag_dist.integrations.vlm); for any "
+                "other model keep shard_primary=True (the batch function shards every sequence-aligned tensor)."
             )
 
     # ---- per-window plans -----------------------------------------------------------------------------

@@ -14,6 +14,11 @@ replaced by the per-document causal mask (``noncausal="causal"``, recorded in th
 Under CP: pass ``position_ids`` (per-document positions, sharded by the batch function) and no ``labels``.
 Models shift ``labels`` inside their loss, which is wrong on a shard; compute the loss from the logits with
 pre-shifted labels (:func:`~blockdiag_dist.integrations.causal_lm_loss`). Pass ``use_cache=False`` in training.
+
+Vision-language models: the vision tower's bidirectional attention runs stock SDPA on this rank (its tensors are
+not sharded; decided per module, :mod:`~blockdiag_dist.integrations.vlm`), and with the batch function's
+``shard_primary=False`` the model's own forward embeds and splices on the full rows while its decoder entry is
+sharded by the integration (docs/multimodal.md).
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from .._stock import stock_sdpa
 from ..runtime import cp_blockdiag_sdpa
 from ..state import current_state
+from .vlm import in_sharded_region, unsharded_reason
 
 __all__ = ["ATTENTION_NAME", "UnsupportedAttentionError", "blockdiag_attention_forward", "register_transformers_attention"]
 
@@ -125,15 +133,22 @@ def blockdiag_attention_forward(
     ``w`` keys, itself included) becomes ``window_size=(w - 1, 0)``. Outside a context: stock SDPA, causal over
     the row, with ``attention_mask`` if one is given.
 
+    A bidirectional layer (``is_causal=False``) of an encoder whose tensors CP does not shard (a vision tower's
+    patches: the module's ``config`` is a ``vision_config`` / ``audio_config`` sub-config, and it is not a layer
+    of a language model whose rows CP shards) runs stock SDPA on this rank's tensors, with its mask, per segment
+    of ``cu_seq_lens_q`` when given: exactly what transformers' ``sdpa`` attention computes. Any other
+    bidirectional layer is refused.
+
     Every keyword is honoured or refused (``UnsupportedAttentionError``, the same on every rank, before any
     collective): sinks, soft-capping, position biases, sparse indices, chunked attention, NoPE temperature
-    tuning and keywords it does not know are refused; so are a non-causal layer and, under a step, an additive
-    float ``attention_mask`` (a bias).
+    tuning and keywords it does not know are refused; so are a bidirectional layer on the sequence CP shards
+    and, under a step, an additive float ``attention_mask`` (a bias).
     """
     _check_layer(module, kwargs, softcap)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not causal:
-        raise _refuse(module, "a causal (decoder) attention layer", f"is_causal=False")
+        return _encoder_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                                  kwargs), None
     if attention_mask is not None and attention_mask.is_floating_point() and current_state() is not None:
         raise _refuse(
             module, "no attention_mask, or a bool one (replaced by the per-document causal mask)",
@@ -153,6 +168,68 @@ def blockdiag_attention_forward(
         noncausal="causal",  # the layer is causal (checked above): a mask it was given is per-document under a step
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _encoder_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    kwargs: dict[str, Any],
+) -> Tensor:
+    """A bidirectional layer: stock SDPA on this rank's tensors when they are an encoder's (CP does not shard
+    them), refused otherwise. ``query [B, Hq, T, D]`` -> ``[B, T, Hq, Dv]``; with ``cu_seq_lens_q``
+    (``= cu_seq_lens_k``, ``[n + 1]``, one packed row ``B = 1``) each segment attends within itself."""
+    reason = unsharded_reason(module)
+    if reason is None:
+        where = (
+            "a layer of the language model, whose rows CP shards" if in_sharded_region(module)
+            else "not an encoder's layer over tensors CP does not shard (its config is no vision_config / audio_config)"
+        )
+        raise _refuse(
+            module,
+            "a causal (decoder) attention layer, or a bidirectional one of a vision / audio encoder (tensors CP does "
+            "not shard)",
+            f"is_causal=False in {where}: bidirectional attention over the sharded sequence is not computed per "
+            "document",
+        )
+    variants = {"sliding_window": sliding_window, "softcap": softcap, "s_aux": kwargs.get("s_aux"),
+                "seq_idx": kwargs.get("seq_idx")}
+    asked = sorted(k for k, v in variants.items() if v is not None)
+    if asked:
+        raise _refuse(module, "plain bidirectional attention in an encoder layer", f"{asked}, not carried there")
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    gqa = query.shape[1] != key.shape[1]
+    if cu_q is None and cu_k is None:
+        out = stock_sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=False,
+                         scale=scaling, enable_gqa=gqa)
+    else:
+        T = query.shape[2]
+        bounds = [] if cu_q is None else [int(b) for b in cu_q.tolist()]
+        same = cu_q is not None and cu_k is not None and bounds == [int(b) for b in cu_k.tolist()]
+        rising = bool(bounds) and bounds[0] == 0 and bounds[-1] == T and all(a <= b for a, b in zip(bounds, bounds[1:]))
+        if not (same and rising and query.shape[0] == 1 and attention_mask is None and key.shape[2] == T):
+            raise _refuse(
+                module, f"segments cu_seq_lens_q = cu_seq_lens_k rising from 0 to T = {T} over one packed row "
+                "[1, H, T, D], without an attention_mask",
+                f"cu_seq_lens_q={bounds}, cu_seq_lens_k={None if cu_k is None else cu_k.tolist()}, query "
+                f"{tuple(query.shape)}, key {tuple(key.shape)}, attention_mask {attention_mask is not None}",
+            )
+        out = torch.cat([
+            stock_sdpa(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=False,
+                       scale=scaling, enable_gqa=gqa)
+            for a, b in zip(bounds, bounds[1:]) if b > a
+        ], dim=2)
+    state = current_state()
+    if state is not None:
+        state.note(f"{type(module).__name__}: bidirectional attention over tensors CP does not shard ({reason}) ran "
+                   "stock SDPA on this rank")
+    return out.transpose(1, 2).contiguous()
 
 
 def register_transformers_attention(name: str = ATTENTION_NAME) -> str:
