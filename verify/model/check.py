@@ -1,0 +1,709 @@
+"""One model-level case: a training step of a whole model under CP against each document run alone, classed.
+
+A case is (model, CP size, document layout, dtype, sharding layout, implementation). The parent computes the
+truth and the baselines once per model and layout (:class:`Reference`); the pool's ranks run the step under CP
+(:func:`run_model_case`) and send back the loss, the gradients (summed over the group) and every module's output
+and first input at their real rows; :func:`judge` compares and classes:
+
+- **pass**: the loss, every parameter's gradient and every module's output within their limits;
+- **bug**: something is not; the first wrong module in forward order is named (from the outputs: a bug anywhere
+  makes every earlier gradient wrong), or, when every output is right, the first wrong gradient in backward
+  order;
+- **unsupported**: refused on every rank with a clear error (``UnsupportedLayerError``,
+  ``UnsupportedAttentionError``, ``AttentionNotRoutedError``, a ``ValueError`` ...), the message quoted;
+- **crash**, **hang**: any other exception or a dead rank; the case's deadline passed (the group is killed);
+- **unavailable**: the model's own reference does not run here (e.g. a CUDA-only kernel), the reason quoted.
+
+Apart from the class, every case says whether the stock model on the packed rows on one device (no CP) computes
+the truth (``packed``: ok / wrong, with its first wrong module / refused): a model wrong there already is not
+packing-safe by itself (positions taken from its rows, a mixer that does not see documents), which separates
+"wrong under CP" from "wrong once packed, whatever CP does".
+
+Limits (verify/tolerances.py's rule, the baseline being the same model per document in the case's dtype):
+float32: ``2 x baseline + 4e-6`` relative per quantity, the baseline being the model per document in float32
+(on every CPU SDPA backend that takes the inputs, the worst) against the float64 truth. float64: 1e-10, unless
+the model computes some ops below float64 (:mod:`verify.model.precision` names them): then
+``max(1e-10, 2 x baseline)``, the baseline being the difference between single-device float64 computations of
+the same documents that differ only in batching (one by one vs right-padded together, in two orders, to a little
+more than the packed length; the worse of the two): the rounding those ops add when the same numbers are summed
+in another order and among padding rows, which CP cannot avoid either. A baseline error stands for every
+quantity of its module class (every RMSNorm weight, say): the largest sets their limit. A parameter the model
+itself casts below float64 in its forward (Gemma's norm weights, DeepSeek's router) has its gradient summed in
+float32 by the model: its float64 limit is at least twice that rounding, measured as the stock gradient's error
+against the same model computed all in float64 (:class:`~verify.model.precision.Promote`).
+
+Shape legend: B rows, S packed length, L rows of a rank, N real positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shlex
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..tolerances import TOLERANCES, judge as judge_tolerance
+from .harness import (
+    _VISION, KINDS, StepResult, _rel, compare, cp_step, document_reference, module_kind, packed_reference, param_grads,
+    text_forward,
+)
+from .layouts import Packed, make_packed, model_rows
+from .multimodal import make_multimodal, multimodal_batched, multimodal_forward, multimodal_reference
+from .precision import LowPrecisionUse, Promote, float32_ops, float64_eager_attention
+from .record import Key, ModuleRecorder, Records, module_name, packed as packed_records, rows_of
+from .zoo import Prepared, build
+
+__all__ = ["MODEL_CLASSES", "ModelCase", "ModelResult", "Reference", "judge", "run_model_case"]
+
+MODEL_CLASSES = ("pass", "bug", "unsupported", "crash", "hang", "unavailable")
+REFUSALS = ("ValueError", "NotImplementedError", "Unsupported", "UnsupportedLayerError", "UnsupportedAttentionError",
+            "AttentionNotRoutedError", "PlanMismatchError")
+FLOAT32_BACKENDS = ("math", "flash_attention")  # CPU SDPA backends the float32 baseline runs on
+OURS = "blockdiag_dist"
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One case; ``args`` name the model on the command line (``--model llama`` or ``--model X --tiny``)."""
+
+    model: str
+    args: tuple[str, ...]
+    cp: int
+    layout: str
+    dtype: str = "float64"
+    sharding: str | None = None  # contiguous | balanced | auto (when the implementation offers layouts)
+    impl: str = OURS
+    seed: int = 0
+
+    @property
+    def rows(self):
+        return model_rows(self.layout, self.cp)
+
+    def label(self) -> str:
+        shard = f" {self.sharding}" if self.sharding else ""
+        return f"{self.model} cp{self.cp} {self.layout} {self.dtype}{shard}"
+
+    def command(self) -> str:
+        a = ["python", "-m", "verify", "model", *self.args, "--cp", str(self.cp), "--layouts", self.layout,
+             "--dtypes", self.dtype]
+        if self.sharding:
+            a += ["--sharding", self.sharding]
+        if self.impl != OURS:
+            a += ["--impl", self.impl]
+        if self.seed:
+            a += ["--seed", str(self.seed)]
+        return " ".join(shlex.quote(x) for x in a)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "args": list(self.args)}
+
+
+# ---- the step under CP, on each rank ----------------------------------------------------------------------
+_worker_models: dict[tuple, tuple[nn.Module, ModuleRecorder]] = {}
+
+
+def _attention_name(impl) -> str:
+    """The transformers attention name that routes to ``impl``: ours through
+    :func:`~blockdiag_dist.integrations.register_transformers_attention`; any other module through a function of
+    the same shape calling its ``cp_blockdiag_sdpa`` (the same refusals of variants the seed's signature cannot
+    carry: sinks, softcap, biases, chunks)."""
+    from blockdiag_dist.integrations import register_transformers_attention
+
+    if impl.name == OURS:
+        return register_transformers_attention()
+    from transformers import AttentionInterface
+
+    from blockdiag_dist.integrations.hf import UnsupportedAttentionError, _check_layer
+
+    name = "verify_" + impl.name.replace(".", "_")
+
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                softcap=None, is_causal=None, **kwargs):
+        _check_layer(module, kwargs, softcap)
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        if not causal:
+            raise UnsupportedAttentionError(f"{name} attention in {type(module).__name__}: expected a causal layer, got is_causal=False")
+        kw: dict[str, Any] = {"is_causal": True, "scale": scaling, "enable_gqa": query.shape[1] != key.shape[1]}
+        if sliding_window is not None:
+            if not impl.windows:
+                raise UnsupportedAttentionError(f"{name}: expected an implementation with window_size, got "
+                                                f"{impl.name} without it (layer sliding_window={sliding_window})")
+            kw["window_size"] = (sliding_window - 1, 0)
+        out = impl.sdpa(query, key, value, **kw)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(name, forward)
+    return name
+
+
+def checksum(model: nn.Module) -> float:
+    """Sum of every parameter in float64: equal iff (for practical purposes) the weights are."""
+    return float(sum(p.detach().to(torch.float64).sum() for p in model.parameters()))
+
+
+def run_model_case(case: dict, prepared: Prepared, weights: float) -> dict[str, Any]:
+    """The step under CP on this rank (inside a pool worker); see the module docstring."""
+    from ..pool import worker_info
+    from ..runner import impl_info
+
+    env = worker_info()
+    case = ModelCase(**{**case, "args": tuple(case["args"])})
+    if case.cp != env["world"]:
+        raise ValueError(f"case needs CP {case.cp}, this group has {env['world']} ranks")
+    impl = impl_info(case.impl)
+    key = (case.model, case.dtype, case.impl)
+    if key not in _worker_models:
+        model = build(prepared, getattr(torch, case.dtype), _attention_name(impl), case.seed)
+        _worker_models[key] = (model, recorder_of(model))
+    model, recorder = _worker_models[key]
+    if checksum(model) != weights:
+        raise RuntimeError(f"verify model: rank {env['rank']} built other weights than the reference "
+                           f"({checksum(model)!r} != {weights!r})")
+    options: dict[str, Any] = {}
+    if case.sharding and "layout" in impl.options:
+        options["layout"] = case.sharding
+    if prepared.multimodal:  # the model's own forward on the whole multimodal batch: no pre-embedding
+        packed = make_multimodal(model, case.rows, _vocab(prepared), case.seed)
+        res = cp_step(model, packed.batch, env["cp_mesh"], multimodal_forward, make_batch_and_ctx=impl.make,
+                      track_rows=True, recorder=recorder, **options)
+    else:
+        packed = make_packed(case.rows, _vocab(prepared), case.seed)
+        res = cp_step(model, packed.batch, env["cp_mesh"], make_batch_and_ctx=impl.make, embed=case.impl != OURS,
+                      track_rows=True, recorder=recorder, **options)
+    out: dict[str, Any] = {"rank": env["rank"], "loss": res.loss, "targets": res.targets, "notes": res.notes}
+    if env["rank"] == 0:
+        out["grads"] = res.grads
+    if res.rows is None or not res.records:
+        out["rows"] = None
+        return out
+    rows = torch.from_numpy(res.rows)  # [B, L] global positions, -1 = CP padding
+    seq = packed.batch["_packed_seq_ids"]
+    B = rows.shape[0]
+    b_idx = torch.arange(B)[:, None].expand_as(rows)
+    real = (rows >= 0) & (seq[b_idx, rows.clamp_min(0)] != 0)
+    rec = res.records[0]
+    out["rows"] = np.stack([b_idx[real].numpy(), rows[real].numpy()], 1)
+    out["out"] = rows_of(rec, rows, real, "out")
+    out["inp"] = rows_of(rec, rows, real, "inp")
+    out["order"] = rec.order
+    out["calls"] = rec.calls
+    return out
+
+
+def recorder_of(model: nn.Module) -> ModuleRecorder:
+    """A recorder of every module but a vision tower's (its outputs are patches, not rows)."""
+    return ModuleRecorder(model, skip=lambda name: bool(_VISION.search(name)))
+
+
+def _vocab(prepared: Prepared) -> int:
+    text = getattr(prepared.config, "text_config", None) or prepared.config
+    return int(text.vocab_size)
+
+
+# ---- the truth and the baselines, in the parent --------------------------------------------------------------
+@dataclass
+class Truth:
+    step: StepResult
+    out: dict[Key, np.ndarray]  # [N, ...] at the packed batch's real positions
+    inp: dict[Key, np.ndarray]
+    order: list[Key]
+    cls: dict[str, str]
+
+
+@dataclass
+class Baseline:
+    """Errors of the baseline against the truth: per parameter, loss, per module output and input; what it is."""
+
+    what: str
+    params: dict[str, float]
+    loss: float
+    out: dict[Key, float]
+    inp: dict[Key, float]
+
+
+def _module_errors(got: dict[Key, np.ndarray], ref: dict[Key, np.ndarray]) -> dict[Key, float]:
+    return {k: _rel(got[k], ref[k]) for k in ref if k in got and got[k].shape == ref[k].shape}
+
+
+def _worst(a: dict, b: dict) -> dict:
+    return {k: max(a.get(k, 0.0), b.get(k, 0.0)) for k in set(a) | set(b)}
+
+
+class Reference:
+    """Everything about one model the parent computes: stock models per dtype, the float32 ops of the float64
+    model (and their cost), and per document layout the truth, the baselines and the packed stock run."""
+
+    def __init__(self, prepared: Prepared, seed: int = 0) -> None:
+        self.prepared = prepared
+        self.seed = seed
+        self._models: dict[str, tuple[nn.Module, ModuleRecorder]] = {}
+        self._truth: dict[Any, Truth] = {}
+        self._base: dict[Any, Baseline | None] = {}
+        self._packed: dict[Any, dict[str, Any]] = {}
+        self._batches: dict[Any, Packed] = {}
+        self._ops: list[LowPrecisionUse] | None = None
+        self.cost: float | None = None  # what the ops below float64 cost (stock vs all in float64), worst gradient
+        self._exact: dict[Any, dict[str, float]] = {}  # per layout: each parameter's error of stock vs all in float64
+        self.weights: float | None = None
+
+    # -- models --
+    def model(self, dtype: str) -> tuple[nn.Module, ModuleRecorder]:
+        if dtype not in self._models:
+            m = build(self.prepared, getattr(torch, dtype), self.prepared.reference_attention, self.seed)
+            self._models[dtype] = (m, recorder_of(m))
+            if self.weights is None:
+                self.weights = checksum(m)
+        return self._models[dtype]
+
+    def _stock(self, model: nn.Module):
+        """The reference's attention: stock SDPA, or eager attention computed in float64 (as CP computes it)."""
+        if self.prepared.reference_attention == "eager":
+            return float64_eager_attention(model)
+        return contextlib.nullcontext()
+
+    def packed(self, rows) -> Packed:
+        if rows not in self._batches:
+            if self.prepared.multimodal:
+                self._batches[rows] = make_multimodal(self.model("float64")[0], rows, _vocab(self.prepared), self.seed)
+            else:
+                self._batches[rows] = make_packed(rows, _vocab(self.prepared), self.seed)
+        return self._batches[rows]
+
+    def reference_step(self, model: nn.Module, p: Packed, recorder: ModuleRecorder | None = None) -> StepResult:
+        """Each document alone through ``model`` (see :func:`~verify.model.harness.document_reference`)."""
+        if self.prepared.multimodal:
+            return multimodal_reference(model, p, recorder=recorder)
+        return document_reference(model, p.docs, recorder=recorder)
+
+    # -- what the model computes below float64 --
+    def float32_ops(self) -> list[LowPrecisionUse]:
+        if self._ops is None:
+            model, _ = self.model("float64")
+            p = self.packed(model_rows("spans-every-rank", 2))
+            if self.prepared.multimodal:
+                i = next((j for j, px in enumerate(p.pixels) if px is not None), 0)
+                batch = p.doc_batch(i)
+            else:
+                doc = p.docs[0]
+                batch = {"input_ids": doc[None], "position_ids": torch.arange(doc.numel())[None]}
+            with self._stock(model):
+                self._ops = float32_ops(model, lambda: self.forward(model, batch))
+        return self._ops
+
+    def forward(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        return (multimodal_forward if self.prepared.multimodal else text_forward)(model, batch)
+
+    def _masked_forward(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        kwargs = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if batch.get(k) is not None}
+        if "pixel_values" in kwargs:
+            kwargs["pixel_values"] = kwargs["pixel_values"].to(next(model.parameters()).dtype)
+        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"],
+                     use_cache=False, **kwargs).logits
+
+    # -- the truth --
+    def truth(self, rows) -> Truth:
+        key = rows
+        if key not in self._truth:
+            model, rec = self.model("float64")
+            p = self.packed(rows)
+            with self._stock(model):
+                step = self.reference_step(model, p, rec)
+            real = p.real
+            order: list[Key] = []
+            for r in step.records:
+                order += [k for k in r.order if k not in set(order)]
+            cls = {}
+            for r in step.records:
+                cls.update(r.cls)
+            self._truth[key] = Truth(step, packed_records(step.records, p.places, p.lengths, real, "out"),
+                                     packed_records(step.records, p.places, p.lengths, real, "inp"), order, cls)
+            if self.float32_ops() and (self.cost is None or self.cast_params()):
+                with Promote():
+                    exact = self.reference_step(model, p)
+                c = compare(exact, step, model, 0.0)
+                self.cost = max(self.cost or 0.0, c.worst)
+                self._exact[key] = c.per_param
+        return self._truth[key]
+
+    def cast_params(self) -> set[str]:
+        """Parameters the model casts below float64 in its forward: their gradients are summed below float64 by
+        the model itself (a norm's ``weight.float()``, a router's ``weight.type(torch.float32)``)."""
+        return {n for use in self.float32_ops() for n in use.params}
+
+    def cast_cost(self, rows) -> dict[str, float]:
+        """Per cast parameter: its gradient's error, stock against the model all in float64."""
+        self.truth(rows)
+        per = self._exact.get(rows, {})
+        return {n: per[n] for n in self.cast_params() if n in per}
+
+    # -- baselines --
+    def baseline(self, rows, dtype: str) -> Baseline | None:
+        """The baseline of ``dtype`` (None for float64 when the model computes nothing below float64)."""
+        key = (rows, dtype)
+        if key in self._base:
+            return self._base[key]
+        truth = self.truth(rows)
+        p = self.packed(rows)
+        if dtype == "float64":
+            if not self.float32_ops():
+                self._base[key] = None
+                return None
+            model, rec = self.model("float64")
+            S = p.batch["labels"].shape[1]
+            worst = None
+            for order, pad in ((1, 3), (-1, 8)):  # two orders and paddings: one sample of rounding is not enough
+                idx = list(range(len(p.docs)))[::order]
+                with self._stock(model):
+                    if self.prepared.multimodal:
+                        step, per_doc = multimodal_batched(model, rec, p, S + pad, idx)
+                    else:
+                        step, per_doc = _batched(model, rec, [p.docs[i] for i in idx], S + pad)
+                per_doc = [per_doc[idx.index(i)] for i in range(len(p.docs))]
+                b = self._errors(f"float64, documents right-padded together to S + {pad} tokens"
+                                 + (" in reverse order" if order < 0 else "") + " vs one by one", truth, step, per_doc, p, model)
+                worst = b if worst is None else Baseline(f"{worst.what}; {b.what}", _worst(worst.params, b.params),
+                                                         max(worst.loss, b.loss), _worst(worst.out, b.out), _worst(worst.inp, b.inp))
+            self._base[key] = worst
+            return self._base[key]
+        model, rec = self.model(dtype)
+        backends = FLOAT32_BACKENDS if self.prepared.reference_attention == "sdpa" else (None,)
+        worst: Baseline | None = None
+        refused = []
+        for backend in backends:
+            try:
+                with _sdpa_backend(backend):
+                    step = self.reference_step(model, p, rec)
+            except RuntimeError as exc:  # this backend refuses these inputs: it cannot be the one a user gets
+                refused.append(f"SDPA {backend} refuses: {_first_line(exc)}")
+                continue
+            b = self._errors(f"{dtype}, each document alone" + (f" (SDPA {backend})" if backend else ""), truth, step,
+                             step.records, p, model)
+            if worst is None:
+                worst = b
+            else:
+                worst = Baseline(f"{worst.what}; {b.what}", _worst(worst.params, b.params), max(worst.loss, b.loss),
+                                 _worst(worst.out, b.out), _worst(worst.inp, b.inp))
+        if worst is None:
+            raise RuntimeError("; ".join(refused))
+        if refused:
+            worst.what += " (" + "; ".join(refused) + ")"
+        self._base[key] = worst
+        return worst
+
+    def _errors(self, what: str, truth: Truth, step: StepResult, per_doc: list[Records], p: Packed, model) -> Baseline:
+        c = compare(truth.step, step, model, 0.0)
+        real = p.real
+        out = packed_records(per_doc, p.places, p.lengths, real, "out")
+        inp = packed_records(per_doc, p.places, p.lengths, real, "inp")
+        return Baseline(what, c.per_param, c.loss_rel, _module_errors(out, truth.out), _module_errors(inp, truth.inp))
+
+    # -- the packed rows on one device, stock model --
+    def packed_stock(self, rows) -> dict[str, Any]:
+        """Whether the stock model, given the packed rows on one device (text: transformers finds the documents from
+        the restarting ``position_ids``; vision-language: per-document masks per layer type), computes the truth: ``{"status": "ok" | "wrong" | "refused", "worst", "first_wrong", "message"}`` (judged
+        with the float64 limits). "wrong" means the model is not packing-safe by itself (a layer that mixes the
+        sequence without the mask, positions from the rows): wrong under CP whatever CP does."""
+        if rows in self._packed:
+            return self._packed[rows]
+        truth = self.truth(rows)
+        model, rec = self.model("float64")
+        p = self.packed(rows)
+        try:
+            with self._stock(model):
+                whole = {k: v for k, v in p.batch.items() if k != "_packed_seq_ids"}
+                forward = self.forward
+                if self.prepared.multimodal:  # transformers finds documents from 2-D positions only: give masks
+                    text = getattr(model.config, "text_config", model.config)
+                    doc_pos = torch.zeros_like(p.batch["input_ids"])
+                    for d, (b, s0) in zip(p.docs, p.places):
+                        doc_pos[b, s0 : s0 + d.numel()] = torch.arange(d.numel())
+                    whole["attention_mask"] = layer_masks(text, p.batch["_packed_seq_ids"], doc_pos,
+                                                          next(model.parameters()).dtype)
+                    forward = self._masked_forward
+                step = packed_reference(model, whole, forward, recorder=rec)
+        except Exception as exc:  # noqa: BLE001 - the model refuses packed rows: reported, not judged
+            self._packed[rows] = {"status": "refused", "message": f"{type(exc).__name__}: {_first_line(exc)}"}
+            return self._packed[rows]
+        real = p.real
+        got_out = {k: v[real[0], real[1]].numpy() for k, v in step.records[0].out.items()}
+        got_inp = {k: v[real[0], real[1]].numpy() for k, v in step.records[0].inp.items()}
+        verdict = _compare_all(self, rows, "float64", truth, step, got_out, got_inp, model)
+        self._packed[rows] = {"status": "ok" if verdict["ok"] else "wrong", "worst": verdict["worst_grad"],
+                              "first_wrong": verdict.get("first_wrong_module"), "loss": verdict["loss_rel"]}
+        return self._packed[rows]
+
+
+def layer_masks(text_config: Any, seq_ids: Tensor, doc_pos: Tensor, dtype: torch.dtype) -> Tensor | dict[str, Tensor]:
+    """Additive ``[B, 1, S, S]`` per-document masks (0 where query i may see key j: same document, j <= i, within
+    the layer's window or chunk; a padding row sees itself; the dtype's lowest value elsewhere), one per layer
+    type of ``text_config`` (transformers takes such a dict instead of building masks), else one mask."""
+    B, S = seq_ids.shape
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    base = (seq_ids[:, :, None] == seq_ids[:, None, :]) & (seq_ids[:, :, None] != 0) & (j <= i)
+
+    def additive(allowed: Tensor) -> Tensor:
+        allowed = allowed | torch.eye(S, dtype=torch.bool)
+        return torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+
+    window = getattr(text_config, "sliding_window", None)
+    chunk = getattr(text_config, "attention_chunk_size", None)
+    kinds = {
+        "sliding_attention": base & (i - j < window) if window else base,
+        "chunked_attention": base & (doc_pos[:, :, None] // chunk == doc_pos[:, None, :] // chunk) if chunk else base,
+    }
+    types = getattr(text_config, "layer_types", None)
+    if not types:
+        return additive(kinds["sliding_attention"] if window else base)
+    return {t: additive(kinds.get(t, base)) for t in set(types)}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+@contextlib.contextmanager
+def _sdpa_backend(name: str | None) -> Iterator[None]:
+    if name is None:
+        yield
+        return
+    from torch.nn.attention import sdpa_kernel
+
+    from ..tolerances import sdpa_backend
+
+    with sdpa_kernel([sdpa_backend(name)]):
+        yield
+
+
+def _batched(model: nn.Module, rec: ModuleRecorder, docs: Sequence[Tensor], length: int) -> tuple[StepResult, list[Records]]:
+    """The documents right-padded into one batch ``[k, length]`` (attention mask), one forward and backward: the
+    same sums as one by one, in another order and with padding rows among them, as in a packed row. Returns the
+    step and per-document Records."""
+    from blockdiag_dist.integrations import causal_lm_loss
+
+    model.zero_grad(set_to_none=True)
+    k, n = len(docs), max(length, max(int(d.numel()) for d in docs))
+    ids = torch.zeros(k, n, dtype=torch.int64)
+    labels = torch.full((k, n), -100, dtype=torch.int64)
+    mask = torch.zeros(k, n, dtype=torch.int64)
+    pos = torch.zeros(k, n, dtype=torch.int64)
+    for i, d in enumerate(docs):
+        m = d.numel()
+        ids[i, :m], labels[i, : m - 1], mask[i, :m], pos[i, :m] = d, d[1:], 1, torch.arange(m)
+    with rec.forward(k, n) as r:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    loss = causal_lm_loss(logits, labels, 1)
+    loss.backward()
+    step = StepResult(loss=float(loss.detach()), grads=param_grads(model), targets=int((labels != -100).sum()))
+    per_doc = []
+    for i, d in enumerate(docs):
+        m = int(d.numel())
+        per_doc.append(Records(order=r.order, out={key: t[i : i + 1, :m] for key, t in r.out.items()},
+                               inp={key: t[i : i + 1, :m] for key, t in r.inp.items()}, cls=r.cls))
+    return step, per_doc
+
+
+# ---- judging ------------------------------------------------------------------------------------------------
+def limit(dtype: str, base: float | None, low_ops: bool) -> float:
+    """The limit of one relative error (see the module docstring)."""
+    if dtype == "float64":
+        rel = TOLERANCES["float64"].rel
+        return max(rel, TOLERANCES["float32"].factor * base) if low_ops and base is not None else rel
+    return judge_tolerance(dtype, 0.0, 1.0, base if base is not None else 0.0)[0]
+
+
+def _compare_all(ref: Reference, rows, dtype: str, truth: Truth, got: StepResult, got_out: dict[Key, np.ndarray],
+                 got_inp: dict[Key, np.ndarray], model: nn.Module) -> dict[str, Any]:
+    """Loss, gradients and module outputs of ``got`` against the truth, each with its limit."""
+    base = ref.baseline(rows, dtype)
+    low = bool(ref.float32_ops())
+    # a baseline error stands for every quantity of the same module class: rounding below float64 (a float32
+    # sum over the rows in a norm's weight gradient) is as large in one instance as in another, and the
+    # orders in which CP and the baseline add differ from each other
+    owners = {n: _owner_class(model, n) for n in truth.step.grads}
+    bp = _pooled(base.params if base else {}, owners)
+    limits = {n: limit(dtype, bp.get(n), low) for n in truth.step.grads}
+    if dtype == "float64":  # a gradient the model sums in float32 may be off by that rounding, twice
+        for n, e in ref.cast_cost(rows).items():
+            limits[n] = max(limits[n], TOLERANCES["float32"].factor * e)
+    loss_limit = limit(dtype, base.loss if base else None, low)
+    c = compare(truth.step, got, model, limit(dtype, None, low), limits=limits, loss_limit=loss_limit)
+    out_err = _module_errors(got_out, truth.out)
+    inp_err = _module_errors(got_inp, truth.inp)
+    classes = {k: truth.cls.get(module_name(k[0]), "?") for k in set(truth.out) | set(truth.inp)}
+    bo, bi = (_pooled(base.out, classes), _pooled(base.inp, classes)) if base else ({}, {})
+    out_lim = {k: limit(dtype, bo.get(k), low) for k in out_err}
+    inp_lim = {k: limit(dtype, bi.get(k), low) for k in inp_err}
+    first = next((k for k in truth.order if k in out_err and out_err[k] > out_lim[k]), None)
+    verdict: dict[str, Any] = {
+        "loss_rel": c.loss_rel, "loss_limit": loss_limit, "worst_grad": max(c.per_param.values(), default=0.0),
+        "per_kind": {}, "ok": c.ok and first is None, "modules_compared": len(out_err),
+        "baseline": base.what if base else "none (the model computes everything in float64)",
+    }
+    for kind in KINDS:
+        names = [n for n in c.per_param if c.kinds[n] == kind]
+        if not names:
+            continue
+        worst = max(names, key=lambda n: c.per_param[n])
+        bad = [n for n in names if c.per_param[n] > c.limit_of(n)]
+        verdict["per_kind"][kind] = {"worst": c.per_param[worst], "param": worst, "limit": c.limit_of(worst),
+                                     "failing": len(bad), "params": len(names)}
+    if first is not None:
+        name, call = first
+        name = module_name(name)
+        culprit, via = name, None
+        if first in inp_err and inp_err[first] > inp_lim[first] and "." in name:
+            culprit, via = name.rsplit(".", 1)[0], name  # its input came wrong from the code of its parent
+        verdict["first_wrong_module"] = {
+            "module": culprit, "class": _class_of(model, culprit, truth.cls), "kind": module_kind(model, culprit + ".x"),
+            "err": out_err[first], "limit": out_lim[first], "call": call,
+            "via": via and f"{via} ({truth.cls.get(via, '?')}) got a wrong input from it (err {inp_err[first]:.2e})",
+        }
+    elif c.failing or not c.loss_ok:
+        order = [n for n, _ in model.named_parameters() if n in c.per_param]
+        back = next((n for n in reversed(order) if c.per_param[n] > c.limit_of(n)), None)
+        verdict["first_wrong_grad_backward"] = back
+    verdict["failing_params"] = c.failing[:8]
+    return verdict
+
+
+def _owner_class(model: nn.Module, param: str) -> str:
+    owner = param.rsplit(".", 1)[0] if "." in param else ""
+    try:
+        return type(model.get_submodule(owner)).__name__ + ("." + param.rsplit(".", 1)[-1])
+    except AttributeError:
+        return param
+
+
+def _pooled(errors: dict, groups: dict) -> dict:
+    """Each quantity's baseline error raised to the largest of its group's."""
+    worst: dict = {}
+    for k, e in errors.items():
+        g = groups.get(k, k)
+        worst[g] = max(worst.get(g, 0.0), e)
+    return {k: worst[groups.get(k, k)] for k in errors}
+
+
+def _class_of(model: nn.Module, name: str, known: dict[str, str]) -> str:
+    if name in known:
+        return known[name]
+    try:
+        return type(model.get_submodule(name)).__name__
+    except AttributeError:
+        return "?"
+
+
+@dataclass
+class ModelResult:
+    case: ModelCase
+    cls: str  # one of MODEL_CLASSES
+    why: str = ""  # one line
+    message: str = ""  # the refusal or exception, quoted
+    verdict: dict[str, Any] = field(default_factory=dict)  # numbers (see _compare_all)
+    packed: dict[str, Any] = field(default_factory=dict)  # the packed stock run on one device
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    details: str = ""  # tracebacks of a crash
+
+    @property
+    def ok(self) -> bool:
+        return self.cls == "pass"
+
+    def to_dict(self) -> dict[str, Any]:
+        v = {k: (list(val) if isinstance(val, tuple) else val) for k, val in self.verdict.items()}
+        return {"case": self.case.to_dict(), "label": self.case.label(), "class": self.cls, "why": self.why,
+                "message": self.message, "verdict": v, "packed": self.packed, "notes": self.notes,
+                "seconds": round(self.seconds, 3), "reproduce": self.case.command(),
+                "details": self.details[-4000:] if self.details else ""}
+
+
+def judge(case: ModelCase, ref: Reference, per_rank: list[dict[str, Any]]) -> ModelResult:
+    """Class one case from every rank's result."""
+    rows = case.rows
+    truth = ref.truth(rows)
+    model, _ = ref.model("float64")
+    first = per_rank[0]
+    got = StepResult(loss=first["loss"], grads=first["grads"], targets=first["targets"], notes=first["notes"])
+    got_out: dict[Key, np.ndarray] = {}
+    got_inp: dict[Key, np.ndarray] = {}
+    notes = list(first["notes"])
+    p = ref.packed(rows)
+    if all(r.get("rows") is not None for r in per_rank):
+        index = {(int(b), int(s)): i for i, (b, s) in enumerate(zip(*p.real))}
+        seen = np.concatenate([r["rows"] for r in per_rank]) if per_rank else np.zeros((0, 2), dtype=np.int64)
+        where = [index.get((int(b), int(s)), -1) for b, s in seen]
+        if sorted(where) != list(range(len(index))):
+            return ModelResult(case, "bug", why=f"the ranks' real rows are not the batch's real tokens once each "
+                               f"({len(where)} rows for {len(index)} tokens)")
+        want = truth.step.records[0].calls if truth.step.records else {}
+        for which, into in (("out", got_out), ("inp", got_inp)):
+            keys = set.intersection(*[set(r[which]) for r in per_rank]) if per_rank else set()
+            keys = {k for k in keys if all(r.get("calls", {}).get(k[0]) == want.get(k[0]) for r in per_rank)}
+            for k in keys:
+                parts = [r[which][k] for r in per_rank]
+                if len({part.shape[1:] for part in parts}) != 1:
+                    continue
+                stacked = np.concatenate(parts)
+                arranged = np.empty_like(stacked)
+                arranged[where] = stacked
+                into[k] = arranged
+    else:
+        notes.append("module outputs not compared: the implementation reports no row positions")
+    v = _compare_all(ref, rows, case.dtype, truth, got, got_out, got_inp, model)
+    v["targets"] = (got.targets, truth.step.targets)
+    if got.targets != truth.step.targets:
+        v["ok"] = False
+    stock = ref.packed_stock(rows)
+    if v["ok"]:
+        return ModelResult(case, "pass", verdict=v, packed=stock, notes=notes)
+    return ModelResult(case, "bug", why=_why(v, stock), verdict=v, packed=stock, notes=notes)
+
+
+def _why(v: dict[str, Any], stock: dict[str, Any] | None) -> str:
+    parts = []
+    fw = v.get("first_wrong_module")
+    if fw:
+        via = f"; {fw['via']}" if fw.get("via") else ""
+        parts.append(f"first wrong module {fw['module']} ({fw['class']}, {fw['kind']}): output err {fw['err']:.2e} > "
+                     f"{fw['limit']:.2e}{via}")
+    elif v.get("first_wrong_grad_backward"):
+        parts.append(f"every module output right; first wrong gradient in backward order: {v['first_wrong_grad_backward']}")
+    bad = {k: e for k, e in v["per_kind"].items() if e["failing"]}
+    if bad:
+        parts.append("gradients: " + ", ".join(f"{k} {e['worst']:.2e} ({e['failing']}/{e['params']} over)" for k, e in bad.items()))
+    if v["loss_rel"] > v["loss_limit"]:
+        parts.append(f"loss {v['loss_rel']:.2e} > {v['loss_limit']:.2e}")
+    if v.get("targets") and v["targets"][0] != v["targets"][1]:
+        parts.append(f"targets {v['targets'][0]} != {v['targets'][1]}")
+    if stock and stock.get("status") == "wrong":
+        where = (stock.get("first_wrong") or {}).get("module")
+        same = " (the same module: the model may not be packing-safe)" if fw and where == fw["module"] else ""
+        parts.append(f"the stock model on the packed rows on one device is wrong too (worst gradient "
+                     f"{stock['worst']:.2e}" + (f", first wrong module {where}{same}" if where else "") + ")")
+    return "; ".join(parts)
+
+
+def failure_result(case: ModelCase, failure, world: int) -> ModelResult:
+    """A case whose step raised, hung or died on some rank (a :class:`~verify.pool.TaskFailure`)."""
+    from ..classify import _last_exception, _rank_tracebacks
+
+    details = str(failure)
+    if failure.kind == "timeout":
+        return ModelResult(case, "hang", why=f"deadline passed on rank(s) {failure.ranks}", details=details)
+    if failure.kind == "crash":
+        return ModelResult(case, "crash", why=f"rank(s) {failure.ranks} died", details=details)
+    excs = [_last_exception(tb) for tb in _rank_tracebacks(details)]
+    every_rank = sorted(failure.ranks) == list(range(world))
+    if excs and every_rank and all(t in REFUSALS and msg for t, msg in excs):
+        t, msg = excs[0]
+        return ModelResult(case, "unsupported", why=f"{t} on every rank", message=f"{t}: {msg}", details=details)
+    t, msg = excs[0] if excs else ("", "")
+    return ModelResult(case, "crash", why=f"raised on rank(s) {failure.ranks}" + ("" if every_rank else " only"),
+                       message=f"{t}: {msg}" if t else details.splitlines()[0], details=details)
