@@ -635,6 +635,8 @@ def judge(case: ModelCase, ref: Reference, per_rank: list[dict[str, Any]]) -> Mo
     got_inp: dict[Key, np.ndarray] = {}
     notes = list(first["notes"])
     p = ref.packed(rows)
+    if getattr(p, "pixels", None) is not None and not any(px is not None for px in p.pixels):
+        notes.append("no document of this layout has room for an image: text only")
     if all(r.get("rows") is not None for r in per_rank):
         index = {(int(b), int(s)): i for i, (b, s) in enumerate(zip(*p.real))}
         seen = np.concatenate([r["rows"] for r in per_rank]) if per_rank else np.zeros((0, 2), dtype=np.int64)

@@ -57,7 +57,9 @@ def _usage(console, message: str) -> int:
     return 2
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, session=None) -> int:
+    """Run ``python -m verify model`` with parsed ``args``; ``session`` (a
+    :class:`~verify.model.run.ModelSession`) reuses its pools instead of spawning new ones."""
     import torch
 
     from ..report import _plain, make_console
@@ -117,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
         ModelCase(model=name, args=tuple(prepared[name].args), cp=cp, layout=layout, dtype=dtype, sharding=s,
                   impl=args.impl, seed=args.seed)
         for name in names for cp in cps for layout in layouts
-        if not (layout == "s-lt-cp" and cp == 1) for dtype in dtypes for s in shardings
+        for dtype in dtypes for s in shardings
     ]
     console.print(f"verify model: {len(names)} model(s) x {len(cases) // max(1, len(names))} cases, --impl {args.impl}",
                   markup=False)
@@ -131,9 +133,14 @@ def main(args: argparse.Namespace) -> int:
                           markup=False, soft_wrap=True, highlight=False)
             console.print(f"  reproduce: {r.case.command()}", markup=False, soft_wrap=True)
 
-    with ModelSession(case_timeout=args.case_timeout, backend=args.backend or "gloo") as session:
+    own = session is None
+    session = session or ModelSession(case_timeout=args.case_timeout, backend=args.backend or "gloo")
+    try:
         session.run(cases, prepared, on_result=on_result)
         infos = {name: model_info(session.reference(prepared[name], args.seed)) for name in names}
+    finally:
+        if own:
+            session.close()
     wall = time.perf_counter() - t0
     _summary(console, results, names, infos, wall)
     data = {"impl": args.impl, "wall_seconds": round(wall, 1), "cps": cps, "layouts": layouts, "dtypes": dtypes,

@@ -175,7 +175,7 @@ def cp_step(
         if positions is not None:
             pos = positions.to(torch.int64).cpu()
             rows = torch.where(pos < S, pos, -1).expand(*local["labels"].shape).numpy().copy()
-        elif isinstance(tagged, Tensor):
+        elif isinstance(tagged, Tensor) and tagged.shape == local["labels"].shape:  # sharded like the batch
             rows = (tagged.to(torch.int64).cpu() - 1).numpy()
     group = None if cp_mesh is None else (cp_mesh if isinstance(cp_mesh, dist.ProcessGroup) else cp_mesh.get_group())
     grads = param_grads(model)

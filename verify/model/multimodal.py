@@ -1,9 +1,9 @@
 """Vision-language batches for model-level cases (Qwen2.5-VL, Qwen3-VL and their kin): documents holding an
 image, packed with what the model's own forward needs.
 
-Each document of 4 tokens or more gets one image (the first grid of :data:`GRIDS` that fits, starting from a
-different one each document: 4, 2 or 1 image tokens after the ``2 x 2`` merge) right after its first token:
-``vision_start, image x k, vision_end``. Its mRoPE
+Each document of 3 tokens or more gets one image (the first grid of :data:`GRIDS` that fits, starting from a
+different one each document: 4, 2 or 1 image tokens after the ``2 x 2`` merge) at its start, or after its first
+token when there is room: ``vision_start, image x k, vision_end``. Its mRoPE
 positions ``[3, n]`` come from the model's own ``get_rope_index`` on the document alone; the packed batch holds
 ``input_ids``, pre-shifted ``labels``, ``position_ids [3, B, S]`` (each document's own), ``_packed_seq_ids``,
 ``pixel_values`` of every image in row order and ``image_grid_thw``. The truth runs each document alone with
@@ -76,13 +76,14 @@ def make_multimodal(model: nn.Module, rows, vocab: int, seed: int = 0) -> Multim
     for i, (doc, (b, s)) in enumerate(zip(base.docs, base.places)):
         doc = doc.clone()
         order = GRIDS[k_img % len(GRIDS):] + GRIDS[: k_img % len(GRIDS)]
-        fits = [gr for gr in order if doc.numel() >= gr[0] * gr[1] * gr[2] // (merge * merge) + 3]
+        fits = [gr for gr in order if doc.numel() >= gr[0] * gr[1] * gr[2] // (merge * merge) + 2]
         if fits:
             grid = fits[0]
             n_tokens = grid[0] * grid[1] * grid[2] // (merge * merge)
-            doc[1] = start
-            doc[2 : 2 + n_tokens] = image
-            doc[2 + n_tokens] = end
+            at = 1 if doc.numel() >= n_tokens + 3 else 0
+            doc[at] = start
+            doc[at + 1 : at + 1 + n_tokens] = image
+            doc[at + 1 + n_tokens] = end
             pixels.append(torch.randn(grid[0] * grid[1] * grid[2], _feature_size(vision), generator=g))
             grids.append(torch.tensor([grid], dtype=torch.int64))
             k_img += 1

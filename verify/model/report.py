@@ -76,9 +76,12 @@ def write_markdown(path: str, data: dict[str, Any]) -> None:
         "module in forward order is named); **unsupported** (a clear refusal on every rank, quoted); **crash**; "
         "**hang**; **n/a here** (the model's own reference does not run on this machine). See docs/verify-model.md.",
         "",
-        "\"Packed, one device\" runs the stock model on the packed rows without CP (text models: transformers finds "
-        "the documents from the restarting `position_ids`; vision-language models: per-document masks): **wrong** "
-        "there means the model as shipped is not packing-safe by itself, whatever CP does.",
+        "\"Packed, one device\" runs the stock model on the packed rows without CP (text models: documents given as "
+        "transformers takes them, by the restarting `position_ids`; vision-language models: per-document masks per "
+        "layer type). **wrong** there means the model as shipped is not packing-safe by itself, whatever CP does: "
+        "its math reads the rows (Llama 4's NoPE temperature from `torch.arange`), a mixer does not see documents "
+        "(Gated DeltaNet, Mamba2 on their CPU paths), or its forward builds masks without the positions (gpt-oss, "
+        "BLOOM); the module named is where the packed run first differs.",
         "",
         "| model | exercises | " + " | ".join(f"CP {cp}" for cp in cps) + " | worst grad err CP "
         + str(max(cps)) + " (f64 / f32) | packed, one device | first wrong / refusal |",

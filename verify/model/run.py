@@ -34,6 +34,8 @@ class ModelSession:
         self.backend = backend
         self.pools: dict[int, WorkerPool] = {}
         self.references: dict[str, Reference] = {}
+        self._refused: set[tuple[str, int, str]] = set()  # (model, CP size) refused on every rank in an earlier case
+        self._packed_seen: set[tuple[str, int, str]] = set()  # (model, CP size) whose packed-rows verdict a failure has
 
     def __enter__(self) -> ModelSession:
         return self
@@ -98,29 +100,39 @@ class ModelSession:
             pending = []
             for i, (case, ref, task) in enumerate(zip(submitted, refs, ids)):
                 t0 = time.perf_counter()
-                unavailable = _prepare(ref, case)  # while the ranks compute
+                # the truth while the ranks compute; not for a model refused at this CP size already (refused again,
+                # most likely: its truth would only feed one packed-rows verdict, taken once per model and size)
+                refused = (case.model, cp, case.impl) in self._refused
+                unavailable = None if refused else _prepare(ref, case)
                 item = pool.collect(task, timeout=self.case_timeout, name=case.label())
-                if unavailable is None and not isinstance(item, TaskFailure):
-                    unavailable = _prepare(ref, case, baseline=True)
                 seconds = time.perf_counter() - t0
                 if isinstance(item, TaskFailure):
                     result = failure_result(case, item, cp)
-                    result.packed = ref.packed_stock(case.rows) if unavailable is None else {}
+                    if result.cls == "unsupported":
+                        self._refused.add((case.model, cp, case.impl))
+                    if unavailable is None and (case.model, cp, case.impl) not in self._packed_seen:
+                        unavailable = _prepare(ref, case)
+                        if unavailable is None:
+                            self._packed_seen.add((case.model, cp, case.impl))
+                            result.packed = ref.packed_stock(case.rows)
                     if result.packed.get("status") == "wrong":
                         result.why += ("; the stock model on the packed rows on one device is wrong already (worst "
                                        f"gradient {result.packed['worst']:.2e}): not packing-safe")
                     if not pool.alive:  # the group was killed: the cases queued behind this one run again
                         pending = submitted[i + 1:]
-                elif unavailable is not None:
-                    result = unavailable
                 else:
-                    try:
-                        result = judge(case, ref, item)
-                    except Exception as exc:  # noqa: BLE001 - a judging error is the verifier's: reported as a crash
-                        import traceback
+                    if unavailable is None:
+                        unavailable = _prepare(ref, case, baseline=True)
+                    if unavailable is not None:
+                        result = unavailable
+                    else:
+                        try:
+                            result = judge(case, ref, item)
+                        except Exception as exc:  # noqa: BLE001 - a judging error is the verifier's: a crash
+                            import traceback
 
-                        result = ModelResult(case, "crash", why="judging failed", message=f"{type(exc).__name__}: {exc}",
-                                             details=traceback.format_exc())
+                            result = ModelResult(case, "crash", why="judging failed", message=f"{type(exc).__name__}: {exc}",
+                                                 details=traceback.format_exc())
                 result.seconds = seconds
                 if unavailable is not None and result.cls != "unsupported":
                     result = unavailable

@@ -179,6 +179,11 @@ def resolve(model: str, *, tiny: bool = False) -> Prepared:
     for path, value in preset.overrides if preset else ():
         _set(config, path, value)
     _no_dropout(config)
+    try:
+        meta_build(auto)(config)  # a config that cannot build a model is a usage error, found before anything runs
+    except Exception as exc:  # noqa: BLE001 - the model class's own complaint, in one line
+        raise ModelSpecError(f"--model {model}: expected {type(config).__name__} to build a model, got "
+                             f"{type(exc).__name__}: {_first_line(exc)}") from None
     cls = getattr(__import__("transformers"), auto)._model_mapping[type(config)]
     attention = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     args = ["--model", model] + (["--tiny"] if tiny and preset is None else [])
