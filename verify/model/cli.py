@@ -64,7 +64,7 @@ def main(args: argparse.Namespace, session=None) -> int:
 
     from ..report import _plain, make_console
     from ..runner import impl_info
-    from .check import OURS, ModelCase
+    from .check import ModelCase
     from .layouts import MODEL_LAYOUTS
     from .run import ModelSession, model_info
     from .zoo import PRESETS, resolve

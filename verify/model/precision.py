@@ -2,13 +2,14 @@
 
 Models round on purpose: transformers' RMSNorms cast to float32 whatever the model's dtype, rotary embeddings
 compute their angles in float32, routers take their softmax in float32, eager attention takes its softmax in
-float32. In a float64 model those ops carry float32 error, so the float64 limit of 1e-10 would judge the model,
+float32, the CPU paths of linear attention and state-space mixers compute in float32. In a float64 model those ops carry float32 error, so the float64 limit of 1e-10 would judge the model,
 not CP. :func:`float32_ops` runs a forward under a ``TorchDispatchMode`` that records every op whose floating
 output is below float64, with the innermost module it ran in. :class:`Promote` is the opposite mode: it runs
 every op in float64 (lower-precision inputs upcast, ``dtype=`` arguments raised), so that the cost of those ops
 can be measured (the model as written against the model in float64), and :func:`float64_eager_attention`
 applies it to transformers' eager attention functions only: the reference of a model without SDPA support then
-computes attention in float64, as CP does.
+computes attention in float64, as CP does; :func:`float64_modules` does the same for chosen modules (the
+sequence mixers a CP implementation replaces).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["LOW", "LowPrecisionUse", "Promote", "float32_ops", "float64_eager_attention", "module_stack"]
+__all__ = ["LOW", "LowPrecisionUse", "Promote", "float32_ops", "float64_eager_attention", "float64_modules", "module_stack"]
 
 LOW = (torch.float32, torch.bfloat16, torch.float16)
 # ops that only view, move or copy a tensor: not worth naming (the op that produced it is named)
@@ -148,3 +149,34 @@ def float64_eager_attention(model: nn.Module) -> Iterator[list[str]]:
     finally:
         for mod, fn in patched:
             mod.eager_attention_forward = fn  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def float64_modules(model: nn.Module, match: Callable[[nn.Module], bool]) -> Iterator[list[str]]:
+    """While active, every module of ``model`` for which ``match(module)`` holds runs its forward under
+    :class:`Promote` (its backward is then float64 too: autograd replays the ops it ran). Yields their names."""
+    handles, names = [], []
+    modes: list[Promote] = []
+    for name, m in model.named_modules():
+        if not match(m):
+            continue
+        names.append(name)
+
+        def pre(mod, args):
+            mode = Promote()
+            mode.__enter__()
+            modes.append(mode)
+
+        def post(mod, args, out):
+            if modes:
+                modes.pop().__exit__(None, None, None)
+
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
+    try:
+        yield names
+    finally:
+        for h in handles:
+            h.remove()
+        while modes:
+            modes.pop().__exit__(None, None, None)

@@ -393,7 +393,10 @@ def _kept(cfg: Any, path: str, module_sigs: dict[str, list[tuple]] | None, build
     # the first layer of each kind; else the shortest prefix holding every kind (a kind may follow from a step)
     candidates = [keep] + [list(range(k)) for k in range(max(MIN_LAYERS, len(seen)), n + 1) if list(range(k)) != keep]
     for cand in candidates:
-        new = _rebuild(cls, _subset(vals, count_field, n, cand, kinds), f"{path}{count_field}={len(cand)}")
+        try:
+            new = _rebuild(cls, _subset(vals, count_field, n, cand, kinds), f"{path}{count_field}={len(cand)}")
+        except TinyConfigError:  # the config class refuses this subset: the next candidate may do
+            continue
         if _covers(new, path, kinds, set(cfg_sigs), set(sigs) if sigs is not cfg_sigs else None, build_sigs, root):
             changes[path + count_field] = (n, len(cand))
             kept[path + count_field] = cand
@@ -413,7 +416,10 @@ def _covers(new: Any, path: str, kinds: dict[str, str], want_cfg: set, want_all:
         return False
     if want_all is None or build_sigs is None:
         return True
-    mod = build_sigs(_with(root, path, new)).get(path)
+    try:
+        mod = build_sigs(_with(root, path, new)).get(path)
+    except TinyConfigError:  # this subset does not build: the next candidate may
+        return False
     if mod is None or len(mod) != k:
         return False
     return {a + b for a, b in zip(got, mod)} >= want_all
@@ -519,15 +525,18 @@ def tiny_config(config: Any, *, build: Callable[[Any], nn.Module] | None = None)
             + ("a layer count" if not _has_layers(widths) else "a width field")
             + " (other names are not shrunk; give a config.json already small, without --tiny)"
         )
-    build_sigs = None
+    build_sigs: ModuleSignatures | None = None
     module_sigs = None
     if build is not None:
-        def build_sigs(cfg: Any) -> dict[str, list[tuple]]:
+        def signatures(cfg: Any) -> dict[str, list[tuple]]:
             try:
                 return module_signatures(build(cfg), cfg)
-            except Exception as exc:  # noqa: BLE001
-                raise TinyConfigError(f"--tiny: the shrunk config does not build: {type(exc).__name__}: {exc}") from None
+            except Exception as exc:  # noqa: BLE001 - the model class's complaint, in one line
+                text = str(exc).strip().splitlines()
+                raise TinyConfigError(f"--tiny: expected the shrunk {type(cfg).__name__} to build a model, got "
+                                      f"{type(exc).__name__}: {text[0] if text else ''}") from None
 
+        build_sigs = signatures
         module_sigs = build_sigs(widths)
     kept: dict[str, list[int]] = {}
     tiny = _kept(widths, "", module_sigs, build_sigs, widths, changes, kept)
