@@ -7,7 +7,7 @@ implementation) and :func:`~verify.model.harness.compare` (loss and every parame
 kind). Around them: :mod:`~verify.model.zoo` (which model, the presets), :mod:`~verify.model.tiny` (shrinking a
 config, every layer type kept), :mod:`~verify.model.layouts` and :mod:`~verify.model.multimodal` (packed
 batches), :mod:`~verify.model.record` (every module's output, to name the first wrong one),
-:mod:`~verify.model.precision` (what a model computes below float64), :mod:`~verify.model.check` (one case,
+:mod:`~verify.model.precision` (what a model computes below float64), :mod:`~verify.model.reference` (the truth and the baselines), :mod:`~verify.model.check` (one case,
 classed) and :mod:`~verify.model.run` (cases over persistent pools).
 
 Nothing here imports transformers until a model is resolved.

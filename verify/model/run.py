@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..pool import TaskFailure, WorkerPool
-from .check import ModelCase, ModelResult, Reference, failure_result, judge, run_model_case
+from .check import ModelCase, ModelResult, failure_result, judge, run_model_case
+from .reference import Reference
 from .zoo import Prepared
 
 __all__ = ["ModelSession", "warm_up"]
