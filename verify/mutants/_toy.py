@@ -33,6 +33,7 @@ BUGS = (
     "kv_scale",  # K and V arrive scaled by 1 + 1e-4 (1 + 1e-9 in float64): the smallest error limits must catch
     "refuse_rows",  # refuses B > 1 with a ValueError on every rank (a declared limit, not a bug)
     "docs_by_id",  # a document is every token sharing an id (a convention, declared by its module)
+    "late_layer",  # from a step's second attention call on, each query sees one future key (a model's later layers)
 )
 
 KV_SCALE = {torch.float64: 1e-9}  # relative perturbation of kv_scale per dtype; 1e-4 for every other dtype
@@ -85,7 +86,7 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
                 batch[key] = t[:, rank * L : (rank + 1) * L]
         full_ids = F.pad(ids, (0, pad))
         seg = full_ids if bug == "docs_by_id" else DocLayout.from_doc_ids(full_ids.cpu()).segment_ids.to(x.device)
-        state = {"group": group, "world": world, "rank": rank, "L": L, "seg": seg}
+        state = {"group": group, "world": world, "rank": rank, "L": L, "seg": seg, "calls": 0}
 
         @contextlib.contextmanager
         def ctx():
@@ -126,7 +127,9 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
             same = (seg_q != 0) & (seg_k != 0)
         else:
             same = (seg_q == seg_k) & (seg_q != 0)
-        causal = kpos[None, :] <= qpos[:, None] + (1 if bug == "off_by_one" else 0)
+        st["calls"] += 1
+        late = bug == "late_layer" and st["calls"] > 1
+        causal = kpos[None, :] <= qpos[:, None] + (1 if bug == "off_by_one" or late else 0)
         mask = same & causal[None]
         if bug == "short_straddle" and rank > 0:
             mask &= (kpos != rank * L - 1)[None, None, :]  # the previous rank's last token never arrives
