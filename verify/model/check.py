@@ -158,6 +158,8 @@ def run_model_case(case: dict, prepared: Prepared, weights: float) -> dict[str, 
     if case.sharding and "layout" in impl.options:
         options["layout"] = case.sharding
     if prepared.multimodal:  # the model's own forward on the whole multimodal batch: no pre-embedding
+        if "shard_primary" in impl.make_params:  # keep the model's inputs whole: it embeds and splices on full rows
+            options["shard_primary"] = False
         packed = make_multimodal(model, case.rows, _vocab(prepared), case.seed)
         res = cp_step(model, packed.batch, env["cp_mesh"], multimodal_forward, make_batch_and_ctx=impl.make,
                       track_rows=True, recorder=recorder, **options)
