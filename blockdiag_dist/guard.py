@@ -69,6 +69,9 @@ MIXER_KINDS: dict[str, str] = {
     "sparse_attention": "sparse attention over keys an indexer selects from the sequence",
     "compressed_attention": "attention over compressed blocks of the sequence (a compressor or indexer over "
                             "neighbouring tokens)",
+    "image_bidirectional": "a vision-language model whose text attention is bidirectional within each image's tokens "
+                           "(a mask transformers builds only for its own attention names; blockdiag computes causal "
+                           "attention per document)",
     "row_positions": "a positional embedding computed from the row's length (torch.arange over the rows), not from "
                      "position_ids: wrong for every document but the row's first once packed, and on every rank "
                      "but the first under CP",
@@ -114,6 +117,9 @@ KNOWN_MIXERS: dict[str, str] = {
     "HYV4VLIndexer": "sparse_attention", "MiniMaxM3VLIndexer": "sparse_attention",
     "MistralLarge4TextIndexer": "sparse_attention", "Qwen4ExpTextQSAIndexer": "sparse_attention",
     "BltPatcher": "byte_patching", "BltModel": "byte_patching",
+    # vision-language models whose image tokens attend bidirectionally within their image (Gemma 3, PaliGemma)
+    "Gemma3Model": "image_bidirectional", "PaliGemmaModel": "image_bidirectional",
+    "Gemma4UnifiedModel": "image_bidirectional",
     # decoders that compute their positions from the row's length, whatever position_ids say
     "BartDecoder": "row_positions", "BigBirdPegasusDecoder": "row_positions", "BlenderbotDecoder": "row_positions",
     "BlenderbotSmallDecoder": "row_positions", "MarianDecoder": "row_positions", "MBartDecoder": "row_positions",
