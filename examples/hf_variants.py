@@ -6,7 +6,8 @@ model's own stock attention (same weights), for parity against each document run
 - ``llama4``: chunked local attention (``attention_chunk_size=8``) on layer 0 (RoPE), full attention on the
   NoPE layer 1; NoPE temperature tuning off (it is refused: the model computes it from its rows' ``arange``);
 - ``gemma2``: logit soft-capping 2.0 on both layers (``final_logit_softcapping`` on the logits too), layer 0 a
-  sliding window of 8.
+  sliding window of 8; scores scaled by ``head_dim ** -0.5`` and initial weights of standard deviation 0.3, so
+  that scores reach the cap.
 
 Shapes: hidden 32, 2 layers, 4 query and 2 key/value heads of 8, vocabulary 64. Needs the ``hf`` extra.
 """
@@ -22,7 +23,10 @@ from torch import Tensor, nn
 
 from blockdiag_dist.integrations import pack_documents, register_transformers_attention
 
-__all__ = ["STOCK_ATTENTION", "VARIANT_MODELS", "build_variant_models", "cp_variant_step", "variant_config"]
+__all__ = [
+    "STOCK_ATTENTION", "VARIANT_MODELS", "build_variant_models", "cp_variant_step", "cp_variant_steps", "documents",
+    "variant_config",
+]
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
@@ -30,7 +34,9 @@ VARIANT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type
     "gpt-oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
     "llama4": ("llama4_text", dict(intermediate_size_mlp=32, num_local_experts=2, attention_chunk_size=8,
                                    attn_temperature_tuning=False, no_rope_layer_interval=2)),
-    "gemma2": ("gemma2", dict(sliding_window=8, attn_logit_softcapping=2.0)),
+    # query_pre_attn_scalar = head_dim and larger initial weights: scores of a few units, which a cap of 2 bends
+    # (at transformers' default init they are ~1e-3 and the cap changes nothing)
+    "gemma2": ("gemma2", dict(sliding_window=8, attn_logit_softcapping=2.0, query_pre_attn_scalar=8, initializer_range=0.3)),
 }
 # The stock attention of each model's truth: transformers' SDPA refuses sinks and soft-capping (eager computes
 # them); Llama 4's chunks are a mask SDPA takes.
@@ -47,11 +53,12 @@ def variant_config(name: str, **overrides: Any):
     return AutoConfig.for_model(model_type, **SHAPE, **{**extra, **overrides})
 
 
-def build_variant_models(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float64,
-                         **overrides: Any) -> tuple[nn.Module, nn.Module]:
-    """``(model, stock)``: the model on blockdiag's attention and its twin on :data:`STOCK_ATTENTION`, same
-    weights (drawn from ``seed``; gpt-oss' sinks from N(0, 1), so that they weigh in every softmax), in
-    ``dtype``, in training mode. Experts run transformers' eager loop (its grouped matmul has no float64)."""
+def build_variant_models(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, stock: bool = True,
+                         **overrides: Any) -> tuple[nn.Module, nn.Module | None]:
+    """``(model, stock)``: the model on blockdiag's attention and its twin on :data:`STOCK_ATTENTION` (None with
+    ``stock=False``), same weights (drawn from ``seed``; gpt-oss' sinks from N(0, 1), so that they weigh in every
+    softmax), in ``dtype``, in training mode. Experts run transformers' eager loop (its grouped matmul has no
+    float64)."""
     from transformers import AutoModelForCausalLM
 
     config = variant_config(name, **overrides)
@@ -63,10 +70,12 @@ def build_variant_models(name: str, *, seed: int = 0, dtype: torch.dtype = torch
         for pname, p in model.named_parameters():
             if pname.endswith(".sinks"):
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
-    stock = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=STOCK_ATTENTION[name],
-                                             dtype=dtype, experts_implementation="eager")
-    stock.load_state_dict(model.state_dict())
-    return model.train(), stock.train()
+    if not stock:
+        return model.train(), None
+    twin = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=STOCK_ATTENTION[name],
+                                            dtype=dtype, experts_implementation="eager")
+    twin.load_state_dict(model.state_dict())
+    return model.train(), twin.train()
 
 
 def documents(lengths: Sequence[int], seed: int = 0, vocab: int = SHAPE["vocab_size"]) -> list[Tensor]:
@@ -75,14 +84,29 @@ def documents(lengths: Sequence[int], seed: int = 0, vocab: int = SHAPE["vocab_s
     return [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
 
 
-def cp_variant_step(name: str, lengths: Sequence[int], seq_len: int, *, seed: int = 0, **options: Any):
-    """On every rank of a pool or torchrun group (or alone, without one): one step of ``name`` under CP on the
-    packed documents of ``lengths`` (one row of ``seq_len``), loss and gradients summed over the group
-    (:func:`verify.model.harness.cp_step`; ``options`` go to the batch function)."""
+def cp_variant_step(name: str, lengths: Sequence[int], seq_len: int, *, seed: int = 0, cp_mesh: Any = None,
+                    **options: Any):
+    """One step of ``name`` under CP on the packed documents of ``lengths`` (one row of ``seq_len``), loss and
+    gradients summed over ``cp_mesh`` (None: one rank; :func:`verify.model.harness.cp_step`; ``options`` go to the
+    batch function). Every rank of ``cp_mesh`` calls it with the same arguments."""
     from verify.model.harness import cp_step
-    from verify.pool import worker_info
 
-    model, _ = build_variant_models(name, seed=seed)
+    model, _ = build_variant_models(name, seed=seed, stock=False)
     batch = pack_documents(documents(lengths, seed), seq_len=seq_len)
-    env = worker_info()
-    return cp_step(model, batch, env.get("cp_mesh") if env else None, **options)
+    return cp_step(model, batch, cp_mesh, **options)
+
+
+def cp_variant_steps(runs: Sequence[tuple[str, Sequence[int], int]], cp: int):
+    """In a pool (or torchrun group) of ``len(runs) * cp`` ranks: CP groups of ``cp`` consecutive ranks side by side
+    (a ``("dp", "cp")`` mesh), group ``g`` running ``cp_variant_step(*runs[g])``; each rank returns its group's
+    result."""
+    import torch.distributed as dist
+
+    from examples.training import _cached_mesh
+
+    world = dist.get_world_size()
+    if world != len(runs) * cp:
+        raise ValueError(f"cp_variant_steps: expected a group of len(runs) * cp = {len(runs) * cp} ranks, got {world}")
+    mesh = _cached_mesh(len(runs), cp, "cpu")
+    name, lengths, seq_len = runs[dist.get_rank() // cp]
+    return cp_variant_step(name, lengths, seq_len, cp_mesh=mesh["cp"])
