@@ -71,22 +71,19 @@ def explicit_attention(
         empty = ~allowed.any(dim=-1, keepdim=True)
         # rows with no key get finite scores (no NaN), and their weights are zeroed below
         scores = scores.masked_fill(~allowed, -math.inf).masked_fill(empty, 0.0)
-    if return_lse or sinks is not None:
+    if sinks is None:  # torch's softmax (its fused backward), and the logsumexp beside it for a merge
+        probs = torch.softmax(scores, dim=-1)
+        lse = torch.logsumexp(scores, dim=-1) if return_lse else None
+    else:
         # softmax by hand, the sink joining the denominator: exp relative to the row's largest logit (sink
         # included), so that a probability near 1 keeps full precision
-        top = scores.amax(dim=-1, keepdim=True)
-        if sinks is not None:
-            sink = sinks.to(work).view(1, Hkv, g, 1, 1)
-            top = torch.maximum(top, sink)
+        sink = sinks.to(work).view(1, Hkv, g, 1, 1)
+        top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
         top = top.detach()  # any finite shift gives the same result
         e = torch.exp(scores - top)
         total = e.sum(dim=-1, keepdim=True)
         lse = (top + torch.log(total))[..., 0] if return_lse else None
-        if sinks is not None:  # p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink))
-            total = total + torch.exp(sink - top)
-        probs = e / total
-    else:
-        lse, probs = None, torch.softmax(scores, dim=-1)
+        probs = e / (total + torch.exp(sink - top))  # p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink))
     if empty is not None:
         probs = probs.masked_fill(empty, 0.0)
         if lse is not None:

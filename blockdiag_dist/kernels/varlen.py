@@ -714,28 +714,29 @@ def _explicit_blocks(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: 
     """The maskless blocks with explicit scores (a soft-cap), merged by log-sum-exp, all through autograd.
 
     Same blocks, slots and spare rows as :class:`_MergedBlocks`: a block's causal kind is top-left causal in
-    its slots (a band's slots run in reverse), primary blocks are placed, secondary ones merged into their rows,
-    and sinks are one more block of every real row (logsumexp ``sinks[h]``, output 0)."""
+    its slots (a band's slots run in reverse). The primary blocks (one per real row) are placed with one copy,
+    then the secondary ones (at most one per row) merged into their rows with one more, and sinks are one more
+    block of every real row (logsumexp ``sinks[h]``, output 0)."""
     plan = meta.blocks
     Hq, D = q_tok.shape[1], q_tok.shape[2]
     qshape = [tuple(b.q_index.shape) for b in plan.buckets]
     qs = _GatherQueries.apply(q_tok, plan.q_gather, qshape)
     kvs = _GatherKeysValues.apply(kv_buf, plan.k_gather, [tuple(b.k_index.shape) for b in plan.buckets], heads_kv, D)
-    out = lse = None
+    parts: dict[bool, list[tuple[Tensor, Tensor, Tensor]]] = {False: [], True: []}
     for b, q, k, v, rows in zip(plan.buckets, qs, kvs[0::2], kvs[1::2], _split(plan.out_rows, qshape)):
         o, l = explicit_attention(q, k, v, b.mask, causal=b.causal, scale=scale, softcap=softcap, return_lse=True)
-        o_t, l_t = o.transpose(1, 2).reshape(-1, Hq, dim_v), l.transpose(1, 2).reshape(-1, Hq)
-        if out is None:
-            out = o_t.new_zeros((plan.num_rows, Hq, dim_v))
-            lse = l_t.new_full((plan.num_rows, Hq), -torch.inf)
-        if b.secondary:  # its rows already hold their primary block: merge
-            l_cur = lse.index_select(0, rows)
-            top = torch.maximum(l_cur, l_t)
-            w_cur, w_t = torch.exp(l_cur - top), torch.exp(l_t - top)
-            den = w_cur + w_t
-            o_t = (out.index_select(0, rows) * w_cur[..., None] + o_t * w_t[..., None]) / den[..., None]
-            l_t = top + torch.log(den)
-        out, lse = out.index_copy(0, rows, o_t), lse.index_copy(0, rows, l_t)
+        parts[b.secondary].append((rows, o.transpose(1, 2).reshape(-1, Hq, dim_v), l.transpose(1, 2).reshape(-1, Hq)))
+    rows, o_p, l_p = (torch.cat(t) for t in zip(*parts[False]))
+    out = o_p.new_zeros((plan.num_rows, Hq, dim_v)).index_copy(0, rows, o_p)
+    lse = l_p.new_full((plan.num_rows, Hq), -torch.inf).index_copy(0, rows, l_p)
+    if parts[True]:  # rows of secondary blocks are distinct (a padded slot's spare row merges with nothing)
+        rows, o_s, l_s = (torch.cat(t) for t in zip(*parts[True]))
+        l_cur = lse.index_select(0, rows)
+        top = torch.maximum(l_cur, l_s)  # weights relative to the larger: exact differences, sum in [1, 2]
+        w_cur, w_s = torch.exp(l_cur - top), torch.exp(l_s - top)
+        den = w_cur + w_s
+        merged = (out.index_select(0, rows) * w_cur[..., None] + o_s * w_s[..., None]) / den[..., None]
+        out, lse = out.index_copy(0, rows, merged), lse.index_copy(0, rows, top + torch.log(den))
     Tq = meta.num_queries
     out, lse = out[:Tq], lse[:Tq]  # padding rows: never written, exactly 0 (lse -inf)
     if sinks is not None:
