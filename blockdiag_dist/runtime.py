@@ -69,9 +69,9 @@ def cp_blockdiag_sdpa(
 
     With an active context (``with train_ctx():``): ``query [B, Hq, L, D]``, ``key [B, Hkv, L, D]`` and
     ``value [B, Hkv, L, Dv]`` are this rank's rows; the result ``[B, Hq, L, Dv]`` is causal attention inside
-    each document over the whole (sharded) sequence. A call must be causal (``is_causal=True`` or a
-    ``window_size``, no ``attn_mask``); any other raises ``ValueError`` unless ``noncausal`` opts in:
-    ``"causal"`` computes per-document causal attention anyway (a causal decoder passing its own mask; the
+    each document over the whole (sharded) sequence. A call must be causal (``is_causal=True``, a
+    ``window_size`` or a ``chunk_size``, no ``attn_mask``); any other raises ``ValueError`` unless ``noncausal``
+    opts in: ``"causal"`` computes per-document causal attention anyway (a causal decoder passing its own mask; the
     replacement is recorded in the state's notes), ``"local"`` runs stock SDPA on the tensors as given, with
     their mask (attention over tensors CP does not shard: encoders, vision towers, cross-attention; recorded
     too). Bidirectional attention per document is not offered. ``scale``, ``enable_gqa`` and

@@ -36,14 +36,15 @@ def explicit_attention(
     sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    lse_needed: bool = True,
+) -> Tensor | tuple[Tensor, Tensor | None]:
     """``q [n, Hq, Lq, D]``, ``k [n, Hkv, Lk, D]``, ``v [n, Hkv, Lk, Dv]`` -> ``[n, Hq, Lq, Dv]``.
 
     ``mask``: bool (True = attend) or additive float, broadcastable to ``[n, Hq, Lq, Lk]``; ``causal``: top-left
     causal as SDPA's ``is_causal`` (combined with ``mask`` if both are given). ``sinks [Hq]``: per-head sink
     logits. ``return_lse``: ``(out, lse)`` in the compute dtype (float32 for half inputs), ``lse [n, Hq, Lq]``
     the log-sum-exp of each row's (capped, masked) scores, sinks excluded (``-inf`` for a row with no key),
-    for a log-sum-exp merge of blocks.
+    for a log-sum-exp merge of blocks (``lse_needed=False``: the output in the compute dtype and None).
     """
     n, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -73,7 +74,7 @@ def explicit_attention(
         scores = scores.masked_fill(~allowed, -math.inf).masked_fill(empty, 0.0)
     if sinks is None:  # torch's softmax (its fused backward), and the logsumexp beside it for a merge
         probs = torch.softmax(scores, dim=-1)
-        lse = torch.logsumexp(scores, dim=-1) if return_lse else None
+        lse = torch.logsumexp(scores, dim=-1) if return_lse and lse_needed else None
     else:
         # softmax by hand, the sink joining the denominator: exp relative to the row's largest logit (sink
         # included), so that a probability near 1 keeps full precision
@@ -82,7 +83,7 @@ def explicit_attention(
         top = top.detach()  # any finite shift gives the same result
         e = torch.exp(scores - top)
         total = e.sum(dim=-1, keepdim=True)
-        lse = (top + torch.log(total))[..., 0] if return_lse else None
+        lse = (top + torch.log(total))[..., 0] if return_lse and lse_needed else None
         probs = e / (total + torch.exp(sink - top))  # p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink))
     if empty is not None:
         probs = probs.masked_fill(empty, 0.0)
@@ -92,7 +93,7 @@ def explicit_attention(
         probs = F.dropout(probs, p=dropout_p)
     out = torch.matmul(probs.view(n, Hkv, g * Lq, Lk), v.to(work)).view(n, Hq, Lq, v.shape[-1])
     if return_lse:
-        return out, lse.view(n, Hq, Lq)
+        return out, None if lse is None else lse.view(n, Hq, Lq)
     return out.to(dtype)
 
 

@@ -722,15 +722,22 @@ def _explicit_blocks(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: 
     qshape = [tuple(b.q_index.shape) for b in plan.buckets]
     qs = _GatherQueries.apply(q_tok, plan.q_gather, qshape)
     kvs = _GatherKeysValues.apply(kv_buf, plan.k_gather, [tuple(b.k_index.shape) for b in plan.buckets], heads_kv, D)
-    parts: dict[bool, list[tuple[Tensor, Tensor, Tensor]]] = {False: [], True: []}
+    outs, lses = {False: [], True: []}, {False: [], True: []}  # by secondary: (rows, values)
     for b, q, k, v, rows in zip(plan.buckets, qs, kvs[0::2], kvs[1::2], _split(plan.out_rows, qshape)):
-        o, l = explicit_attention(q, k, v, b.mask, causal=b.causal, scale=scale, softcap=softcap, return_lse=True)
-        parts[b.secondary].append((rows, o.transpose(1, 2).reshape(-1, Hq, dim_v), l.transpose(1, 2).reshape(-1, Hq)))
-    rows, o_p, l_p = (torch.cat(t) for t in zip(*parts[False]))
+        need_lse = b.merged or sinks is not None  # a row merged with another block, or with its sink
+        res = explicit_attention(q, k, v, b.mask, causal=b.causal, scale=scale, softcap=softcap, return_lse=True,
+                                 lse_needed=need_lse)
+        outs[b.secondary].append((rows, res[0].transpose(1, 2).reshape(-1, Hq, dim_v)))
+        if need_lse:
+            lses[b.secondary].append((rows, res[1].transpose(1, 2).reshape(-1, Hq)))
+    rows, o_p = (torch.cat(t) for t in zip(*outs[False]))
     out = o_p.new_zeros((plan.num_rows, Hq, dim_v)).index_copy(0, rows, o_p)
-    lse = l_p.new_full((plan.num_rows, Hq), -torch.inf).index_copy(0, rows, l_p)
-    if parts[True]:  # rows of secondary blocks are distinct (a padded slot's spare row merges with nothing)
-        rows, o_s, l_s = (torch.cat(t) for t in zip(*parts[True]))
+    lse = out.new_full((plan.num_rows, Hq), -torch.inf)
+    if lses[False]:  # rows never merged keep -inf: nothing reads them
+        rows, l_p = (torch.cat(t) for t in zip(*lses[False]))
+        lse = lse.index_copy(0, rows, l_p)
+    if outs[True]:  # rows of secondary blocks are distinct (a padded slot's spare row merges with nothing)
+        (rows, o_s), (_, l_s) = (torch.cat(t) for t in zip(*outs[True])), (torch.cat(t) for t in zip(*lses[True]))
         l_cur = lse.index_select(0, rows)
         top = torch.maximum(l_cur, l_s)  # weights relative to the larger: exact differences, sum in [1, 2]
         w_cur, w_s = torch.exp(l_cur - top), torch.exp(l_s - top)
