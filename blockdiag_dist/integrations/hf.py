@@ -18,6 +18,10 @@ pre-shifted labels (:func:`~blockdiag_dist.integrations.causal_lm_loss`). Pass `
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -176,7 +180,9 @@ def blockdiag_attention_forward(
 
 def register_transformers_attention(name: str = ATTENTION_NAME) -> str:
     """Register :func:`blockdiag_attention_forward` in ``transformers.AttentionInterface`` under ``name``;
-    returns ``name``, to pass as ``attn_implementation`` (or to set on ``model.set_attn_implementation``)."""
+    returns ``name``, to pass as ``attn_implementation`` (or to set on ``model.set_attn_implementation``).
+    Models whose attention layers do not call the interface are refused by name when built with it (Falcon,
+    GPT-Neo, GIT: :data:`SELF_DISPATCHING`) or when a step meets them (:mod:`blockdiag_dist.guard`)."""
     try:
         from transformers import AttentionInterface
     except ImportError as e:
@@ -185,4 +191,70 @@ def register_transformers_attention(name: str = ATTENTION_NAME) -> str:
             "install the extra: pip install 'blockdiag[hf]'"
         ) from e
     AttentionInterface.register(name, blockdiag_attention_forward)
+    for module_name, table, model in SELF_DISPATCHING:
+        _after_import(module_name, functools.partial(_refuse_in_table, name=name, table=table, model=model))
     return name
+
+
+# Models that pick their attention class from a table keyed by the implementation's name (a KeyError at build for
+# any other name); their classes compute attention themselves: (module, table, what the refusal says).
+SELF_DISPATCHING = (
+    ("transformers.models.falcon.modeling_falcon", "FALCON_ATTENTION_CLASSES", "Falcon"),
+    ("transformers.models.gpt_neo.modeling_gpt_neo", "GPT_NEO_ATTENTION_CLASSES", "GPT-Neo"),
+    ("transformers.models.git.modeling_git", "GIT_SELF_ATTENTION_CLASSES", "GIT"),
+)
+
+
+def _refuse_in_table(module: Any, *, name: str, table: str, model: str) -> None:
+    """Give ``name`` a class in ``module.<table>`` that refuses when the model is built, saying why."""
+
+    class RefusedAttention(nn.Module):
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            alibi = " with an ALiBi bias (config.alibi=True)" if getattr(config, "alibi", False) else ""
+            raise UnsupportedAttentionError(
+                f"{name} attention: expected a model whose attention layers call transformers' attention interface, "
+                f"got {model}: its attention layers compute attention themselves{alibi}, so {name!r} cannot route "
+                "them per document. Refused rather than computed within each rank's shard."
+            )
+
+    getattr(module, table).setdefault(name, RefusedAttention)
+
+
+class _PostImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks on a module right after it is first imported (no import happens here)."""
+
+    def __init__(self) -> None:
+        self.callbacks: dict[str, list[Callable[[Any], None]]] = {}
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in self.callbacks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None:
+                exec_module, callbacks = spec.loader.exec_module, self.callbacks.pop(fullname)
+
+                def exec_and_call(module: Any) -> None:
+                    exec_module(module)
+                    for callback in callbacks:
+                        callback(module)
+
+                spec.loader.exec_module = exec_and_call
+                return spec
+        return None
+
+
+_post_import = _PostImport()
+
+
+def _after_import(module_name: str, callback: Callable[[Any], None]) -> None:
+    """``callback(module)`` now if ``module_name`` is imported, else right after its first import."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        callback(module)
+        return
+    _post_import.callbacks.setdefault(module_name, []).append(callback)
+    if _post_import not in sys.meta_path:
+        sys.meta_path.insert(0, _post_import)
