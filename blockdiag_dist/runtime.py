@@ -103,9 +103,9 @@ def cp_blockdiag_sdpa(
         )
     if attn_mask is not None or not (is_causal or window_size is not None or chunk > 0):
         if _non_causal_call(state, query, attn_mask, is_causal, noncausal) == "local":
-            if variants:
-                return _single_device(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, None,
-                                      sinks, softcap, -1)
+            if variants:  # as without a step: on the tensors as given, with their mask
+                return _single_device(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+                                      sinks, softcap, chunk)
             return stock_sdpa(
                 query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa,
