@@ -26,6 +26,7 @@ from .dist import consensus_cost, peak_memory, timed_steps
 from .kernel import D, H, HKV, attention_step, bench_kernel, bench_scaling
 from .peers import bench_peers
 from .vision import vision_steps
+from .variants import bench_softcap
 from .workloads import interleaved, layout_of, long_tail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,6 +159,7 @@ def run(quick: bool) -> dict:
     sections = [
         ("peers", lambda: bench_peers(4096 if quick else 8192, rounds=1 if quick else 2, reps=1 if quick else 2)),
         ("kernel", lambda: bench_kernel((4096,) if quick else (4096, 16384), reps=2 if quick else 3)),
+        ("variants", lambda: bench_softcap(2048 if quick else 4096, windows=(-1, 128), reps=2 if quick else 3)),
         ("scaling", lambda: bench_scaling((2048, 4096, 8192) if quick else (2048, 4096, 8192, 16384, 32768), reps=2 if quick else 3)),
         ("exchange", lambda: bench_exchange((2, 4), (8192,) if quick else (8192, 32768), reps=2 if quick else 3)),
         ("cp_efficiency", lambda: bench_cp_efficiency((2, 4), 8192 if quick else 32768, reps=2 if quick else 3)),

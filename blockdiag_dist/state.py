@@ -57,6 +57,7 @@ class WindowPlan:
     """What this rank does for one window: the exchange, its transport sizes, and the kernel metadata."""
 
     window_left: int
+    chunk: int  # chunked local attention's chunk length; -1 = none
     exchange: ExchangePlan
     mode: str  # "local" | "allgather" | "halo" | "a2a"
     reason: str
@@ -101,8 +102,8 @@ class StepState:
         self.decoder_entries = 0  # decoder entries sharded in this step (shard_primary=False)
         self.traffic = TrafficLog()
         self.notes: list[str] = []  # fallbacks and substitutions that happened, with their reasons
-        self._windows: dict[int, WindowPlan] = {}
-        self._agreed: set[int] = set()  # windows whose plan the CP group compared (check_consensus)
+        self._windows: dict[tuple[int, int], WindowPlan] = {}  # by (window left, chunk)
+        self._agreed: set[tuple[int, int]] = set()  # windows whose plan the CP group compared (check_consensus)
         self._lock = threading.RLock()
         self.guard = _guard.StepGuard(plan.shards.local_len, self.note)  # refuses layers not computed per document
 
@@ -155,31 +156,35 @@ class StepState:
             )
 
     # ---- per-window plans -----------------------------------------------------------------------------
-    def window_plan(self, window_left: int) -> WindowPlan:
-        """The plan for a window, built on first use in the step (then cached; thread-safe). Never communicates:
-        every decision in it derives from the replicated doc ids, so one rank may call it alone (reports)."""
-        wp = self._windows.get(window_left)
+    def window_plan(self, window_left: int, chunk: int = -1) -> WindowPlan:
+        """The plan for a window (and chunk length of chunked local attention, ``-1`` = none), built on first
+        use in the step (then cached; thread-safe). Never communicates: every decision in it derives from the
+        replicated doc ids, so one rank may call it alone (reports)."""
+        key = (window_left, chunk)
+        wp = self._windows.get(key)
         if wp is None:
             with self._lock:
-                wp = self._windows.get(window_left)
+                wp = self._windows.get(key)
                 if wp is None:
-                    wp = self._build_window_plan(window_left)
-                    self._windows[window_left] = wp
+                    wp = self._build_window_plan(window_left, chunk)
+                    self._windows[key] = wp
         return wp
 
-    def agreed_window_plan(self, window_left: int) -> WindowPlan:
+    def agreed_window_plan(self, window_left: int, chunk: int = -1) -> WindowPlan:
         """:meth:`window_plan`, compared across the CP group on the window's first use in the step when
         ``check_consensus`` (one all-gather of a fingerprint; every rank calls it at the same point)."""
-        wp = self.window_plan(window_left)
-        if self.check_consensus and window_left not in self._agreed:
+        wp = self.window_plan(window_left, chunk)
+        key = (window_left, chunk)
+        if self.check_consensus and key not in self._agreed:
             with self._lock:
-                if window_left not in self._agreed:
-                    self._check_consensus(window_left, wp.mode)
-                    self._agreed.add(window_left)
+                if key not in self._agreed:
+                    self._check_consensus(window_left, wp.mode, chunk)
+                    self._agreed.add(key)
         return wp
 
-    def _build_window_plan(self, window_left: int) -> WindowPlan:
-        xplan = self.plan.exchange(window_left)
+    def _build_window_plan(self, window_left: int, chunk: int = -1) -> WindowPlan:
+        plan = self.plan.chunked(chunk)  # chunked attention: the chunks are the documents
+        xplan = plan.exchange(window_left)
         mode, reason = choose_exchange(xplan, self.kv_exchange)
         local = self.plan.local_flat_ids(self.rank)
         send_rows, send_splits, recv_splits = None, [], []
@@ -199,12 +204,13 @@ class StepState:
             send_rows = send_rows.to(self.device)
         sp = self.plan.shards.padded_len
         if self.kernel == "dense":
-            meta = plan_dense(local, key_flat, self.plan.segments, sp, window_left)
+            meta = plan_dense(local, key_flat, plan.segments, sp, window_left)
         else:
-            meta = plan_varlen(local, key_flat, self.plan.segments, self.plan.doc_starts, sp, window_left)
-        _log_once(f"kv_exchange={mode} (window left={window_left}): {reason}")
+            meta = plan_varlen(local, key_flat, plan.segments, plan.doc_starts, sp, window_left)
+        _log_once(f"kv_exchange={mode} (window left={window_left}{_chunk_text(chunk)}): {reason}")
         return WindowPlan(
             window_left=window_left,
+            chunk=chunk,
             exchange=xplan,
             mode=mode,
             reason=reason,
@@ -215,12 +221,12 @@ class StepState:
             kernel_meta=meta.to(self.device),
         )
 
-    def _check_consensus(self, window_left: int, mode: str) -> None:
+    def _check_consensus(self, window_left: int, mode: str, chunk: int = -1) -> None:
         """All-gather a fingerprint of the plan; raise naming the ranks that disagree (instead of hanging)."""
         if self.group is None or self.world == 1:
             return
         h = hashlib.sha256(self.plan.fingerprint())
-        h.update(f"|{window_left}|{mode}|{self.kernel}".encode())
+        h.update(f"|{window_left}|{chunk}|{mode}|{self.kernel}".encode())
         mine = int.from_bytes(h.digest()[:8], "little", signed=True)
         tensor = torch.tensor([mine], dtype=torch.int64, device=self.device)
         gathered = torch.empty(self.world, dtype=torch.int64, device=self.device)
@@ -232,7 +238,7 @@ class StepState:
                 by_value.setdefault(v, []).append(r)
             groups = "; ".join(f"ranks {ranks} have {v & 0xFFFFFFFF:08x}" for v, ranks in by_value.items())
             raise PlanMismatchError(
-                f"CP plan consensus failed (window left={window_left}): expected one plan fingerprint on all "
+                f"CP plan consensus failed (window left={window_left}{_chunk_text(chunk)}): expected one plan fingerprint on all "
                 f"{self.world} ranks, got {groups}. The ranks were given different doc ids, sizes or options."
             )
 
@@ -250,11 +256,12 @@ class StepState:
         return torch.cat([kv_tok, recv])
 
     # ---- reports --------------------------------------------------------------------------------------
-    def comm_report(self, window_left: int = -1, *, bytes_per_token: int = 1) -> dict:
+    def comm_report(self, window_left: int = -1, *, chunk: int = -1, bytes_per_token: int = 1) -> dict:
         """Tokens (or bytes, with ``bytes_per_token = Hkv * (D + Dv) * element_size``) received and sent
-        per rank by the chosen exchange and by the minimum (needed-only), for one window. Never communicates
-        (a window not planned yet is planned here from the replicated doc ids), so one rank may log it alone."""
-        wp = self.window_plan(window_left)
+        per rank by the chosen exchange and by the minimum (needed-only), for one window (and chunk length).
+        Never communicates (a window not planned yet is planned here from the replicated doc ids), so one rank
+        may log it alone."""
+        wp = self.window_plan(window_left, chunk)
         x = wp.exchange
         needed, sent = x.needed_tokens(), x.sent_tokens()
         ag = [x.allgather_tokens()] * self.world
@@ -298,6 +305,10 @@ def choose_exchange(xplan: ExchangePlan, requested: str) -> tuple[str, str]:
     if needed < ag:
         return "a2a", f"needed-only all-to-all moves {needed} of {ag} all-gather tokens"
     return "allgather", f"every rank needs every other rank's tokens ({needed} = {ag})"
+
+
+def _chunk_text(chunk: int) -> str:
+    return "" if chunk < 0 else f", chunks of {chunk}"
 
 
 def _first_non_neighbour_pair(xplan: ExchangePlan) -> tuple[int, int]:

@@ -52,11 +52,14 @@ NEUTRAL_KWARGS = frozenset({
 # - describe the documents of the rows as given; under a step blockdiag takes them from the batch function
 #   (the full doc ids), and outside one the mask or position ids of the call carry them to stock SDPA:
 DOCUMENT_KWARGS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+# - change the math and are carried (per document, across CP ranks): ``s_aux`` (gpt-oss' per-head sinks
+#   ``[Hq]``) -> ``sinks``; ``softcap`` is a named parameter; chunked local attention comes from the layer's
+#   config (``attention_chunk_size`` on layers whose ``config.layer_types[i]`` is ``"chunked_attention"``)
+CARRIED_KWARGS = frozenset({"s_aux"})
 # - change the math, not carried: refused on every rank, before any collective
 REFUSED_KWARGS = {
-    "s_aux": "attention sinks (a learned per-head logit in each softmax denominator)",
-    "sinks": "attention sinks (a learned per-head logit in each softmax denominator)",
-    "softcap": "logit soft-capping (softcap * tanh(scores / softcap))",
+    "sinks": "per-token attention sinks (a logit per query projected from its hidden state, [B, H, L, 1]); "
+             "only per-head sinks [Hq] (gpt-oss' s_aux) are carried",
     "position_bias": "an additive position bias (ALiBi or relative-position buckets)",
     "indices": "sparse attention over selected key indices",
     "block_indices": "block-sparse attention over selected key blocks",
@@ -75,26 +78,33 @@ def _refuse(module: nn.Module, expected: str, got: str) -> UnsupportedAttentionE
     )
 
 
-def _check_layer(module: nn.Module, kwargs: dict[str, Any], softcap: float | None) -> None:
-    """Refuse what this layer asks for that blockdiag does not compute (see the tables above)."""
-    if softcap is not None:
-        raise _refuse(module, "no logit soft-capping (softcap=None)", f"softcap={softcap}: " + REFUSED_KWARGS["softcap"])
+def _check_layer(module: nn.Module, kwargs: dict[str, Any], softcap: float | None) -> int | None:
+    """Refuse what this layer asks for that blockdiag does not compute (see the tables above); return the
+    chunk length of a chunked-attention layer (None otherwise)."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise _refuse(module, "softcap=None or a number > 0", f"softcap={softcap!r}")
     for key, value in kwargs.items():
         if key in REFUSED_KWARGS and value is not None:
             raise _refuse(module, f"no {key!r}", f"{key!r}: {REFUSED_KWARGS[key]}")
-    unknown = sorted(k for k in kwargs if k not in NEUTRAL_KWARGS | DOCUMENT_KWARGS | REFUSED_KWARGS.keys())
+    known = NEUTRAL_KWARGS | DOCUMENT_KWARGS | CARRIED_KWARGS | REFUSED_KWARGS.keys()
+    unknown = sorted(k for k in kwargs if k not in known)
     if unknown:
         raise _refuse(
-            module, f"only keywords blockdiag knows ({sorted(NEUTRAL_KWARGS | DOCUMENT_KWARGS)})",
+            module, f"only keywords blockdiag knows ({sorted(NEUTRAL_KWARGS | DOCUMENT_KWARGS | CARRIED_KWARGS)})",
             f"{unknown}, which may change what attention computes",
         )
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and not (isinstance(sinks, Tensor) and sinks.dim() == 1):
+        got = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise _refuse(module, "s_aux: per-head attention sinks [Hq]", f"s_aux of shape {got}")
     config = getattr(module, "config", None)
     chunk = getattr(config, "attention_chunk_size", None)
-    if chunk is not None and _layer_type(module, config) in (None, "chunked_attention"):
+    layer_type = _layer_type(module, config)
+    if chunk is not None and layer_type is None:
         raise _refuse(
-            module, "full or sliding-window causal attention",
-            f"chunked local attention (config.attention_chunk_size={chunk}): transformers expresses it only through "
-            f"a mask, which it does not build for {ATTENTION_NAME!r}",
+            module, "a layer whose config.layer_types says whether it is chunked",
+            f"config.attention_chunk_size={chunk} without a layer type for layer_idx="
+            f"{getattr(module, 'layer_idx', None)}: blockdiag cannot tell a chunked layer from a full one",
         )
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         raise _refuse(
@@ -103,6 +113,11 @@ def _check_layer(module: nn.Module, kwargs: dict[str, Any], softcap: float | Non
             "positions it takes from torch.arange over the rows, not from position_ids, which is wrong for every "
             "document but the row's first once packed, with or without CP",
         )
+    if layer_type == "chunked_attention":
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+            raise _refuse(module, "config.attention_chunk_size an int >= 1 on a chunked layer", f"{chunk!r}")
+        return chunk
+    return None
 
 
 def _layer_type(module: nn.Module, config: Any) -> str | None:
@@ -133,18 +148,23 @@ def blockdiag_attention_forward(
     ``w`` keys, itself included) becomes ``window_size=(w - 1, 0)``. Outside a context: stock SDPA, causal over
     the row, with ``attention_mask`` if one is given.
 
+    Carried, per document across CP ranks: ``s_aux`` (gpt-oss' per-head attention sinks ``[Hq]``),
+    ``softcap`` (Gemma 2's logit soft-capping) and chunked local attention (Llama 4: a layer whose
+    ``config.layer_types[layer_idx]`` is ``"chunked_attention"`` attends within chunks of
+    ``config.attention_chunk_size`` positions of each document, counted from the document's start).
+
     A bidirectional layer (``is_causal=False``) of an encoder whose tensors CP does not shard (a vision tower's
     patches: the module's ``config`` is a ``vision_config`` / ``audio_config`` sub-config, and it is not a layer
     of a language model whose rows CP shards) runs stock SDPA on this rank's tensors, with its mask, per segment
     of ``cu_seq_lens_q`` when given: exactly what transformers' ``sdpa`` attention computes. Any other
     bidirectional layer is refused.
 
-    Every keyword is honoured or refused (``UnsupportedAttentionError``, the same on every rank, before any
-    collective): sinks, soft-capping, position biases, sparse indices, chunked attention, NoPE temperature
-    tuning and keywords it does not know are refused; so are a bidirectional layer on the sequence CP shards
-    and, under a step, an additive float ``attention_mask`` (a bias).
+    Every other keyword is honoured or refused (``UnsupportedAttentionError``, the same on every rank, before
+    any collective): per-token ``sinks``, position biases, sparse indices, NoPE temperature tuning and keywords
+    it does not know are refused; so are a bidirectional layer on the sequence CP shards and, under a step, an
+    additive float ``attention_mask`` (a bias).
     """
-    _check_layer(module, kwargs, softcap)
+    chunk = _check_layer(module, kwargs, softcap)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not causal:
         return _encoder_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
@@ -166,6 +186,9 @@ def blockdiag_attention_forward(
         enable_gqa=query.shape[1] != key.shape[1],
         window_size=None if sliding_window is None else (sliding_window - 1, 0),
         noncausal="causal",  # the layer is causal (checked above): a mask it was given is per-document under a step
+        sinks=kwargs.get("s_aux"),
+        softcap=softcap,
+        chunk_size=chunk,
     )
     return out.transpose(1, 2).contiguous(), None
 
