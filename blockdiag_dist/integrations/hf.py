@@ -247,6 +247,8 @@ def register_transformers_attention(name: str = ATTENTION_NAME) -> str:
     AttentionInterface.register(name, blockdiag_attention_forward)
     for module_name, table, model in SELF_DISPATCHING:
         _after_import(module_name, functools.partial(_refuse_in_table, name=name, table=table, model=model))
+    for module_name, table in UNSHARDED_TABLES:
+        _after_import(module_name, functools.partial(_stock_in_table, name=name, table=table))
     return name
 
 
@@ -257,6 +259,22 @@ SELF_DISPATCHING = (
     ("transformers.models.gpt_neo.modeling_gpt_neo", "GPT_NEO_ATTENTION_CLASSES", "GPT-Neo"),
     ("transformers.models.git.modeling_git", "GIT_SELF_ATTENTION_CLASSES", "GIT"),
 )
+
+
+# Vision encoders that pick their attention class from a table keyed by the implementation's name (a KeyError at
+# build for any other name): their attention is bidirectional over image patches, tensors CP does not shard, so
+# under ``name`` they get the table's own SDPA class, what transformers' ``sdpa`` builds. (module, table)
+UNSHARDED_TABLES = (
+    ("transformers.models.sam.modeling_sam", "SAM_VISION_ATTENTION_CLASSES"),
+    ("transformers.models.sam_hq.modeling_sam_hq", "SAM_HQ_VISION_ATTENTION_CLASSES"),
+    ("transformers.models.deepseek_ocr2.modeling_deepseek_ocr2", "DEEPSEEK_OCR2_SAM_VISION_ATTENTION_CLASSES"),
+    ("transformers.models.unlimited_ocr.modeling_unlimited_ocr", "UNLIMITED_OCR_SAM_VISION_ATTENTION_CLASSES"),
+)
+
+
+def _stock_in_table(module: Any, *, name: str, table: str) -> None:
+    classes = getattr(module, table)
+    classes.setdefault(name, classes.get("sdpa", classes.get("eager")))
 
 
 def _refuse_in_table(module: Any, *, name: str, table: str, model: str) -> None:

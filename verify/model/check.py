@@ -54,7 +54,7 @@ from .record import Key, ModuleRecorder, module_name, rows_of
 from .reference import Reference, Truth, _module_errors, _vocab, checksum, recorder_of
 from .zoo import Prepared, build
 
-__all__ = ["MODEL_CLASSES", "ModelCase", "ModelResult", "judge", "limit", "run_model_case"]
+__all__ = ["MODEL_CLASSES", "ModelCase", "ModelResult", "forget_models", "judge", "limit", "run_model_case"]
 
 MODEL_CLASSES = ("pass", "bug", "unsupported", "crash", "hang", "unavailable")
 REFUSALS = ("ValueError", "NotImplementedError", "Unsupported", "UnsupportedLayerError", "UnsupportedAttentionError",
@@ -201,12 +201,13 @@ def _compare_all(ref: Reference, rows, dtype: str, truth: Truth, got: StepResult
     """Loss, gradients and module outputs of ``got`` against the truth, each with its limit."""
     base = ref.baseline(rows, dtype, variant)
     low = bool(ref.float32_ops())
+    rounding = ref.rounding_params(rows, variant) if dtype == "float64" else set()
     # a baseline error stands for every quantity of the same module class: rounding below float64 (a float32
     # sum over the rows in a norm's weight gradient) is as large in one instance as in another, and the
     # orders in which CP and the baseline add differ from each other
     owners = {n: _owner_class(model, n) for n in truth.step.grads}
     bp = _pooled(base.params if base else {}, owners)
-    limits = {n: limit(dtype, bp.get(n), low) for n in truth.step.grads}
+    limits = {n: limit(dtype, bp.get(n), low or n in rounding) for n in truth.step.grads}
     if dtype == "float64":  # a gradient the model sums in float32 may be off by that rounding, twice
         for n, e in ref.cast_cost(rows, variant).items():
             limits[n] = max(limits[n], TOLERANCES["float32"].factor * e)
@@ -397,3 +398,12 @@ def failure_result(case: ModelCase, failure, world: int) -> ModelResult:
     t, msg = excs[0] if excs else ("", "")
     return ModelResult(case, "crash", why=f"raised on rank(s) {failure.ranks}" + ("" if every_rank else " only"),
                        message=f"{t}: {msg}" if t else details.splitlines()[0], details=details)
+
+
+def forget_models() -> int:
+    """Drop every model this worker built (a sweep over many models keeps none); returns how many."""
+    n = len(_worker_models)
+    for _, recorder in _worker_models.values():
+        recorder.close()
+    _worker_models.clear()
+    return n
