@@ -104,3 +104,28 @@ def test_sweep_classes_pass_refused_and_cannot_build(tmp_path):
     page.write_text(text.replace("# Which models", "# Which models (edited by hand)"))
     write_page(str(page), json.loads(json.dumps(data)))
     assert "# Which models (edited by hand)" in page.read_text()  # the hand-written part survives
+
+
+# ---- the shrinker on the catalogue's awkward configs (meta device, no pools) ----------------------------------
+@pytest.mark.parametrize("model, check", [
+    pytest.param("bart", lambda c: c.decoder_layers == 2 and c.d_model == 64 and c.decoder_ffn_dim == 64, id="encoder-decoder-depth"),
+    pytest.param("mamba2", lambda c: c.num_heads * c.head_dim == c.expand * c.hidden_size, id="mamba2-heads-x-dim"),
+    pytest.param("bamba", lambda c: c.mamba_n_heads * c.mamba_d_head == c.mamba_expand * c.hidden_size, id="bamba-heads-x-dim"),
+    pytest.param("inkling2", lambda c: c.vision_config.text_hidden_size == c.text_config.hidden_size, id="tied-width"),
+    pytest.param("cwm", lambda c: c.hidden_size % c.num_attention_heads == 0, id="heads-divide-hidden"),
+    pytest.param("bailing_hybrid", lambda c: c.num_hidden_layers < 42 and {"linear_attention", "full_attention"} <= set(c.layer_types),
+                 id="config-rebuilt-differently"),
+    pytest.param("paligemma", lambda c: c.vision_config.num_hidden_layers == 2 and c.vision_config.projection_dim == 64,
+                 id="parent-set-attribute"),
+    pytest.param("gemma3n_text", lambda c: max(c.intermediate_size) <= 64 and c.vocab_size_per_layer_input == 128,
+                 id="per-layer-widths"),
+    pytest.param("evolla", lambda c: True, id="image-text-only-type-without-vision-config"),
+])
+def test_shrinker_builds_the_catalogues_awkward_configs(model, check):
+    from verify.model.catalogue import MAX_PARAMETERS, _parameters
+    from verify.model.zoo import meta_build, resolve
+
+    p = resolve(model, tiny=True)
+    assert check(p.config), p.tiny.changes
+    size, _ = _parameters(meta_build(p.auto)(p.config))
+    assert size < MAX_PARAMETERS

@@ -174,7 +174,7 @@ def test_cli_exit_status_and_json(msession, tmp_path, capsys):
     pytest.param(["--model", "{invalid}"], "expected a JSON config", id="invalid-json"),
     pytest.param(["--model", "{unbuildable}"], "expected LlamaConfig to build a model", id="unbuildable"),
     pytest.param(["--model", "{no_type}"], "with a 'model_type' field", id="no-model-type"),
-    pytest.param(["--model", "bart", "--tiny"], "got BartConfig without a layer count", id="tiny-without-fields"),
+    pytest.param(["--model", "reformer", "--tiny"], "got ReformerConfig without a layer count", id="tiny-without-fields"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, expected):
     files = {"{invalid}": "{not json", "{unbuildable}": json.dumps({"model_type": "llama", "vocab_size": -3}),

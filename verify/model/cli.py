@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: contiguous, where the implementation offers a choice)")
     p.add_argument("--impl", default="blockdiag_dist", help="module under test, or an adapter name")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokens")
+    p.add_argument("--exact", action="store_true", help="every op in float64 (the truth's and the step's): no float32 "
+                   "rounding of norms, rotary or routers, float64 limits (1e-10)")
     p.add_argument("--case-timeout", type=float, default=180.0, help="deadline of one case, seconds")
     p.add_argument("--backend", default=None, help="gloo (default)")
     p.add_argument("--allow-unsupported", action="store_true",
@@ -134,7 +136,7 @@ def main(args: argparse.Namespace, session=None) -> int:
             return _usage(console, str(exc))
     cases = [
         ModelCase(model=name, args=tuple(prepared[name].args), cp=cp, layout=layout, dtype=dtype, sharding=s,
-                  impl=args.impl, seed=args.seed)
+                  impl=args.impl, seed=args.seed, exact=args.exact)
         for name in names for cp in cps for layout in layouts
         for dtype in dtypes for s in shardings
     ]

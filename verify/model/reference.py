@@ -33,8 +33,9 @@ ROUNDING = 1e-12  # a gradient norm at most this fraction of the largest is roun
 
 
 def checksum(model: nn.Module) -> float:
-    """Sum of every parameter in float64: equal iff (for practical purposes) the weights are."""
-    return float(sum(p.detach().to(torch.float64).sum() for p in model.parameters()))
+    """Sum of every parameter in float64: equal iff (for practical purposes) the weights are. numpy's pairwise sum:
+    the same bits whatever the process's torch thread count (torch's parallel reduction orders it by threads)."""
+    return float(sum(np.sum(p.detach().to(torch.float64).cpu().numpy()) for p in model.parameters()))
 
 
 def recorder_of(model: nn.Module) -> ModuleRecorder:
@@ -103,8 +104,12 @@ class Reference:
 
     def _stock(self, model: nn.Module, variant: str = "stock"):
         """The reference's attention: stock SDPA, or eager attention computed in float64 (as CP computes it); with
-        ``variant="mixers64"`` the sequence mixers the guard knows (Gated DeltaNet, Mamba2, ...) run in float64 too."""
+        ``variant="mixers64"`` the sequence mixers the guard knows (Gated DeltaNet, Mamba2, ...) run in float64 too;
+        with ``variant="exact"`` every op runs in float64 (:class:`~verify.model.precision.Promote`)."""
         stack = contextlib.ExitStack()
+        if variant == "exact":  # every op in float64, attention included
+            stack.enter_context(Promote())
+            return stack
         if self.prepared.reference_attention == "eager":
             stack.enter_context(float64_eager_attention(model))
         if variant == "mixers64":
@@ -178,7 +183,7 @@ class Reference:
                 cls.update(r.cls)
             self._truth[key] = Truth(step, packed_records(step.records, p.places, p.lengths, real, "out"),
                                      packed_records(step.records, p.places, p.lengths, real, "inp"), order, cls)
-            if self.float32_ops() and (self.cost is None or self.cast_params()):
+            if variant != "exact" and self.float32_ops() and (self.cost is None or self.cast_params()):
                 with Promote():
                     exact = self.reference_step(model, p)
                 c = compare(exact, step, model, 0.0)
@@ -203,6 +208,8 @@ class Reference:
 
     def cast_cost(self, rows, variant: str = "stock") -> dict[str, float]:
         """Per cast parameter: its gradient's error, stock against the model all in float64."""
+        if variant == "exact":
+            return {}
         self.truth(rows, variant)
         per = self._exact.get((rows, variant), {})
         return {n: per[n] for n in self.cast_params() if n in per}
@@ -218,7 +225,7 @@ class Reference:
         truth = self.truth(rows, variant)
         p = self.packed(rows)
         if dtype == "float64":
-            if not self.float32_ops() and not self.rounding_params(rows, variant):
+            if (variant == "exact" or not self.float32_ops()) and not self.rounding_params(rows, variant):
                 self._base[key] = None
                 return None
             model, rec = self.model("float64")

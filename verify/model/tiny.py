@@ -73,8 +73,14 @@ FIXED: dict[str, int] = {
     "projector_hidden_size": HIDDEN, "projector_input_dim": HIDDEN, "projector_output_dim": HIDDEN,
     "image_token_embed_dim": HIDDEN, "base_channels": 32, "latent_channels": 32, "num_res_blocks": 1,
     # per-layer input embeddings (Gemma 3n / 4), byte-group hash embeddings (BLT)
-    "hidden_size_per_layer_input": 16, "encoder_hash_byte_group_vocab": 256,
+    "hidden_size_per_layer_input": 16, "encoder_hash_byte_group_vocab": 256, "vocab_size_per_layer_input": VOCAB,
+    # partial rotary (GPT-J, CodeGen): the rotated dims of a head; experts per token (ERNIE)
+    "rotary_dim": HEAD_DIM // 2, "moe_k": 2,
+    # a vision tower's patches (Inkling's 40 x 40 patch projection is 600k wide at any hidden size)
+    "patch_size": 16,
 }
+# fields a default config leaves None that its model cannot run without, when the config has experts
+NONE_FILLS = {"num_experts_per_tok": 2, "n_group": 1, "topk_group": 1}
 # lists of widths (one per stage of a tower): scaled together, by a power of two, to at most 2 x HIDDEN
 WIDTH_LISTS = ("hidden_sizes", "embed_dim", "dims", "channels", "embed_dims")
 # an int field whose original value equals an original width of the config tree is taken as tied to it (a
@@ -88,7 +94,8 @@ STEP_FIELDS = ("first_k_dense_replace", "first_k_dense", "decoder_sparse_step", 
                "attn_layer_offset", "expert_layer_period", "expert_layer_offset", "full_attention_interval")
 # mRoPE sections (rotary pairs per axis: t, h, w) that modeling code assumes when the config names none
 MROPE_DEFAULTS = {"qwen2_vl_text": (16, 24, 24), "qwen2_5_vl_text": (16, 24, 24), "qwen3_vl_text": (24, 20, 20),
-                  "qwen3_vl_moe_text": (24, 20, 20)}
+                  "qwen3_vl_moe_text": (24, 20, 20), "glm4v_text": (8, 12, 12), "glm4v_moe_text": (8, 12, 12),
+                  "glm_ocr_text": (8, 12, 12)}
 _TOKEN_SUFFIXES = ("_token_id", "_token_index", "_token_ids", "token_id")
 
 
@@ -119,11 +126,19 @@ def _init_fields(cfg: Any) -> list[str]:
 
 def _values(cfg: Any) -> dict[str, Any]:
     out = {}
+    raw = None
     for name in _init_fields(cfg):
         try:
-            out[name] = getattr(cfg, name)
-        except Exception:  # noqa: BLE001 - e.g. a per-layer attribute read globally: not a field to shrink
-            continue
+            value = getattr(cfg, name)
+        except Exception:  # noqa: BLE001 - a per-layer attribute read globally: its global value, as serialised
+            raw = cfg.to_dict() if raw is None else raw
+            if name not in raw:
+                continue
+            value = raw[name]
+        if type(value).__name__.endswith("PerLayerConfigView"):  # per-layer overrides: their serialised dict
+            raw = cfg.to_dict() if raw is None else raw
+            value = raw.get(name, value)
+        out[name] = value
     return out
 
 
@@ -214,6 +229,8 @@ def _widths(cfg: Any, vals: dict[str, Any], tokens: _Tokens, tied: dict[int, int
         v = vals.get(name)
         if name in fields and _is_int(v) and v > target:
             ov[name] = target
+        elif name in fields and isinstance(v, (list, tuple)) and v and all(_is_int(e) for e in v) and max(v) > target:
+            ov[name] = type(v)(min(e, target) for e in v)  # one value per layer (Gemma 3n's intermediate sizes)
     for name, v in vals.items():
         if (name in VOCAB_FIELDS or name.endswith("vocab_size")) and _is_int(v) and v > VOCAB:
             ov[name] = VOCAB
@@ -248,6 +265,17 @@ def _widths(cfg: Any, vals: dict[str, Any], tokens: _Tokens, tied: dict[int, int
             new = tokens(v)
             if new != v:
                 ov[name] = new
+    experts = any(_is_int(vals.get(n)) for n in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"))
+    for name, fill in NONE_FILLS.items():
+        if experts and name in fields and vals.get(name) is None:
+            ov[name] = fill
+    for name, v in vals.items():  # per-layer overrides of config fields ({"02": {"num_attention_heads": 64}})
+        if isinstance(v, dict) and v and all(isinstance(x, dict) and set(x) <= fields for x in v.values()):
+            rest = {f: y for f, y in vals.items() if f != name}
+            shrunk = {k: {**x, **{f: y for f, y in _widths(None, {**rest, **x}, tokens, tied).items() if f in x}}
+                      for k, x in v.items()}
+            if shrunk != v:
+                ov[name] = shrunk
     _mrope(vals, ov, getattr(cfg, "model_type", ""))
     return ov
 
@@ -312,8 +340,10 @@ def _mrope(vals: dict[str, Any], ov: dict[str, Any], model_type: str) -> None:
         if not isinstance(rp, dict):
             continue
         section = rp.get("mrope_section") or MROPE_DEFAULTS.get(model_type)
+        partial = rp.get("partial_rotary_factor", vals.get("partial_rotary_factor")) or 1.0
         if isinstance(section, (list, tuple)) and (new_hd != old_hd or "mrope_section" not in rp):
-            ov[name] = {**rp, "mrope_section": _scaled_section(section, old_hd // 2, new_hd // 2)}
+            ov[name] = {**rp, "mrope_section": _scaled_section(section, int(old_hd * partial) // 2,
+                                                               int(new_hd * partial) // 2)}
 
 
 def _rebuild(cls: type, base: dict[str, Any], what: str) -> Any:
@@ -586,10 +616,10 @@ def _drop_indices(sigs: list[tuple]) -> list[tuple]:
     names = {k for sig in sigs for stack in sig for (_, _, attrs) in stack for (k, v) in attrs if _is_int(v)}
     index_like = set()
     for attr in names:
-        for off in (0, 1):
-            present = [(i, values(sig, attr)) for i, sig in enumerate(sigs)]
-            present = [(i, vs) for i, vs in present if vs]
-            if len(present) >= 2 and all(all(v == i + off for v in vs) for i, vs in present):
+        present = [(i, values(sig, attr)) for i, sig in enumerate(sigs)]
+        present = [(i, vs) for i, vs in present if vs]
+        for step, off in ((1, 0), (1, 1), (2, 0), (2, 1)):  # i, i + 1; 2i, 2i + 1 (two sub-layers per layer)
+            if len(present) >= 2 and all(all(v == step * i + off for v in vs) for i, vs in present):
                 index_like.add(attr)
     if not index_like:
         return sigs

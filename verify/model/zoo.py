@@ -131,10 +131,12 @@ def _set(config: Any, path: str, value: Any) -> None:
 
 
 def _no_dropout(config: Any) -> None:
-    """Every dropout probability of the config (and its sub-configs) to 0: a step is compared, not sampled."""
+    """Every dropout probability of the config (and its sub-configs) to 0: a step is compared, not sampled
+    (``*dropout*``, ``attn_pdrop``, ``decoder_layerdrop``, ``drop_path_rate``: any float field naming a drop, and
+    a router's ``*jitter*`` noise)."""
     for name, value in list(vars(config).items()):
-        if "dropout" in name and isinstance(value, float) and value > 0:
-            setattr(config, name, 0.0)
+        if ("drop" in name or "jitter" in name) and isinstance(value, float) and value > 0:
+            setattr(config, name, 0.0)  # jitter: a router's noise in training mode (PhiMoE)
         elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
             _no_dropout(value)
 
@@ -238,6 +240,8 @@ def build(prepared: Prepared, dtype: torch.dtype, attn_implementation: str, seed
 
     config = copy.deepcopy(prepared.config)
     torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same weights in every process: an init through LAPACK (orthogonal) follows threads
     try:
         # eager experts: grouped_mm (the default where available) takes float32 / bfloat16 only
         model = prepared.model_class._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32,
@@ -247,6 +251,8 @@ def build(prepared: Prepared, dtype: torch.dtype, attn_implementation: str, seed
             raise
         raise ModelSpecError(f"--model {prepared.name}: expected {type(config).__name__} to build a model, got "
                              f"{type(exc).__name__}: {_first_line(exc)}") from exc
+    finally:
+        torch.set_num_threads(threads)
     model = model.to(dtype)
     for m in model.modules():
         if isinstance(m, nn.Dropout):
