@@ -116,3 +116,17 @@ def test_refused_on_every_rank_at_cp2(pools):
         assert isinstance(per_rank, list), f"{p.id}: {per_rank}"
         assert [got for got, _ in per_rank] == [error, error], f"{p.id}: {[(g, m[:200]) for g, m in per_rank]}"
         assert per_rank[0][1] == per_rank[1][1] and re.search(match, per_rank[0][1]), per_rank[0][1]
+
+
+def test_an_unknown_attention_keyword_is_refused_unless_none():
+    """A keyword blockdiag does not know is refused (it may change the math), before any collective; passed as None
+    it asks for nothing (BERT-style self-attention passes encoder_hidden_states=None) and is not."""
+    import torch
+    from torch import nn
+
+    from blockdiag_dist.integrations.hf import UnsupportedAttentionError, _check_layer
+
+    layer = nn.Linear(2, 2)
+    _check_layer(layer, {"encoder_hidden_states": None, "position_ids": torch.zeros(1, 3)}, None)
+    with pytest.raises(UnsupportedAttentionError, match=r"got \['encoder_hidden_states'\], which may change"):
+        _check_layer(layer, {"encoder_hidden_states": torch.zeros(1, 3, 2)}, None)

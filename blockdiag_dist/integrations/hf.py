@@ -42,7 +42,7 @@ __all__ = ["ATTENTION_NAME", "UnsupportedAttentionError", "blockdiag_attention_f
 ATTENTION_NAME = "blockdiag_cp"
 
 # Keywords transformers' layers pass to an attention function, by what blockdiag does with them. Every keyword
-# is in exactly one of these; any other is refused (it may change what attention computes).
+# is in exactly one of these; any other is refused (it may change what attention computes) unless it is None.
 # - do not change what attention computes (bookkeeping of the model's forward):
 NEUTRAL_KWARGS = frozenset({
     "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
@@ -82,7 +82,9 @@ def _check_layer(module: nn.Module, kwargs: dict[str, Any], softcap: float | Non
     for key, value in kwargs.items():
         if key in REFUSED_KWARGS and value is not None:
             raise _refuse(module, f"no {key!r}", f"{key!r}: {REFUSED_KWARGS[key]}")
-    unknown = sorted(k for k in kwargs if k not in NEUTRAL_KWARGS | DOCUMENT_KWARGS | REFUSED_KWARGS.keys())
+    # a keyword passed as None asks for nothing (BERT-style layers pass encoder_hidden_states=None to self-attention)
+    unknown = sorted(k for k, v in kwargs.items()
+                     if v is not None and k not in NEUTRAL_KWARGS | DOCUMENT_KWARGS | REFUSED_KWARGS.keys())
     if unknown:
         raise _refuse(
             module, f"only keywords blockdiag knows ({sorted(NEUTRAL_KWARGS | DOCUMENT_KWARGS)})",

@@ -190,15 +190,20 @@ def _heads(q: int, kv: int | None) -> tuple[int, int | None]:
     return ratio * kv_t, kv_t
 
 
-def _tiny_hidden(vals: dict[str, Any]) -> int:
-    """The tiny hidden size of one config: :data:`HIDDEN`, or a multiple of its tiny query heads when they do not
-    divide it (configs validate that even with an explicit head_dim)."""
+def _tiny_hidden(vals: dict[str, Any], model_type: str = "") -> int:
+    """The tiny hidden size of one config: :data:`HIDDEN`, or ``heads x HEAD_DIM`` when its tiny query heads do not
+    divide it (configs validate that even with an explicit head_dim) or, with mRoPE and no explicit head_dim, would
+    leave too few rotary pairs for its three sections (a 16:1 GQA ratio keeps 16 query heads)."""
     for q_name, kv_name in HEAD_PAIRS:
         q = vals.get(q_name)
         if _is_int(q) and q > 0:
             kv = vals.get(kv_name) if _is_int(vals.get(kv_name)) else None
             q_t, _ = _heads(q, kv)
-            return HIDDEN if HIDDEN % q_t == 0 else q_t * HEAD_DIM
+            rp = vals.get("rope_parameters") or vals.get("rope_scaling") or {}
+            mrope = isinstance(rp, dict) and bool(rp.get("mrope_section") or MROPE_DEFAULTS.get(model_type))
+            partial = (rp.get("partial_rotary_factor") if isinstance(rp, dict) else None) or 1.0
+            narrow = mrope and not _is_int(vals.get("head_dim")) and int(HIDDEN // q_t * partial) // 2 < 3
+            return q_t * HEAD_DIM if HIDDEN % q_t or narrow else HIDDEN
     return HIDDEN
 
 
@@ -210,7 +215,7 @@ def _widths(cfg: Any, vals: dict[str, Any], tokens: _Tokens, tied: dict[int, int
     fields = set(vals)
     for name in HIDDEN_FIELDS:
         if _is_int(vals.get(name)) and vals[name] > HIDDEN:
-            ov[name] = tied.get(vals[name], _tiny_hidden(vals))
+            ov[name] = tied.get(vals[name], _tiny_hidden(vals, getattr(cfg, "model_type", "")))
     done: set[str] = set()
     for q_name, kv_name in sorted(HEAD_PAIRS, key=lambda p: p[1] not in fields):  # pairs present first
         q = vals.get(q_name)
@@ -309,10 +314,11 @@ def _ssm_heads(vals: dict[str, Any], ov: dict[str, Any]) -> None:
 
 
 def _scaled_section(section: Sequence[int], old_half: int, new_half: int) -> list[int]:
-    """An mRoPE section (rotary pairs per axis, summing to head_dim / 2) scaled to a new head dim."""
+    """An mRoPE section (rotary pairs per axis) scaled to sum to ``new_half``, the tiny head's rotary pairs (the
+    modeling code splits exactly that many; a default config's section may not even match its own head)."""
     total = sum(section)
-    out = [max(1, round(s * new_half / old_half)) for s in section]
-    out[-1] += (new_half if total == old_half else round(total * new_half / old_half)) - sum(out)
+    out = [max(1, round(s * new_half / total)) for s in section]
+    out[-1] += new_half - sum(out)
     return out
 
 
@@ -377,7 +383,7 @@ def _tree_widths(cfg: Any, out: dict[int, int] | None = None) -> dict[int, int]:
     vals = _values(cfg)
     for n in HIDDEN_FIELDS:
         if _is_int(vals.get(n)) and vals[n] > HIDDEN:
-            out.setdefault(vals[n], _tiny_hidden(vals))
+            out.setdefault(vals[n], _tiny_hidden(vals, getattr(cfg, "model_type", "")))
     for n in getattr(cfg, "sub_configs", None) or {}:
         if hasattr(vals.get(n), "to_dict"):
             _tree_widths(vals[n], out)
