@@ -551,14 +551,23 @@ def family_of(row: dict[str, Any], record: dict[str, Any]) -> str:
 # ---- the report -----------------------------------------------------------------------------------------------
 INTRO = """# Which models: the transformers catalogue under blockdiag_dist
 
-blockdiag_dist computes softmax attention per document across CP ranks; a model trains correctly under CP when
-every layer that mixes information along the sequence sees documents, not rows. This page says, for every decoder
-of the installed transformers, what happens when it is trained with the README's recipe
-(`attn_implementation=register_transformers_attention()`, `pack_documents`, `make_cp_blockdiag_batch_and_ctx`,
-forward and backward in `train_ctx()`): its step matches each document run alone (**pass**), or blockdiag refuses
-it on every rank before any gradient exists, naming the layer or the attention variant (**refused**), or it cannot
-be built or run on this machine (reason quoted). A model that runs without a refusal and differs is a **silent
-failure**: the project's promise is that there is none, and the sweep below lists any it finds first.
+blockdiag_dist computes softmax attention per document across CP ranks. A model trains correctly under CP when
+every layer that mixes information along the sequence sees documents, not rows. This page says, for every model
+type of the installed transformers that builds a causal LM or an image-text-to-text model, what happens when a
+tiny version of it is trained with the README's recipe (`attn_implementation=register_transformers_attention()`,
+`pack_documents`, `make_cp_blockdiag_batch_and_ctx`, forward and backward in `train_ctx()`):
+
+- **pass**: the loss and every parameter's gradient match each document run alone on one device (the model's
+  stock attention, the same weights), within `python -m verify model`'s float64 limits;
+- **refused**: blockdiag raises on every rank before any gradient exists, naming the layer or the attention
+  variant (the message is quoted);
+- **wrong**: it ran without a refusal and differs. That is a **silent failure**, the one thing the project promises
+  never to produce; the sweep lists any it finds first, and each one found so far has been closed by a refusal
+  rule (below) rather than left in the table;
+- **cannot build** / **cannot run on CPU**: the tiny model does not build, or the model's own single-device
+  reference does not run here; the origin is named (transformers' own code with its default config, a package
+  that is not installed, or verify's shrinker);
+- **crash** / **hang**: raised under CP without a blockdiag refusal, or passed a deadline.
 
 ## What the guard can and cannot see
 
@@ -567,26 +576,40 @@ document, before it computes:
 
 - **by class**: a module whose class, or a base class, is a known sequence mixer of the pinned transformers
   (`KNOWN_MIXERS`: Mamba, Mamba2, short convolutions, Gated DeltaNet, delta / lightning / linear attention,
-  RG-LRU, xLSTM, RWKV; attention that a layer computes itself with ALiBi; sparse-attention indexers; decoders that
-  compute positions from the rows), or a module holding a state-space / gated-decay parameter (`A_log`,
-  `dt_bias`);
-- **by what it computes at its call**: an `nn.Conv1d` of kernel > 1 or an `nn.RNN` / `LSTM` / `GRU` whose input
-  runs along this rank's rows; an `*Attention*` class whose own source computes a softmax without calling
+  RG-LRU, xLSTM, RWKV; attention a layer computes itself with ALiBi; sparse-attention indexers and compressors;
+  decoders that compute positions from the row length), or any module holding a state-space / gated-decay
+  parameter (`A_log`, `dt_bias`);
+- **by what it does at its call**: an `nn.Conv1d` of kernel > 1 or an `nn.RNN` / `LSTM` / `GRU` whose input runs
+  along this rank's rows; an `*Attention*` class whose own source computes a softmax without calling
   `scaled_dot_product_attention` or transformers' attention interface, when its output runs along the rows; a
   positional-embedding class whose forward takes no `position_ids`;
 - **by the arguments of attention** (`blockdiag_dist/integrations/hf.py`): every keyword a layer passes to the
-  attention function is honoured or refused (sinks, soft-capping, position biases, sparse indices, unknown
-  keywords), and so are chunked attention, NoPE temperature tuning, bidirectional layers on the sharded sequence
-  and additive float masks.
+  attention function is honoured or refused (sinks, soft-capping, position biases, sparse indices, any keyword it
+  does not know unless passed as None), and so are chunked attention, NoPE temperature tuning, bidirectional
+  layers on the sharded sequence and additive float masks; models whose attention classes come from their own
+  table keyed by the implementation's name (Falcon, GPT-Neo, GIT) are refused when built.
 
 It does not see a mixer written with plain tensor ops (a `cumsum` scan, `F.conv1d` called directly, a custom
-kernel) in a class it does not know, nor a model whose math reads the row length in code that is not a module
-it recognises. That is why the sweep below exists: it runs every model of the catalogue and compares it with
-the truth, so that such a model shows up as **wrong** here rather than in a user's training run.
-`blockdiag_dist.guard.check_model(model)` lists what the rule finds in a model, before training.
+kernel) in a class it does not know, nor math that reads the row length in code that is not a module it
+recognises. That is why this sweep exists: it runs every model of the catalogue against the truth, so that such a
+model shows up here as **wrong** rather than in a training run. `blockdiag_dist.guard.check_model(model)` lists
+what the rule finds in a model before training.
 
-Refused today does not mean refused forever: families are added as their per-document computation lands (the
-refusal then gives way to a pass, and the table below says so when it is regenerated).
+## How to read the sweep
+
+- The models are tiny (`verify/model/tiny.py`: hidden 64, a few heads keeping the query : key/value ratio, windows
+  and chunks of 8 tokens, every layer kind kept). A behaviour that appears only at full size (a layer kind chosen by
+  a threshold the tiny config does not reach) is not exercised.
+- Vision-language models get images where verify builds them (Qwen-VL-style inputs: `image_grid_thw`,
+  `get_rope_index`); every other one is judged on text only, its language model through its own forward. A model
+  whose forward insists on images is "cannot run" for that reason.
+- A difference at the model's own precision (its norms, rotary angles and routers compute in float32 even in a
+  float64 model) is judged again with every op in float64 (`python -m verify model --exact`): a pass there is
+  reported as a pass with the size of the rounding.
+- "Packed, one device" is the stock model on the packed rows without CP: **wrong** there means the model is not
+  packing-safe by itself, whatever CP does.
+- Refused today does not mean refused for ever: a family gives way to a pass when its per-document computation
+  lands, and the table says so when it is regenerated.
 """
 
 

@@ -95,7 +95,8 @@ STEP_FIELDS = ("first_k_dense_replace", "first_k_dense", "decoder_sparse_step", 
 # mRoPE sections (rotary pairs per axis: t, h, w) that modeling code assumes when the config names none
 MROPE_DEFAULTS = {"qwen2_vl_text": (16, 24, 24), "qwen2_5_vl_text": (16, 24, 24), "qwen3_vl_text": (24, 20, 20),
                   "qwen3_vl_moe_text": (24, 20, 20), "glm4v_text": (8, 12, 12), "glm4v_moe_text": (8, 12, 12),
-                  "glm_ocr_text": (8, 12, 12)}
+                  "glm_ocr_text": (8, 12, 12), "paddleocr_vl_text": (16, 24, 24), "qwen2_5_omni_text": (16, 24, 24),
+                  "qwen3_omni_moe_text": (24, 20, 20)}
 _TOKEN_SUFFIXES = ("_token_id", "_token_index", "_token_ids", "token_id")
 
 
