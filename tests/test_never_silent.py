@@ -130,3 +130,22 @@ def test_an_unknown_attention_keyword_is_refused_unless_none():
     _check_layer(layer, {"encoder_hidden_states": None, "position_ids": torch.zeros(1, 3)}, None)
     with pytest.raises(UnsupportedAttentionError, match=r"got \['encoder_hidden_states'\], which may change"):
         _check_layer(layer, {"encoder_hidden_states": torch.zeros(1, 3, 2)}, None)
+
+
+def test_a_vision_encoders_own_attention_table_builds_with_stock_sdpa():
+    """DeepSeek-VL-hybrid's high-resolution tower (SAM) picks its attention class from a table keyed by the
+    implementation's name: under blockdiag's name it gets the table's SDPA class (bidirectional attention over
+    image patches, which CP does not shard), instead of a KeyError at build."""
+    import torch
+
+    from blockdiag_dist.integrations import register_transformers_attention
+    from verify.model.zoo import resolve
+
+    name = register_transformers_attention()
+    p = resolve("deepseek_vl_hybrid", tiny=True)
+    with torch.device("meta"):
+        model = p.model_class._from_config(p.config, attn_implementation=name)
+    from transformers.models.sam.modeling_sam import SAM_VISION_ATTENTION_CLASSES
+
+    sam = {type(m) for m in model.modules() if type(m).__name__.startswith("SamVision") and "Attention" in type(m).__name__}
+    assert sam == {SAM_VISION_ATTENTION_CLASSES["sdpa"]}, sam

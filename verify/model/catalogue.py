@@ -271,8 +271,8 @@ def sweep(names: Sequence[str], journal: str, *, cps: Sequence[int] = (1, 2), la
                     if pool.alive:
                         try:
                             pool.run(forget_models, timeout=60, name="forget models")
-                        except Exception:  # noqa: BLE001 - a pool that fails here is respawned by the next case
-                            pass
+                        except Exception as exc:  # noqa: BLE001 - a pool that fails here is respawned by the next case
+                            record["info"]["forget_models"] = _exception_text(exc)
             record["seconds"] = round(time.perf_counter() - t0, 1)
             _journal(journal, {"event": "done", "name": name, "record": record})
     finally:
@@ -448,8 +448,9 @@ def classify(record: dict[str, Any], cps: Sequence[int]) -> dict[int, dict[str, 
             stock_worst = row["worst"]
             if again["class"] == "pass":
                 row = _class_of_result(again)
-                row["reason"] = (f"passes with every op in float64; at the model's own precision it differs by its "
-                                 f"float32 rounding only (worst gradient {stock_worst:.1e})")
+                size = f" (worst gradient {float(stock_worst):.1e})" if stock_worst is not None else ""
+                row["reason"] = ("passes with every op in float64; at the model's own precision it differs by its "
+                                 f"float32 rounding only{size}")
             else:
                 second = _class_of_result(again)
                 if second["class"] == "wrong":
