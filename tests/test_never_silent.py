@@ -116,3 +116,36 @@ def test_refused_on_every_rank_at_cp2(pools):
         assert isinstance(per_rank, list), f"{p.id}: {per_rank}"
         assert [got for got, _ in per_rank] == [error, error], f"{p.id}: {[(g, m[:200]) for g, m in per_rank]}"
         assert per_rank[0][1] == per_rank[1][1] and re.search(match, per_rank[0][1]), per_rank[0][1]
+
+
+def test_an_unknown_attention_keyword_is_refused_unless_none():
+    """A keyword blockdiag does not know is refused (it may change the math), before any collective; passed as None
+    it asks for nothing (BERT-style self-attention passes encoder_hidden_states=None) and is not."""
+    import torch
+    from torch import nn
+
+    from blockdiag_dist.integrations.hf import UnsupportedAttentionError, _check_layer
+
+    layer = nn.Linear(2, 2)
+    _check_layer(layer, {"encoder_hidden_states": None, "position_ids": torch.zeros(1, 3)}, None)
+    with pytest.raises(UnsupportedAttentionError, match=r"got \['encoder_hidden_states'\], which may change"):
+        _check_layer(layer, {"encoder_hidden_states": torch.zeros(1, 3, 2)}, None)
+
+
+def test_a_vision_encoders_own_attention_table_builds_with_stock_sdpa():
+    """DeepSeek-VL-hybrid's high-resolution tower (SAM) picks its attention class from a table keyed by the
+    implementation's name: under blockdiag's name it gets the table's SDPA class (bidirectional attention over
+    image patches, which CP does not shard), instead of a KeyError at build."""
+    import torch
+
+    from blockdiag_dist.integrations import register_transformers_attention
+    from verify.model.zoo import resolve
+
+    name = register_transformers_attention()
+    p = resolve("deepseek_vl_hybrid", tiny=True)
+    with torch.device("meta"):
+        model = p.model_class._from_config(p.config, attn_implementation=name)
+    from transformers.models.sam.modeling_sam import SAM_VISION_ATTENTION_CLASSES
+
+    sam = {type(m) for m in model.modules() if type(m).__name__.startswith("SamVision") and "Attention" in type(m).__name__}
+    assert sam == {SAM_VISION_ATTENTION_CLASSES["sdpa"]}, sam

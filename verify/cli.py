@@ -7,6 +7,7 @@
     python -m verify conformance [--impls nemo,ring_attention] [--md CONFORMANCE.md] [--json PATH]
     python -m verify gpu --out DIR [--device cpu|cuda] [--quick]
     python -m verify model --model llama|qwen3_next|path/config.json [--tiny] --cp 1,2 [--impl MODULE] [--json PATH]
+    python -m verify model --catalogue [--cp 1,2] [--md docs/models.md] [--json PATH]   (every model type, classed)
 
 --impl takes a module path or an adapter's short name (verify/adapters: nemo, ring_attention, torch_cp,
 ring_flash_attn).

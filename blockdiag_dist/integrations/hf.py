@@ -42,7 +42,7 @@ __all__ = ["ATTENTION_NAME", "UnsupportedAttentionError", "blockdiag_attention_f
 ATTENTION_NAME = "blockdiag_cp"
 
 # Keywords transformers' layers pass to an attention function, by what blockdiag does with them. Every keyword
-# is in exactly one of these; any other is refused (it may change what attention computes).
+# is in exactly one of these; any other is refused (it may change what attention computes) unless it is None.
 # - do not change what attention computes (bookkeeping of the model's forward):
 NEUTRAL_KWARGS = frozenset({
     "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
@@ -86,8 +86,9 @@ def _check_layer(module: nn.Module, kwargs: dict[str, Any], softcap: float | Non
     for key, value in kwargs.items():
         if key in REFUSED_KWARGS and value is not None:
             raise _refuse(module, f"no {key!r}", f"{key!r}: {REFUSED_KWARGS[key]}")
+    # a keyword passed as None asks for nothing (BERT-style layers pass encoder_hidden_states=None to self-attention)
     known = NEUTRAL_KWARGS | DOCUMENT_KWARGS | CARRIED_KWARGS | REFUSED_KWARGS.keys()
-    unknown = sorted(k for k in kwargs if k not in known)
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in known)
     if unknown:
         raise _refuse(
             module, f"only keywords blockdiag knows ({sorted(NEUTRAL_KWARGS | DOCUMENT_KWARGS | CARRIED_KWARGS)})",
@@ -270,6 +271,8 @@ def register_transformers_attention(name: str = ATTENTION_NAME) -> str:
     AttentionInterface.register(name, blockdiag_attention_forward)
     for module_name, table, model in SELF_DISPATCHING:
         _after_import(module_name, functools.partial(_refuse_in_table, name=name, table=table, model=model))
+    for module_name, table in UNSHARDED_TABLES:
+        _after_import(module_name, functools.partial(_stock_in_table, name=name, table=table))
     return name
 
 
@@ -280,6 +283,22 @@ SELF_DISPATCHING = (
     ("transformers.models.gpt_neo.modeling_gpt_neo", "GPT_NEO_ATTENTION_CLASSES", "GPT-Neo"),
     ("transformers.models.git.modeling_git", "GIT_SELF_ATTENTION_CLASSES", "GIT"),
 )
+
+
+# Vision encoders that pick their attention class from a table keyed by the implementation's name (a KeyError at
+# build for any other name): their attention is bidirectional over image patches, tensors CP does not shard, so
+# under ``name`` they get the table's own SDPA class, what transformers' ``sdpa`` builds. (module, table)
+UNSHARDED_TABLES = (
+    ("transformers.models.sam.modeling_sam", "SAM_VISION_ATTENTION_CLASSES"),
+    ("transformers.models.sam_hq.modeling_sam_hq", "SAM_HQ_VISION_ATTENTION_CLASSES"),
+    ("transformers.models.deepseek_ocr2.modeling_deepseek_ocr2", "DEEPSEEK_OCR2_SAM_VISION_ATTENTION_CLASSES"),
+    ("transformers.models.unlimited_ocr.modeling_unlimited_ocr", "UNLIMITED_OCR_SAM_VISION_ATTENTION_CLASSES"),
+)
+
+
+def _stock_in_table(module: Any, *, name: str, table: str) -> None:
+    classes = getattr(module, table)
+    classes.setdefault(name, classes.get("sdpa", classes.get("eager")))
 
 
 def _refuse_in_table(module: Any, *, name: str, table: str, model: str) -> None:

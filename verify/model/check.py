@@ -37,6 +37,7 @@ Shape legend: B rows, S packed length, L rows of a rank, N real positions.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shlex
 from dataclasses import dataclass, field
@@ -50,11 +51,12 @@ from ..tolerances import TOLERANCES, judge as judge_tolerance
 from .harness import KINDS, StepResult, compare, cp_step, module_kind
 from .layouts import make_packed, model_rows
 from .multimodal import make_multimodal, multimodal_forward
+from .precision import Promote
 from .record import Key, ModuleRecorder, module_name, rows_of
 from .reference import Reference, Truth, _module_errors, _vocab, checksum, recorder_of
 from .zoo import Prepared, build
 
-__all__ = ["MODEL_CLASSES", "ModelCase", "ModelResult", "judge", "limit", "run_model_case"]
+__all__ = ["MODEL_CLASSES", "ModelCase", "ModelResult", "forget_models", "judge", "limit", "run_model_case"]
 
 MODEL_CLASSES = ("pass", "bug", "unsupported", "crash", "hang", "unavailable")
 REFUSALS = ("ValueError", "NotImplementedError", "Unsupported", "UnsupportedLayerError", "UnsupportedAttentionError",
@@ -74,6 +76,7 @@ class ModelCase:
     sharding: str | None = None  # contiguous | balanced | auto (when the implementation offers layouts)
     impl: str = OURS
     seed: int = 0
+    exact: bool = False  # every op in float64 (Promote), the truth's and the step's: no float32 rounding anywhere
 
     @property
     def rows(self):
@@ -81,7 +84,7 @@ class ModelCase:
 
     def label(self) -> str:
         shard = f" {self.sharding}" if self.sharding else ""
-        return f"{self.model} cp{self.cp} {self.layout} {self.dtype}{shard}"
+        return f"{self.model} cp{self.cp} {self.layout} {self.dtype}{shard}" + (" exact" if self.exact else "")
 
     def command(self) -> str:
         a = ["python", "-m", "verify", "model", *self.args, "--cp", str(self.cp), "--layouts", self.layout,
@@ -92,6 +95,8 @@ class ModelCase:
             a += ["--impl", self.impl]
         if self.seed:
             a += ["--seed", str(self.seed)]
+        if self.exact:
+            a += ["--exact"]
         return " ".join(shlex.quote(x) for x in a)
 
     def to_dict(self) -> dict[str, Any]:
@@ -157,6 +162,13 @@ def run_model_case(case: dict, prepared: Prepared, weights: float) -> dict[str, 
     options: dict[str, Any] = {}
     if case.sharding and "layout" in impl.options:
         options["layout"] = case.sharding
+    promote = Promote() if case.exact else contextlib.nullcontext()
+    with promote:
+        return _step_on_rank(case, prepared, model, recorder, impl, options, env)
+
+
+def _step_on_rank(case: ModelCase, prepared: Prepared, model: nn.Module, recorder, impl, options: dict[str, Any],
+                  env: dict[str, Any]) -> dict[str, Any]:
     if prepared.multimodal:  # the model's own forward on the whole multimodal batch: no pre-embedding
         if "shard_primary" in impl.make_params:  # keep the model's inputs whole: it embeds and splices on full rows
             options["shard_primary"] = False
@@ -200,14 +212,15 @@ def _compare_all(ref: Reference, rows, dtype: str, truth: Truth, got: StepResult
                  got_inp: dict[Key, np.ndarray], model: nn.Module, variant: str = "stock") -> dict[str, Any]:
     """Loss, gradients and module outputs of ``got`` against the truth, each with its limit."""
     base = ref.baseline(rows, dtype, variant)
-    low = bool(ref.float32_ops())
+    low = bool(ref.float32_ops()) and variant != "exact"
+    rounding = ref.rounding_params(rows, variant) if dtype == "float64" else set()
     # a baseline error stands for every quantity of the same module class: rounding below float64 (a float32
     # sum over the rows in a norm's weight gradient) is as large in one instance as in another, and the
     # orders in which CP and the baseline add differ from each other
     owners = {n: _owner_class(model, n) for n in truth.step.grads}
     bp = _pooled(base.params if base else {}, owners)
-    limits = {n: limit(dtype, bp.get(n), low) for n in truth.step.grads}
-    if dtype == "float64":  # a gradient the model sums in float32 may be off by that rounding, twice
+    limits = {n: limit(dtype, bp.get(n), low or n in rounding) for n in truth.step.grads}
+    if dtype == "float64" and variant != "exact":  # a gradient the model sums in float32 may be off by that rounding
         for n, e in ref.cast_cost(rows, variant).items():
             limits[n] = max(limits[n], TOLERANCES["float32"].factor * e)
     loss_limit = limit(dtype, base.loss if base else None, low)
@@ -304,7 +317,8 @@ class ModelResult:
 def judge(case: ModelCase, ref: Reference, per_rank: list[dict[str, Any]]) -> ModelResult:
     """Class one case from every rank's result."""
     rows = case.rows
-    truth = ref.truth(rows)
+    variant = "exact" if case.exact else "stock"
+    truth = ref.truth(rows, variant)
     model, _ = ref.model("float64")
     first = per_rank[0]
     got = StepResult(loss=first["loss"], grads=first["grads"], targets=first["targets"], notes=first["notes"])
@@ -335,12 +349,12 @@ def judge(case: ModelCase, ref: Reference, per_rank: list[dict[str, Any]]) -> Mo
                 into[k] = arranged
     else:
         notes.append("module outputs not compared: the implementation reports no row positions")
-    v = _compare_all(ref, rows, case.dtype, truth, got, got_out, got_inp, model)
+    v = _compare_all(ref, rows, case.dtype, truth, got, got_out, got_inp, model, variant)
     v["targets"] = (got.targets, truth.step.targets)
-    v["truth"] = "stock"
+    v["truth"] = variant
     if got.targets != truth.step.targets:
         v["ok"] = False
-    if not v["ok"] and case.dtype == "float64" and "mixers64" in ref.variants():
+    if not v["ok"] and case.dtype == "float64" and not case.exact and "mixers64" in ref.variants():
         other = _compare_all(ref, rows, case.dtype, ref.truth(rows, "mixers64"), got, got_out, got_inp, model, "mixers64")
         if other["ok"] and got.targets == truth.step.targets:
             other["targets"], other["truth"] = v["targets"], "mixers64"
@@ -397,3 +411,12 @@ def failure_result(case: ModelCase, failure, world: int) -> ModelResult:
     t, msg = excs[0] if excs else ("", "")
     return ModelResult(case, "crash", why=f"raised on rank(s) {failure.ranks}" + ("" if every_rank else " only"),
                        message=f"{t}: {msg}" if t else details.splitlines()[0], details=details)
+
+
+def forget_models() -> int:
+    """Drop every model this worker built (a sweep over many models keeps none); returns how many."""
+    n = len(_worker_models)
+    for _, recorder in _worker_models.values():
+        recorder.close()
+    _worker_models.clear()
+    return n

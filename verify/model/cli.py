@@ -5,10 +5,12 @@
     python -m verify model --model path/to/config.json --tiny --layouts spans-every-rank
     python -m verify model --presets --allow-unsupported --md MODELS.md --json results/models.json
     python -m verify model --model llama --impl verify.mutants.off_by_one
+    python -m verify model --catalogue --cp 1,2 --md docs/models.md --json results/catalogue.json
 
 Exit status: 0 iff every case passed (with ``--allow-unsupported``: or was refused, or cannot run here);
 1 otherwise; 2 for a usage error (an unknown model, a config that does not build, ``--tiny`` on a config without
-the fields it shrinks, an unknown layout or implementation).
+the fields it shrinks, an unknown layout or implementation). ``--catalogue`` (:mod:`verify.model.catalogue`):
+0 unless some model is wrong, crashed or hung.
 """
 
 from __future__ import annotations
@@ -40,12 +42,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: contiguous, where the implementation offers a choice)")
     p.add_argument("--impl", default="blockdiag_dist", help="module under test, or an adapter name")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokens")
+    p.add_argument("--exact", action="store_true", help="every op in float64 (the truth's and the step's): no float32 "
+                   "rounding of norms, rotary or routers, float64 limits (1e-10)")
     p.add_argument("--case-timeout", type=float, default=180.0, help="deadline of one case, seconds")
     p.add_argument("--backend", default=None, help="gloo (default)")
     p.add_argument("--allow-unsupported", action="store_true",
                    help="exit 0 when every case passed, was refused or cannot run here (the preset list)")
     p.add_argument("--json", metavar="PATH", help="write every case's result ('-' = stdout)")
-    p.add_argument("--md", metavar="PATH", help="write the Markdown table (MODELS.md)")
+    p.add_argument("--md", metavar="PATH", help="write the Markdown table (MODELS.md; with --catalogue docs/models.md)")
+    g = p.add_argument_group("catalogue", "--catalogue: every causal-LM and image-text-to-text model type of the "
+                             "installed transformers, tiny, float64, one layout, classed (verify/model/catalogue.py)")
+    g.add_argument("--catalogue", action="store_true", help="sweep the whole catalogue (takes --cp, --md, --json, --seed)")
+    g.add_argument("--only", default=None, help="with --catalogue: only these model types (comma-separated)")
+    g.add_argument("--jobs", type=int, default=1, help="with --catalogue: sweep processes side by side")
+    g.add_argument("--chunk", type=int, default=40, help="with --catalogue: models per sweep process")
+    g.add_argument("--model-timeout", type=float, default=600.0, help="with --catalogue: deadline of one model, seconds")
+    g.add_argument("--workdir", default=None, help="with --catalogue: journals and logs (default results/catalogue)")
 
 
 def _csv(text: str) -> list[str]:
@@ -69,6 +81,13 @@ def main(args: argparse.Namespace, session=None) -> int:
     from .run import ModelSession, model_info
     from .zoo import PRESETS, resolve
 
+    if getattr(args, "catalogue", False):
+        from .catalogue import main as catalogue_main
+
+        if args.model or args.presets:
+            return _usage(make_console(), "--catalogue: expected no --model or --presets, got "
+                          + ("--model" if args.model else "--presets"))
+        return catalogue_main(args)
     console = make_console()
     if bool(args.model) == bool(args.presets):
         return _usage(console, "expected exactly one of --model NAME or --presets, got "
@@ -117,7 +136,7 @@ def main(args: argparse.Namespace, session=None) -> int:
             return _usage(console, str(exc))
     cases = [
         ModelCase(model=name, args=tuple(prepared[name].args), cp=cp, layout=layout, dtype=dtype, sharding=s,
-                  impl=args.impl, seed=args.seed)
+                  impl=args.impl, seed=args.seed, exact=args.exact)
         for name in names for cp in cps for layout in layouts
         for dtype in dtypes for s in shardings
     ]

@@ -26,8 +26,8 @@ from blockdiag_dist.integrations import IGNORE_INDEX, causal_lm_loss
 from .harness import StepResult, _recording, param_grads
 from .layouts import Packed, make_packed
 
-__all__ = ["GRIDS", "MultimodalPacked", "make_multimodal", "multimodal_batched", "multimodal_forward",
-           "multimodal_reference"]
+__all__ = ["GRIDS", "MultimodalPacked", "images_unsupported", "make_multimodal", "multimodal_batched",
+           "multimodal_forward", "multimodal_reference"]
 
 GRIDS = ((1, 4, 4), (1, 2, 4), (1, 2, 2))  # image grids in patches (t, h, w): 4, 2, 1 tokens after the 2 x 2 merge
 
@@ -51,6 +51,25 @@ class MultimodalPacked(Packed):
             out["pixel_values"] = self.pixels[i]
             out["image_grid_thw"] = self.grids[i]
         return out
+
+
+_TOKEN_FIELDS = ("vision_start_token_id", "image_token_id", "vision_end_token_id")
+_VISION_FIELDS = ("spatial_merge_size", "temporal_patch_size", "patch_size", "in_channels")
+
+
+def images_unsupported(config, model: nn.Module) -> str | None:
+    """None when :func:`make_multimodal` builds images for this vision-language model (the Qwen-VL kind: vision
+    start / image / end tokens, a vision config with a spatial merge and temporal patches, ``get_rope_index`` on
+    the inner model); else why not, in a few words (such a model is judged on text only)."""
+    missing = [f for f in _TOKEN_FIELDS if getattr(config, f, None) is None]
+    vision = getattr(config, "vision_config", None)
+    missing += [f"vision_config.{f}" for f in _VISION_FIELDS if getattr(vision, f, None) is None]
+    if not hasattr(getattr(model, "model", None), "get_rope_index"):
+        missing.append("model.get_rope_index")
+    if missing:
+        return ("images are built for Qwen-VL-style inputs only (pixel patches with image_grid_thw, mRoPE from "
+                "get_rope_index); this model has no " + ", ".join(missing[:3]) + ("..." if len(missing) > 3 else ""))
+    return None
 
 
 def _tokens(config) -> tuple[int, int, int]:

@@ -29,11 +29,13 @@ from .zoo import Prepared, build
 __all__ = ["FLOAT32_BACKENDS", "Baseline", "Reference", "Truth", "checksum", "layer_masks", "recorder_of"]
 
 FLOAT32_BACKENDS = ("math", "flash_attention")  # CPU SDPA backends the float32 baseline runs on
+ROUNDING = 1e-12  # a gradient norm at most this fraction of the largest is rounding (zero in exact arithmetic)
 
 
 def checksum(model: nn.Module) -> float:
-    """Sum of every parameter in float64: equal iff (for practical purposes) the weights are."""
-    return float(sum(p.detach().to(torch.float64).sum() for p in model.parameters()))
+    """Sum of every parameter in float64: equal iff (for practical purposes) the weights are. numpy's pairwise sum:
+    the same bits whatever the process's torch thread count (torch's parallel reduction orders it by threads)."""
+    return float(sum(np.sum(p.detach().to(torch.float64).cpu().numpy()) for p in model.parameters()))
 
 
 def recorder_of(model: nn.Module) -> ModuleRecorder:
@@ -102,8 +104,12 @@ class Reference:
 
     def _stock(self, model: nn.Module, variant: str = "stock"):
         """The reference's attention: stock SDPA, or eager attention computed in float64 (as CP computes it); with
-        ``variant="mixers64"`` the sequence mixers the guard knows (Gated DeltaNet, Mamba2, ...) run in float64 too."""
+        ``variant="mixers64"`` the sequence mixers the guard knows (Gated DeltaNet, Mamba2, ...) run in float64 too;
+        with ``variant="exact"`` every op runs in float64 (:class:`~verify.model.precision.Promote`)."""
         stack = contextlib.ExitStack()
+        if variant == "exact":  # every op in float64, attention included
+            stack.enter_context(Promote())
+            return stack
         if self.prepared.reference_attention == "eager":
             stack.enter_context(float64_eager_attention(model))
         if variant == "mixers64":
@@ -177,13 +183,23 @@ class Reference:
                 cls.update(r.cls)
             self._truth[key] = Truth(step, packed_records(step.records, p.places, p.lengths, real, "out"),
                                      packed_records(step.records, p.places, p.lengths, real, "inp"), order, cls)
-            if self.float32_ops() and (self.cost is None or self.cast_params()):
+            if variant != "exact" and self.float32_ops() and (self.cost is None or self.cast_params()):
                 with Promote():
                     exact = self.reference_step(model, p)
                 c = compare(exact, step, model, 0.0)
                 self.cost = max(self.cost or 0.0, c.worst)
                 self._exact[key] = c.per_param
         return self._truth[key]
+
+    def rounding_params(self, rows, variant: str = "stock") -> set[str]:
+        """Parameters whose true gradient is zero in exact arithmetic and only rounding in float64 (a key bias: a
+        softmax is unchanged when every logit of a query moves alike), found as a gradient norm at most
+        :data:`ROUNDING` of the largest: their relative error is rounding over rounding, judged against the float64
+        baseline like every rounding (a real error there is many orders of magnitude above it)."""
+        grads = self.truth(rows, variant).step.grads
+        norms = {n: float(np.linalg.norm(g)) for n, g in grads.items()}
+        top = max(norms.values(), default=0.0)
+        return {n for n, v in norms.items() if top > 0 and v <= ROUNDING * top}
 
     def cast_params(self) -> set[str]:
         """Parameters the model casts below float64 in its forward: their gradients are summed below float64 by
@@ -192,6 +208,8 @@ class Reference:
 
     def cast_cost(self, rows, variant: str = "stock") -> dict[str, float]:
         """Per cast parameter: its gradient's error, stock against the model all in float64."""
+        if variant == "exact":
+            return {}
         self.truth(rows, variant)
         per = self._exact.get((rows, variant), {})
         return {n: per[n] for n in self.cast_params() if n in per}
@@ -207,7 +225,7 @@ class Reference:
         truth = self.truth(rows, variant)
         p = self.packed(rows)
         if dtype == "float64":
-            if not self.float32_ops():
+            if (variant == "exact" or not self.float32_ops()) and not self.rounding_params(rows, variant):
                 self._base[key] = None
                 return None
             model, rec = self.model("float64")

@@ -14,7 +14,9 @@ from .check import ModelCase, ModelResult, failure_result, judge, run_model_case
 from .reference import Reference
 from .zoo import Prepared
 
-__all__ = ["ModelSession", "warm_up"]
+__all__ = ["UNAVAILABLE_NOTE", "ModelSession", "warm_up"]
+
+UNAVAILABLE_NOTE = "the model's own per-document reference does not run here either"
 
 
 def warm_up() -> None:
@@ -63,43 +65,51 @@ class ModelSession:
 
     def run(self, cases: Sequence[ModelCase], prepared: dict[str, Prepared],
             on_result: Callable[[ModelResult], None] | None = None) -> list[ModelResult]:
-        """Every case (grouped by CP size, order kept within a size); ``prepared[case.model]`` builds its model."""
+        """Every case (grouped by CP size, order kept within a size); ``prepared[case.model]`` builds its model.
+        Every CP size's cases are queued on its pool before any is collected: the pools compute side by side
+        while the parent computes the truths."""
         by_cp: dict[int, list[ModelCase]] = {}
         for c in cases:
             by_cp.setdefault(c.cp, []).append(c)
+        queued = [(cp, self._submit(cp, by_cp[cp], prepared)) for cp in sorted(by_cp)]
         out: list[ModelResult] = []
-        for cp in sorted(by_cp):
-            for r in self._run_cp(cp, by_cp[cp], prepared):
+        for cp, batch in queued:
+            for r in self._collect(cp, batch, prepared):
                 out.append(r)
                 if on_result:
                     on_result(r)
         return out
 
-    def _run_cp(self, cp: int, cases: list[ModelCase], prepared: dict[str, Prepared]):
+    def _submit(self, cp: int, cases: list[ModelCase], prepared: dict[str, Prepared]) -> dict[str, Any]:
+        """Queue ``cases`` on the pool of size ``cp``; cases that cannot be queued are answered now (``early``)."""
         pool = self.pool(cp)
-        pending = list(cases)
-        while pending:
-            submitted, ids, refs = [], [], []
-            for case in pending:  # weights first: the workers check theirs against the reference's
-                ref = self.reference(prepared[case.model], case.seed)
-                try:
-                    ref.model("float64")
-                except ValueError as exc:
-                    yield ModelResult(case, "unavailable", why="the model does not build here", message=str(exc))
-                    continue
-                submitted.append(case)
-                refs.append(ref)
-            if not submitted:
-                return
+        submitted, refs, early = [], [], []
+        for case in cases:  # weights first: the workers check theirs against the reference's
+            ref = self.reference(prepared[case.model], case.seed)
+            try:
+                ref.model("float64")
+            except ValueError as exc:
+                early.append(ModelResult(case, "unavailable", why="the model does not build here", message=str(exc)))
+                continue
+            submitted.append(case)
+            refs.append(ref)
+        ids: list[int] = []
+        if submitted:
             slim = {m: _slim(p) for m, p in prepared.items()}
             try:
                 ids = pool.submit(run_model_case, [((c.to_dict(), slim[c.model], r.weights), {}) for c, r in zip(submitted, refs)])
             except Exception as exc:  # noqa: BLE001 - the pool could not start: every case says so
-                for case in submitted:
-                    yield ModelResult(case, "crash", why="the pool could not start", message=f"{type(exc).__name__}: {exc}")
-                return
-            pending = []
-            for i, (case, ref, task) in enumerate(zip(submitted, refs, ids)):
+                early += [ModelResult(case, "crash", why="the pool could not start", message=f"{type(exc).__name__}: {exc}")
+                          for case in submitted]
+                submitted, refs = [], []
+        return {"submitted": submitted, "refs": refs, "ids": ids, "early": early}
+
+    def _collect(self, cp: int, batch: dict[str, Any], prepared: dict[str, Prepared]):
+        pool = self.pool(cp)
+        while True:
+            yield from batch["early"]
+            pending: list[ModelCase] = []
+            for i, (case, ref, task) in enumerate(zip(batch["submitted"], batch["refs"], batch["ids"])):
                 t0 = time.perf_counter()
                 # the truth while the ranks compute; not for a model refused at this CP size already (refused again,
                 # most likely: its truth would only feed one packed-rows verdict, taken once per model and size)
@@ -120,7 +130,7 @@ class ModelSession:
                         result.why += ("; the stock model on the packed rows on one device is wrong already (worst "
                                        f"gradient {result.packed['worst']:.2e}): not packing-safe")
                     if not pool.alive:  # the group was killed: the cases queued behind this one run again
-                        pending = submitted[i + 1:]
+                        pending = batch["submitted"][i + 1:]
                 else:
                     if unavailable is None:
                         unavailable = _prepare(ref, case, baseline=True)
@@ -137,9 +147,14 @@ class ModelSession:
                 result.seconds = seconds
                 if unavailable is not None and result.cls != "unsupported":
                     result = unavailable
+                elif unavailable is not None:  # refused first; the reference would not have run either
+                    result.notes.append(f"{UNAVAILABLE_NOTE}: {unavailable.message}")
                 yield result
                 if pending:
                     break
+            if not pending:
+                return
+            batch = self._submit(cp, pending, prepared)
 
 
 def _slim(p: Prepared) -> Prepared:
@@ -158,9 +173,11 @@ def _prepare(ref: Reference, case: ModelCase, baseline: bool = False) -> ModelRe
         if baseline:
             ref.baseline(case.rows, case.dtype)
     except Exception as exc:  # noqa: BLE001 - any failure of the model itself on one device
+        import traceback
+
         text = str(exc).strip().splitlines()
         return ModelResult(case, "unavailable", why="the model's own per-document reference does not run here",
-                           message=f"{type(exc).__name__}: {text[0] if text else ''}")
+                           message=f"{type(exc).__name__}: {text[0] if text else ''}", details=traceback.format_exc())
     return None
 
 

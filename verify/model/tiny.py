@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,18 +35,22 @@ HEAD_DIM = 16
 MAX_HEADS = 8
 MIN_LAYERS = 2
 
-HIDDEN_FIELDS = ("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim")
-LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "depth")
+HIDDEN_FIELDS = ("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "emb_dim")
+# the first present is the stack's count; an encoder-decoder's other count follows it when equal
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "depth", "decoder_layers",
+                "num_decoder_layers", "encoder_layers", "num_encoder_layers")
 PATTERN_FIELDS = ("layers_block_type", "hybrid_override_pattern", "block_types", "layers_block_types")
 HEAD_PAIRS = (
     ("num_attention_heads", "num_key_value_heads"), ("n_head", "n_head_kv"), ("num_heads", "num_kv_heads"),
     ("n_heads", "n_kv_heads"), ("num_attention_heads", "multi_query_group_num"),
+    ("decoder_attention_heads", "decoder_num_key_value_heads"), ("encoder_attention_heads", "encoder_num_key_value_heads"),
 )
 # field -> its tiny value (applied only when the original is larger; None values stay None)
 FIXED: dict[str, int] = {
     "head_dim": HEAD_DIM, "kv_channels": HEAD_DIM, "attention_head_dim": HEAD_DIM,
     "intermediate_size": 64, "intermediate_size_mlp": 64, "ffn_dim": 64, "n_inner": 64, "d_ff": 64,
     "ffn_hidden_size": 64, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "expert_ffn_hidden_size": 32, "qk_head_dim": 24,
     "moe_shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
     # MLA (DeepSeek)
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
@@ -63,10 +68,25 @@ FIXED: dict[str, int] = {
     "attention_window_size": WINDOW,
     # Llama 4's NoPE temperature: positions from floor_scale on are scaled; a short document reaches it
     "floor_scale": 4,
-    # vision towers: out_hidden_size feeds the text model
+    # vision towers: out_hidden_size feeds the text model; projectors between tower and text model
     "out_hidden_size": HIDDEN, "vision_output_dim": HIDDEN, "projection_dim": HIDDEN,
+    "projector_hidden_size": HIDDEN, "projector_input_dim": HIDDEN, "projector_output_dim": HIDDEN,
+    "image_token_embed_dim": HIDDEN, "base_channels": 32, "latent_channels": 32, "num_res_blocks": 1,
+    # per-layer input embeddings (Gemma 3n / 4), byte-group hash embeddings (BLT)
+    "hidden_size_per_layer_input": 16, "encoder_hash_byte_group_vocab": 256, "vocab_size_per_layer_input": VOCAB,
+    # partial rotary (GPT-J, CodeGen): the rotated dims of a head; experts per token (ERNIE)
+    "rotary_dim": HEAD_DIM // 2, "moe_k": 2,
+    # a vision tower's patches (Inkling's 40 x 40 patch projection is 600k wide at any hidden size)
+    "patch_size": 16,
 }
-VOCAB_FIELDS = ("vocab_size",)
+# fields a default config leaves None that its model cannot run without, when the config has experts
+NONE_FILLS = {"num_experts_per_tok": 2, "n_group": 1, "topk_group": 1}
+# lists of widths (one per stage of a tower): scaled together, by a power of two, to at most 2 x HIDDEN
+WIDTH_LISTS = ("hidden_sizes", "embed_dim", "dims", "channels", "embed_dims")
+# an int field whose original value equals an original width of the config tree is taken as tied to it (a
+# tower's ``text_hidden_size``, an adapter's input width) and follows it, unless its name says it is not a width
+_NOT_TIED = re.compile(r"position|vocab|token|length|window|max_|seq|chunk|image_size|num_|_id$|index|layers|rank")
+VOCAB_FIELDS = ("vocab_size",)  # and every other field whose name ends in "vocab_size"
 # a layer's kind follows from these (steps, counts, intervals): the subset of layers cannot be named by lists
 STEP_FIELDS = ("first_k_dense_replace", "first_k_dense", "decoder_sparse_step", "moe_layer_freq",
                "interleave_moe_layer_step", "no_rope_layer_interval", "sliding_window_pattern",
@@ -74,7 +94,9 @@ STEP_FIELDS = ("first_k_dense_replace", "first_k_dense", "decoder_sparse_step", 
                "attn_layer_offset", "expert_layer_period", "expert_layer_offset", "full_attention_interval")
 # mRoPE sections (rotary pairs per axis: t, h, w) that modeling code assumes when the config names none
 MROPE_DEFAULTS = {"qwen2_vl_text": (16, 24, 24), "qwen2_5_vl_text": (16, 24, 24), "qwen3_vl_text": (24, 20, 20),
-                  "qwen3_vl_moe_text": (24, 20, 20)}
+                  "qwen3_vl_moe_text": (24, 20, 20), "glm4v_text": (8, 12, 12), "glm4v_moe_text": (8, 12, 12),
+                  "glm_ocr_text": (8, 12, 12), "paddleocr_vl_text": (16, 24, 24), "qwen2_5_omni_text": (16, 24, 24),
+                  "qwen3_omni_moe_text": (24, 20, 20)}
 _TOKEN_SUFFIXES = ("_token_id", "_token_index", "_token_ids", "token_id")
 
 
@@ -105,11 +127,19 @@ def _init_fields(cfg: Any) -> list[str]:
 
 def _values(cfg: Any) -> dict[str, Any]:
     out = {}
+    raw = None
     for name in _init_fields(cfg):
         try:
-            out[name] = getattr(cfg, name)
-        except Exception:  # noqa: BLE001 - e.g. a per-layer attribute read globally: not a field to shrink
-            continue
+            value = getattr(cfg, name)
+        except Exception:  # noqa: BLE001 - a per-layer attribute read globally: its global value, as serialised
+            raw = cfg.to_dict() if raw is None else raw
+            if name not in raw:
+                continue
+            value = raw[name]
+        if type(value).__name__.endswith("PerLayerConfigView"):  # per-layer overrides: their serialised dict
+            raw = cfg.to_dict() if raw is None else raw
+            value = raw.get(name, value)
+        out[name] = value
     return out
 
 
@@ -161,13 +191,32 @@ def _heads(q: int, kv: int | None) -> tuple[int, int | None]:
     return ratio * kv_t, kv_t
 
 
-def _widths(cfg: Any, vals: dict[str, Any], tokens: _Tokens) -> dict[str, Any]:
-    """Overrides of one config's own width fields (not its sub-configs, not its depth)."""
+def _tiny_hidden(vals: dict[str, Any], model_type: str = "") -> int:
+    """The tiny hidden size of one config: :data:`HIDDEN`, or ``heads x HEAD_DIM`` when its tiny query heads do not
+    divide it (configs validate that even with an explicit head_dim) or, with mRoPE and no explicit head_dim, would
+    leave too few rotary pairs for its three sections (a 16:1 GQA ratio keeps 16 query heads)."""
+    for q_name, kv_name in HEAD_PAIRS:
+        q = vals.get(q_name)
+        if _is_int(q) and q > 0:
+            kv = vals.get(kv_name) if _is_int(vals.get(kv_name)) else None
+            q_t, _ = _heads(q, kv)
+            rp = vals.get("rope_parameters") or vals.get("rope_scaling") or {}
+            mrope = isinstance(rp, dict) and bool(rp.get("mrope_section") or MROPE_DEFAULTS.get(model_type))
+            partial = (rp.get("partial_rotary_factor") if isinstance(rp, dict) else None) or 1.0
+            narrow = mrope and not _is_int(vals.get("head_dim")) and int(HIDDEN // q_t * partial) // 2 < 3
+            return q_t * HEAD_DIM if HIDDEN % q_t or narrow else HIDDEN
+    return HIDDEN
+
+
+def _widths(cfg: Any, vals: dict[str, Any], tokens: _Tokens, tied: dict[int, int] | None = None) -> dict[str, Any]:
+    """Overrides of one config's own width fields (not its sub-configs, not its depth); ``tied``: the original
+    widths of the whole config tree and their tiny values."""
     ov: dict[str, Any] = {}
+    tied = tied or {}
     fields = set(vals)
     for name in HIDDEN_FIELDS:
         if _is_int(vals.get(name)) and vals[name] > HIDDEN:
-            ov[name] = HIDDEN
+            ov[name] = tied.get(vals[name], _tiny_hidden(vals, getattr(cfg, "model_type", "")))
     done: set[str] = set()
     for q_name, kv_name in sorted(HEAD_PAIRS, key=lambda p: p[1] not in fields):  # pairs present first
         q = vals.get(q_name)
@@ -186,9 +235,21 @@ def _widths(cfg: Any, vals: dict[str, Any], tokens: _Tokens) -> dict[str, Any]:
         v = vals.get(name)
         if name in fields and _is_int(v) and v > target:
             ov[name] = target
-    for name in VOCAB_FIELDS:
-        if _is_int(vals.get(name)) and vals[name] > VOCAB:
+        elif name in fields and isinstance(v, (list, tuple)) and v and all(_is_int(e) for e in v) and max(v) > target:
+            ov[name] = type(v)(min(e, target) for e in v)  # one value per layer (Gemma 3n's intermediate sizes)
+    for name, v in vals.items():
+        if (name in VOCAB_FIELDS or name.endswith("vocab_size")) and _is_int(v) and v > VOCAB:
             ov[name] = VOCAB
+    for name in WIDTH_LISTS:
+        v = vals.get(name)
+        if isinstance(v, (list, tuple)) and v and all(_is_int(e) and e > 0 for e in v) and max(v) > 2 * HIDDEN:
+            factor = 1
+            while max(v) // (factor * 2) >= 2 * HIDDEN or max(v) / factor > 2 * HIDDEN:
+                factor *= 2
+            ov[name] = type(v)(max(8, e // factor) for e in v)
+    for name, v in vals.items():
+        if name not in ov and _is_int(v) and v > HIDDEN and v in tied and not _NOT_TIED.search(name):
+            ov[name] = tied[v]
     # linear attention: value heads a multiple of key heads, as in the original
     k, v = vals.get("linear_num_key_heads"), vals.get("linear_num_value_heads")
     if _is_int(k) and _is_int(v) and k > 2:
@@ -204,24 +265,73 @@ def _widths(cfg: Any, vals: dict[str, Any], tokens: _Tokens) -> dict[str, Any]:
             ov[gname] = 2
     if "mamba_d_ssm" in fields and _is_int(vals.get("mamba_d_ssm")):
         ov["mamba_d_ssm"] = 8 * HEAD_DIM
+    _ssm_heads(vals, ov)
     for name, v in vals.items():
         if _is_token_field(name):
             new = tokens(v)
             if new != v:
                 ov[name] = new
+    experts = any(_is_int(vals.get(n)) for n in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"))
+    for name, fill in NONE_FILLS.items():
+        if experts and name in fields and vals.get(name) is None:
+            ov[name] = fill
+    for name, v in vals.items():  # per-layer overrides of config fields ({"02": {"num_attention_heads": 64}})
+        if isinstance(v, dict) and v and all(isinstance(x, dict) and set(x) <= fields for x in v.values()):
+            rest = {f: y for f, y in vals.items() if f != name}
+            shrunk = {k: {**x, **{f: y for f, y in _widths(None, {**rest, **x}, tokens, tied).items() if f in x}}
+                      for k, x in v.items()}
+            if shrunk != v:
+                ov[name] = shrunk
     _mrope(vals, ov, getattr(cfg, "model_type", ""))
     return ov
 
 
+# (SSM heads, SSM head dim, expansion) of a Mamba2 mixer: heads x head dim = expansion x hidden
+_SSM_FIELDS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+               ("mamba_num_heads", "mamba_head_dim", "mamba_expand"))
+
+
+def _ssm_heads(vals: dict[str, Any], ov: dict[str, Any]) -> None:
+    """Mamba2's heads and head dim at the tiny width: ``heads x head_dim = expand x hidden`` (configs check it),
+    head dim :data:`HEAD_DIM`; its groups divide the heads."""
+    hidden = ov.get("hidden_size", vals.get("hidden_size"))
+    for heads, dim, expand in _SSM_FIELDS:
+        e = vals.get(expand)
+        if heads not in vals or not _is_int(hidden) or not isinstance(e, (int, float)) or isinstance(e, bool):
+            continue
+        if not (_is_int(vals.get(heads)) and (dim not in vals or _is_int(vals.get(dim)) or vals.get(dim) == "auto")):
+            continue
+        if heads == "num_heads" and "state_size" not in vals and "ssm_state_size" not in vals:
+            continue  # attention heads, not a state-space mixer's
+        width = int(e * hidden)
+        if width % HEAD_DIM:
+            continue
+        ov[heads] = width // HEAD_DIM
+        if dim in vals and _is_int(vals.get(dim)):
+            ov[dim] = HEAD_DIM
+        for g in ("n_groups", "mamba_n_groups"):
+            if _is_int(vals.get(g)) and ov[heads] % ov.get(g, vals[g]):
+                ov[g] = 1
+
+
 def _scaled_section(section: Sequence[int], old_half: int, new_half: int) -> list[int]:
-    """An mRoPE section (rotary pairs per axis, summing to head_dim / 2) scaled to a new head dim."""
+    """An mRoPE section (rotary pairs per axis) scaled to sum to ``new_half``, the tiny head's rotary pairs (the
+    modeling code splits exactly that many; a default config's section may not even match its own head)."""
     total = sum(section)
-    out = [max(1, round(s * new_half / old_half)) for s in section]
-    out[-1] += (new_half if total == old_half else round(total * new_half / old_half)) - sum(out)
+    out = [max(1, round(s * new_half / total)) for s in section]
+    out[-1] += new_half - sum(out)
     return out
 
 
 def _mrope(vals: dict[str, Any], ov: dict[str, Any], model_type: str) -> None:
+    if _is_int(vals.get("qk_rope_head_dim")):  # MLA: the rotary part of a head is its own dim
+        old_hd, new_hd = vals["qk_rope_head_dim"], ov.get("qk_rope_head_dim", vals["qk_rope_head_dim"])
+        for name in ("rope_parameters", "rope_scaling"):
+            rp = vals.get(name)
+            section = rp.get("mrope_section") if isinstance(rp, dict) else None
+            if isinstance(section, (list, tuple)) and new_hd != old_hd:
+                ov[name] = {**rp, "mrope_section": _scaled_section(section, old_hd // 2, new_hd // 2)}
+        return
     old_hd = vals.get("head_dim")
     if not _is_int(old_hd):
         h, n = vals.get("hidden_size"), vals.get("num_attention_heads")
@@ -237,8 +347,10 @@ def _mrope(vals: dict[str, Any], ov: dict[str, Any], model_type: str) -> None:
         if not isinstance(rp, dict):
             continue
         section = rp.get("mrope_section") or MROPE_DEFAULTS.get(model_type)
+        partial = rp.get("partial_rotary_factor", vals.get("partial_rotary_factor")) or 1.0
         if isinstance(section, (list, tuple)) and (new_hd != old_hd or "mrope_section" not in rp):
-            ov[name] = {**rp, "mrope_section": _scaled_section(section, old_hd // 2, new_hd // 2)}
+            ov[name] = {**rp, "mrope_section": _scaled_section(section, int(old_hd * partial) // 2,
+                                                               int(new_hd * partial) // 2)}
 
 
 def _rebuild(cls: type, base: dict[str, Any], what: str) -> Any:
@@ -265,16 +377,32 @@ def _derived(cls: type, vals: dict[str, Any]) -> list[str]:
     return out
 
 
-def _shrink_widths(cfg: Any, path: str, tokens: _Tokens, changes: dict[str, tuple[Any, Any]]) -> Any:
+def _tree_widths(cfg: Any, out: dict[int, int] | None = None) -> dict[int, int]:
+    """The original hidden widths of a config and its sub-configs -> their tiny values (what :func:`_widths`
+    ties other fields to); the first config holding a width decides its tiny value."""
+    out = {} if out is None else out
+    vals = _values(cfg)
+    for n in HIDDEN_FIELDS:
+        if _is_int(vals.get(n)) and vals[n] > HIDDEN:
+            out.setdefault(vals[n], _tiny_hidden(vals, getattr(cfg, "model_type", "")))
+    for n in getattr(cfg, "sub_configs", None) or {}:
+        if hasattr(vals.get(n), "to_dict"):
+            _tree_widths(vals[n], out)
+    return out
+
+
+def _shrink_widths(cfg: Any, path: str, tokens: _Tokens, changes: dict[str, tuple[Any, Any]],
+                   tied: dict[int, int] | None = None) -> Any:
     cls = type(cfg)
     vals = _values(cfg)
+    tied = _tree_widths(cfg) if tied is None else tied
     subs = [n for n in (getattr(cfg, "sub_configs", None) or {}) if hasattr(vals.get(n), "to_dict")]
     base = {k: v for k, v in vals.items() if k not in subs}
     for name in _derived(cls, base):
         base[name] = None
     for name in subs:
-        base[name] = _shrink_widths(vals[name], f"{path}{name}.", tokens, changes)
-    ov = _widths(cfg, vals, tokens)
+        base[name] = _shrink_widths(vals[name], f"{path}{name}.", tokens, changes, tied)
+    ov = _widths(cfg, vals, tokens, tied)
     for k, v in ov.items():
         changes[path + k] = (_short(vals.get(k)), _short(v))
     base.update(ov)
@@ -394,7 +522,7 @@ def _kept(cfg: Any, path: str, module_sigs: dict[str, list[tuple]] | None, build
     candidates = [keep] + [list(range(k)) for k in range(max(MIN_LAYERS, len(seen)), n + 1) if list(range(k)) != keep]
     for cand in candidates:
         try:
-            new = _rebuild(cls, _subset(vals, count_field, n, cand, kinds), f"{path}{count_field}={len(cand)}")
+            new = _carry(cfg, _rebuild(cls, _subset(vals, count_field, n, cand, kinds), f"{path}{count_field}={len(cand)}"))
         except TinyConfigError:  # the config class refuses this subset: the next candidate may do
             continue
         if _covers(new, path, kinds, set(cfg_sigs), set(sigs) if sigs is not cfg_sigs else None, build_sigs, root):
@@ -495,10 +623,10 @@ def _drop_indices(sigs: list[tuple]) -> list[tuple]:
     names = {k for sig in sigs for stack in sig for (_, _, attrs) in stack for (k, v) in attrs if _is_int(v)}
     index_like = set()
     for attr in names:
-        for off in (0, 1):
-            present = [(i, values(sig, attr)) for i, sig in enumerate(sigs)]
-            present = [(i, vs) for i, vs in present if vs]
-            if len(present) >= 2 and all(all(v == i + off for v in vs) for i, vs in present):
+        present = [(i, values(sig, attr)) for i, sig in enumerate(sigs)]
+        present = [(i, vs) for i, vs in present if vs]
+        for step, off in ((1, 0), (1, 1), (2, 0), (2, 1)):  # i, i + 1; 2i, 2i + 1 (two sub-layers per layer)
+            if len(present) >= 2 and all(all(v == step * i + off for v in vs) for i, vs in present):
                 index_like.add(attr)
     if not index_like:
         return sigs
@@ -517,7 +645,7 @@ def tiny_config(config: Any, *, build: Callable[[Any], nn.Module] | None = None)
     if not hasattr(config, "to_dict"):
         raise TinyConfigError(f"--tiny: expected a transformers config, got {type(config).__name__}")
     changes: dict[str, tuple[Any, Any]] = {}
-    widths = _shrink_widths(config, "", _Tokens(), changes)
+    widths = _settle(_shrink_widths(config, "", _Tokens(), changes))
     if not _has_layers(widths) or not _has_width(widths):
         raise TinyConfigError(
             f"--tiny: expected a config with a width ({', '.join(HIDDEN_FIELDS)}) and a layer count "
@@ -541,6 +669,36 @@ def tiny_config(config: Any, *, build: Callable[[Any], nn.Module] | None = None)
     kept: dict[str, list[int]] = {}
     tiny = _kept(widths, "", module_sigs, build_sigs, widths, changes, kept)
     return Tiny(config=tiny, changes=changes, kept_layers=kept)
+
+
+def _carry(old: Any, new: Any) -> Any:
+    """``new`` with the attributes ``old`` has and ``new`` lacks (set on a sub-config by its parent's
+    ``__post_init__``, e.g. PaliGemma's ``vision_config.projection_dim``, not a field of the sub-config)."""
+    for k, v in vars(old).items():
+        if not k.startswith("_") and k not in vars(new):
+            setattr(new, k, v)
+    return new
+
+
+def _settle(cfg: Any) -> Any:
+    """``cfg`` rebuilt from its own fields until that changes nothing (a config deriving a field from another in
+    ``__post_init__``, e.g. a linear-attention head dim from ``head_dim``, which MLA configs then reset, gives
+    another config when built again from its values: the layer subsets are built that way, so the full stack
+    must be too)."""
+    cls = type(cfg)
+    for _ in range(3):
+        vals = _values(cfg)
+        for name in getattr(cfg, "sub_configs", None) or {}:
+            if hasattr(vals.get(name), "to_dict"):
+                vals[name] = _settle(vals[name])
+        try:
+            again = _carry(cfg, cls(**vals))
+        except Exception:  # noqa: BLE001 - a config that does not take its own fields back stays as it is
+            return cfg
+        if json.dumps(again.to_dict(), sort_keys=True, default=str) == json.dumps(cfg.to_dict(), sort_keys=True, default=str):
+            return again
+        cfg = again
+    return cfg
 
 
 def _has_layers(cfg: Any) -> bool:

@@ -20,7 +20,7 @@ from torch import nn
 
 from .tiny import Tiny, TinyConfigError, tiny_config
 
-__all__ = ["PRESETS", "ModelSpecError", "Prepared", "Preset", "build", "resolve"]
+__all__ = ["AUTO_SUFFIXES", "PRESETS", "ModelSpecError", "Prepared", "Preset", "build", "resolve", "split_auto"]
 
 SEED = 0
 
@@ -71,9 +71,10 @@ class Prepared:
     name: str
     config: Any
     auto: str  # "AutoModelForCausalLM" | "AutoModelForImageTextToText"
-    multimodal: bool
+    multimodal: bool  # the documents hold images (the model's own forward on the multimodal batch)
     reference_attention: str
     tiny: Tiny | None = None
+    text_only: str | None = None  # a vision-language model run on text only: why verify builds no images for it
     preset: Preset | None = None
     args: list[str] = field(default_factory=list)  # the command-line arguments that name this model
 
@@ -130,24 +131,51 @@ def _set(config: Any, path: str, value: Any) -> None:
 
 
 def _no_dropout(config: Any) -> None:
-    """Every dropout probability of the config (and its sub-configs) to 0: a step is compared, not sampled."""
+    """Every dropout probability of the config (and its sub-configs) to 0: a step is compared, not sampled
+    (``*dropout*``, ``attn_pdrop``, ``decoder_layerdrop``, ``drop_path_rate``: any float field naming a drop, and
+    a router's ``*jitter*`` noise)."""
     for name, value in list(vars(config).items()):
-        if "dropout" in name and isinstance(value, float) and value > 0:
-            setattr(config, name, 0.0)
+        if ("drop" in name or "jitter" in name) and isinstance(value, float) and value > 0:
+            setattr(config, name, 0.0)  # jitter: a router's noise in training mode (PhiMoE)
         elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
             _no_dropout(value)
 
 
-def _auto_class(config: Any) -> tuple[str, bool]:
+# ``--model TYPE:SUFFIX``: which transformers auto class builds a model type that both mappings hold
+AUTO_SUFFIXES = {"causal-lm": "AutoModelForCausalLM", "image-text-to-text": "AutoModelForImageTextToText"}
+
+
+def _builds(auto: str, config: Any) -> bool:
+    """Whether transformers' ``auto`` class builds ``config`` (its mapping's ``in`` misses a few, e.g. Evolla)."""
     import transformers
 
+    try:
+        getattr(transformers, auto)._model_mapping[type(config)]
+    except (KeyError, ValueError, AttributeError):
+        return False
+    return True
+
+
+def _auto_class(config: Any, auto: str | None = None) -> tuple[str, bool]:
     multimodal = hasattr(config, "vision_config") and getattr(config, "vision_config") is not None
-    order = ("AutoModelForImageTextToText", "AutoModelForCausalLM") if multimodal else ("AutoModelForCausalLM",)
+    order = ("AutoModelForImageTextToText", "AutoModelForCausalLM")[:: 1 if multimodal else -1]
+    if auto is not None:
+        if not _builds(auto, config):
+            raise ModelSpecError(f"--model: expected a model type that {auto} builds, got {type(config).__name__}")
+        return auto, multimodal and auto == "AutoModelForImageTextToText"
     for auto in order:
-        if type(config) in getattr(transformers, auto)._model_mapping:
-            return auto, multimodal
+        if _builds(auto, config):
+            return auto, multimodal and auto == "AutoModelForImageTextToText"
     raise ModelSpecError(f"--model: expected a causal language model (or an image-text-to-text model), got "
                          f"{type(config).__name__}, which transformers builds as neither")
+
+
+def split_auto(model: str) -> tuple[str, str | None]:
+    """``"llama4:causal-lm"`` -> ``("llama4", "AutoModelForCausalLM")``; a name without a suffix -> ``(name, None)``."""
+    base, sep, suffix = model.rpartition(":")
+    if not sep or suffix not in AUTO_SUFFIXES or os.sep in suffix:
+        return model, None
+    return base, AUTO_SUFFIXES[suffix]
 
 
 def meta_build(prepared_auto: str):
@@ -164,11 +192,14 @@ def meta_build(prepared_auto: str):
 
 
 def resolve(model: str, *, tiny: bool = False) -> Prepared:
-    """A preset name, a transformers model type or a path to a ``config.json`` -> :class:`Prepared`. A preset is
-    always tiny. Raises :class:`ModelSpecError` (and :class:`~verify.model.tiny.TinyConfigError`, a ValueError)."""
+    """A preset name, a transformers model type (``TYPE:causal-lm`` / ``TYPE:image-text-to-text`` to pick the auto
+    class of a type both mappings hold) or a path to a ``config.json`` -> :class:`Prepared`. A preset is always
+    tiny. A vision-language model whose image inputs verify does not build (:func:`~verify.model.multimodal.
+    images_unsupported`) runs on text only (``text_only`` says why). Raises :class:`ModelSpecError` (and :class:`~verify.model.tiny.TinyConfigError`, a ValueError)."""
     preset = PRESETS.get(model)
-    config = _load_config(preset.model_type if preset else model)
-    auto, multimodal = _auto_class(config)
+    source, forced = split_auto(model) if preset is None else (model, None)
+    config = _load_config(preset.model_type if preset else source)
+    auto, multimodal = _auto_class(config, forced)
     shrunk = None
     if preset is not None or tiny:
         try:
@@ -179,16 +210,27 @@ def resolve(model: str, *, tiny: bool = False) -> Prepared:
     for path, value in preset.overrides if preset else ():
         _set(config, path, value)
     _no_dropout(config)
+    if auto == "AutoModelForCausalLM" and getattr(config, "is_decoder", None) is False and not getattr(
+            config, "is_encoder_decoder", False):
+        config.is_decoder = True  # an encoder's causal-LM head (BERT-style) is a decoder only with it (causal masks)
+        if shrunk is not None:
+            shrunk.changes["is_decoder"] = (False, True)
     try:
         meta_build(auto)(config)  # a config that cannot build a model is a usage error, found before anything runs
     except Exception as exc:  # noqa: BLE001 - the model class's own complaint, in one line
         raise ModelSpecError(f"--model {model}: expected {type(config).__name__} to build a model, got "
                              f"{type(exc).__name__}: {_first_line(exc)}") from None
+    text_only = None
+    if multimodal:
+        from .multimodal import images_unsupported
+
+        text_only = images_unsupported(config, meta_build(auto)(config))
+        multimodal = text_only is None
     cls = getattr(__import__("transformers"), auto)._model_mapping[type(config)]
     attention = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     args = ["--model", model] + (["--tiny"] if tiny and preset is None else [])
     return Prepared(name=model, config=config, auto=auto, multimodal=multimodal, reference_attention=attention,
-                    tiny=shrunk, preset=preset, args=args)
+                    tiny=shrunk, preset=preset, args=args, text_only=text_only)
 
 
 def build(prepared: Prepared, dtype: torch.dtype, attn_implementation: str, seed: int = SEED) -> nn.Module:
@@ -198,13 +240,19 @@ def build(prepared: Prepared, dtype: torch.dtype, attn_implementation: str, seed
 
     config = copy.deepcopy(prepared.config)
     torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same weights in every process: an init through LAPACK (orthogonal) follows threads
     try:
         # eager experts: grouped_mm (the default where available) takes float32 / bfloat16 only
         model = prepared.model_class._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32,
                                                   experts_implementation="eager")
     except (ValueError, TypeError, KeyError, RuntimeError, AttributeError) as exc:
+        if type(exc).__module__.startswith("blockdiag_dist"):  # a refusal of the attention it was built with
+            raise
         raise ModelSpecError(f"--model {prepared.name}: expected {type(config).__name__} to build a model, got "
-                             f"{type(exc).__name__}: {_first_line(exc)}") from None
+                             f"{type(exc).__name__}: {_first_line(exc)}") from exc
+    finally:
+        torch.set_num_threads(threads)
     model = model.to(dtype)
     for m in model.modules():
         if isinstance(m, nn.Dropout):
