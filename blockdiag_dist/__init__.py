@@ -2,10 +2,12 @@
 
 Main entry: :func:`make_cp_blockdiag_batch_and_ctx` shards a packed batch over a CP mesh and returns
 ``(train_ctx, batch)``; inside ``with train_ctx():`` route attention through :func:`cp_blockdiag_sdpa`
-(or wrap an unmodified model in :func:`sdpa_routing`). Same code on CPU/gloo and CUDA/NCCL.
+(or wrap an unmodified model in :func:`sdpa_routing`). Same code on CPU/gloo and CUDA/NCCL. Any other
+sequence mixer reads the step's documents from ``current_state().docs`` (:class:`RankDocs`).
 """
 
 from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
+from .docs import DocPlan, Piece, RankDocs, plan_documents
 from .options import configure_cp_varlen
 from .plan import ExchangePlan, ShardPlan, StepPlan, choose_layout, plan_exchange, plan_shards, plan_step
 from .runtime import cp_blockdiag_sdpa, sdpa_routing
@@ -14,8 +16,11 @@ from .state import AttentionNotRoutedError, PlanMismatchError, StepState, curren
 
 __all__ = [
     "AttentionNotRoutedError",
+    "DocPlan",
     "ExchangePlan",
     "PlanMismatchError",
+    "Piece",
+    "RankDocs",
     "ShardPlan",
     "StepPlan",
     "StepState",
@@ -26,6 +31,7 @@ __all__ = [
     "current_state",
     "gather_sequence",
     "make_cp_blockdiag_batch_and_ctx",
+    "plan_documents",
     "plan_exchange",
     "plan_shards",
     "plan_step",

@@ -189,6 +189,7 @@ def make_cp_blockdiag_batch_and_ctx(
         state.note(f"kernel {kernel_requested!r}: {substitution}")
     for left in lefts:
         state.agreed_window_plan(left)
+    state.docs  # noqa: B018 - the documents' plan, built here once per step (pure, no communication)
 
     # ---- mutation starts here: everything above may raise, nothing below does ---------------------------
     shards = plan.shards

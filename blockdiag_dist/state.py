@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import guard as _guard
+from .docs import RankDocs
 from .exchange import TrafficLog, a2a_kv, allgather_kv, halo_kv
 from .exchange.allgather import all_gather_tensor
 from .kernels.dense import DenseMeta, plan_dense
@@ -100,6 +101,12 @@ class StepState:
     def positions(self) -> Tensor:
         """int64 ``[L]``: global positions of this rank's rows (``>= seq_len`` = CP padding)."""
         return self.plan.shards.positions[self.rank]
+
+    @property
+    def docs(self) -> RankDocs:
+        """The step's documents as this rank sees them, for any sequence mixer: global boundaries, this rank's
+        pieces and where each continues from and into (:class:`blockdiag_dist.docs.RankDocs`)."""
+        return self.plan.documents.for_rank(self.rank, self.device)
 
     # ---- notes ----------------------------------------------------------------------------------------
     def note(self, message: str) -> None:
