@@ -1,6 +1,7 @@
 """The truth for the recurrent mixers of hybrid models: float64, token by token, one document at a time.
 
-Slow and obvious on purpose. A document's state (its convolution window, its recurrent state) starts at zero
+Slow and obvious on purpose, and differentiable (plain torch ops: the gradients of the float64 reference are
+the truth for gradients too). A document's state (its convolution window, its recurrent state) starts at zero
 at the document's first token and never sees another document; padding rows output exactly 0 and their inputs
 get exactly 0 gradient (they take part in no document).
 
@@ -57,22 +58,26 @@ def reference_causal_conv(
     if activation not in ACTIVATIONS:
         raise ValueError(f"reference_causal_conv: activation expected one of {sorted(map(str, ACTIVATIONS))}, got {activation!r}")
     seg = _segments(doc_ids, (B, S), "reference_causal_conv")
-    x64, w64 = x.detach().double().cpu(), weight.detach().double().cpu()
-    b64 = None if bias is None else bias.detach().double().cpu()
+    x64, w64 = x.double(), weight.double()
+    b64 = None if bias is None else bias.double()
     act = ACTIVATIONS[activation]
     W = w64.shape[1]
-    out = torch.zeros(B, S, C, dtype=torch.float64)
+    zero = x64.new_zeros(C)
+    rows = []
     for b in range(B):
+        row = []
         for t in range(S):
             if seg[b, t] == 0:
+                row.append(zero)
                 continue
-            acc = torch.zeros(C, dtype=torch.float64) if b64 is None else b64.clone()
+            acc = zero if b64 is None else b64
             for i in range(W):
                 p = t - (W - 1) + i
                 if p >= 0 and seg[b, p] == seg[b, t]:
                     acc = acc + w64[:, i] * x64[b, p]
-            out[b, t] = act(acc)
-    return out
+            row.append(act(acc))
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
 
 
 def _l2norm(t: Tensor, eps: float) -> Tensor:
@@ -111,24 +116,27 @@ def reference_gated_delta_rule(
         if tuple(t.shape) != (B, S, Hv):
             raise ValueError(f"reference_gated_delta_rule: {name} expected [B, S, Hv] = {[B, S, Hv]}, got {tuple(t.shape)}")
     seg = _segments(doc_ids, (B, S), "reference_gated_delta_rule")
-    q64, k64, v64, g64, b64 = (t.detach().double().cpu() for t in (q, k, v, g, beta))
+    q64, k64, v64, g64, b64 = (t.double() for t in (q, k, v, g, beta))
     q64, k64 = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q64, k64))
     if use_qk_l2norm:
         q64, k64 = _l2norm(q64, eps), _l2norm(k64, eps)
     q64 = q64 * (K ** -0.5 if scale is None else scale)
-    out = torch.zeros(B, S, Hv, v.shape[-1], dtype=torch.float64)
+    Vd = v.shape[-1]
+    zero = v64.new_zeros(Hv, Vd)
+    rows = []
     for b in range(B):
-        state = None
+        row, state = [], None
         for t in range(S):
             if seg[b, t] == 0:
-                state = None
+                row.append(zero)
                 continue
             if t == 0 or seg[b, t] != seg[b, t - 1]:
-                state = torch.zeros(Hv, K, v.shape[-1], dtype=torch.float64)
+                state = v64.new_zeros(Hv, K, Vd)  # a document starts: its state starts at zero
             state = state * torch.exp(g64[b, t])[:, None, None]
             kt = k64[b, t]  # [Hv, K]
             read = torch.einsum("hk,hkv->hv", kt, state)
             delta = (v64[b, t] - read) * b64[b, t][:, None]
             state = state + kt[:, :, None] * delta[:, None, :]
-            out[b, t] = torch.einsum("hk,hkv->hv", q64[b, t], state)
-    return out
+            row.append(torch.einsum("hk,hkv->hv", q64[b, t], state))
+        rows.append(torch.stack(row))
+    return torch.stack(rows)

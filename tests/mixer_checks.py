@@ -39,3 +39,59 @@ def doc_cumsum_step(ids: list[list[int]], layout: str, channels: int = 3) -> dic
         y = doc_cumsum(batch["inputs_embeds"], ctx.state)
         (y * batch["w"]).sum().backward()
     return {"y": y.detach().numpy(), "positions": ctx.state.positions.tolist(), "dx": x.grad.numpy()}
+
+
+def mixer_inputs(kind: str, B: int, S: int, seed: int, *, C: int = 5, W: int = 4, heads=(2, 4), K: int = 3, V: int = 2):
+    """float64 inputs of one mixer case, the same on every rank (and in the parent)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "conv":
+        return {"x": torch.randn(B, S, C, generator=g, dtype=torch.float64),
+                "weight": torch.randn(C, W, generator=g, dtype=torch.float64),
+                "bias": torch.randn(C, generator=g, dtype=torch.float64)}
+    Hk, Hv = heads
+    return {"q": torch.randn(B, S, Hk, K, generator=g, dtype=torch.float64),
+            "k": torch.randn(B, S, Hk, K, generator=g, dtype=torch.float64),
+            "v": torch.randn(B, S, Hv, V, generator=g, dtype=torch.float64),
+            "g": -torch.rand(B, S, Hv, generator=g, dtype=torch.float64) * 1.5,
+            "beta": torch.rand(B, S, Hv, generator=g, dtype=torch.float64)}
+
+
+def mixer_reference(kind: str, ids: torch.Tensor, inputs: dict) -> torch.Tensor:
+    from blockdiag_ref import reference_causal_conv, reference_gated_delta_rule
+
+    if kind == "conv":
+        return reference_causal_conv(inputs["x"], ids, inputs["weight"], inputs["bias"], "silu")
+    return reference_gated_delta_rule(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], ids)
+
+
+def run_mixer_cases(cases: list[dict]) -> list[dict]:
+    """Each case: ``kind`` (conv | gdr), ``ids``, ``layout``, ``seed`` (+ ``chunk``, ``state_dtype``): this rank's
+    output rows and positions, its part of every input's gradient of ``(out * w).sum()``, and the mixer
+    traffic it recorded, with the plan's expected element counts."""
+    from blockdiag_dist.mixers import causal_conv, gated_delta_rule
+
+    env = worker_info()
+    results = []
+    for case in cases:
+        ids = torch.tensor(case["ids"])
+        B, S = ids.shape
+        inputs = {n: t.requires_grad_() for n, t in mixer_inputs(case["kind"], B, S, case["seed"]).items()}
+        seq = {n: t for n, t in inputs.items() if t.dim() >= 2 and tuple(t.shape[:2]) == (B, S)}
+        batch = {"inputs_embeds": torch.zeros(B, S, 1, dtype=torch.float64), "_packed_seq_ids": ids, **seq}
+        ctx, batch = make_cp_blockdiag_batch_and_ctx(env.get("cp_mesh"), None, batch, layout=case["layout"],
+                                                     expect_attention=False)
+        with ctx():
+            if case["kind"] == "conv":
+                out = causal_conv(batch["x"], inputs["weight"], inputs["bias"], "silu")
+            else:
+                out = gated_delta_rule(*(batch[n] for n in ("q", "k", "v", "g", "beta")), chunk=case.get("chunk", 4),
+                                       state_dtype=case.get("state_dtype"))
+            weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
+            (out * weights).sum().backward()
+        state = ctx.state
+        results.append({
+            "out": out.detach().numpy(), "weights": weights.numpy(), "positions": state.positions.tolist(),
+            "grads": {n: (None if t.grad is None else t.grad.numpy()) for n, t in inputs.items()},
+            "traffic": [(e.mode, e.phase, e.sent_elements, e.recv_elements) for e in state.mixer_traffic.entries],
+        })
+    return results

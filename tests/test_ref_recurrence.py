@@ -75,3 +75,15 @@ def test_references_refuse_malformed_shapes():
     with pytest.raises(ValueError, match="expected Hv a multiple of Hk, got Hv=3, Hk=2"):
         reference_gated_delta_rule(*(torch.zeros(1, 4, 2, 2),) * 2, torch.zeros(1, 4, 3, 2), torch.zeros(1, 4, 3),
                                    torch.zeros(1, 4, 3), torch.ones(1, 4))
+
+
+def test_references_are_differentiable_and_padding_gets_no_gradient():
+    ids = torch.tensor([[1, 1, 0, 2, 2, 2]])
+    q, k, v, gate, beta = (t.requires_grad_() for t in gdr_inputs(6, 1, 2, 3, 2, seed=2))
+    reference_gated_delta_rule(q, k, v, gate, beta, ids).sum().backward()
+    for t in (q, k, v, gate, beta):
+        assert t.grad is not None and (t.grad[ids == 0] == 0).all() and t.grad[ids != 0].abs().sum() > 0
+    x = torch.randn(1, 6, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    reference_causal_conv(x, ids, w, activation="silu").sum().backward()
+    assert (x.grad[ids == 0] == 0).all() and w.grad.abs().sum() > 0
