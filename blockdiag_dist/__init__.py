@@ -8,6 +8,7 @@ sequence mixer reads the step's documents from ``current_state().docs`` (:class:
 
 from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
 from .docs import DocPlan, Piece, RankDocs, plan_documents
+from .mixers import causal_conv, gated_delta_rule
 from .options import configure_cp_varlen
 from .plan import ExchangePlan, ShardPlan, StepPlan, choose_layout, plan_exchange, plan_shards, plan_step
 from .runtime import cp_blockdiag_sdpa, sdpa_routing
@@ -27,8 +28,10 @@ __all__ = [
     "_cp_blockdiag_doc_ids",
     "choose_layout",
     "configure_cp_varlen",
+    "causal_conv",
     "cp_blockdiag_sdpa",
     "current_state",
+    "gated_delta_rule",
     "gather_sequence",
     "make_cp_blockdiag_batch_and_ctx",
     "plan_documents",
@@ -39,3 +42,5 @@ __all__ = [
     "shard_tensor",
     "unshard",
 ]
+
+from .integrations import hf_mixers as _hf_mixers  # noqa: E402,F401 - registers the Gated DeltaNet installers

@@ -8,7 +8,8 @@ the state it leaves from zero ``[K, V]``, per head: the summary :func:`blockdiag
 exchanges, ``Hv * K * (K + V)`` numbers per continuing piece (``Hv * K * V`` for a document's first piece).
 
 Computed in float32, or float64 for float64 inputs (transformers computes in float32 whatever the model's
-dtype); summaries are exchanged and folded in the same dtype unless ``state_dtype`` says otherwise (float32
+dtype), with autocast off (under bf16 autocast transformers' chunked kernel runs its matmuls in bfloat16);
+summaries are exchanged and folded in the same dtype unless ``state_dtype`` says otherwise (float32
 or float64 only).
 
 Shape legend: B rows, L rows of a rank, T = B * L, Hk query/key heads, Hv value heads, K key dim, V value dim.
@@ -134,7 +135,8 @@ def gated_delta_rule(
         compute = torch.promote_types(compute, t.dtype)
     sdt = compute if state_dtype is None else torch.promote_types(compute, state_dtype)
     state.agree_mixer(f"gated_delta_rule q{tuple(q.shape[2:])} v{tuple(v.shape[2:])} {compute} state {sdt} chunk {chunk}")
-    inputs = prepare_gated_delta(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, dtype=compute)
+    with torch.autocast(q.device.type, enabled=False):
+        inputs = prepare_gated_delta(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, dtype=compute)
     out = run_recurrence(GatedDeltaRule(chunk), inputs, state, state_dtype=sdt)
     B, L, Hv, V = v.shape
     out = out.view(B, L, Hv, V).to(q.dtype)

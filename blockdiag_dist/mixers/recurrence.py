@@ -217,7 +217,14 @@ def run_recurrence(
 ) -> Tensor:
     """Run ``rec`` per document over this rank's rows: ``inputs`` token-major ``[T, ...]`` (local order
     ``b * L + l``) -> outputs ``[T, *out]`` (0 on padding). ``state`` is the step state; ``plan`` defaults to
-    the step's (:func:`plan_recurrence`, cached). Summaries are exchanged and folded in ``state_dtype``."""
+    the step's (:func:`plan_recurrence`, cached). Summaries are exchanged and folded in ``state_dtype``; the
+    passes and the folds run with autocast off (in the inputs' dtype: a fold of transitions in bfloat16 is the
+    low-precision chain this module exists to avoid)."""
+    with torch.autocast(inputs[0].device.type, enabled=False):
+        return _run(rec, inputs, state, state_dtype, plan)
+
+
+def _run(rec: Recurrence, inputs: Sequence[Tensor], state, state_dtype: torch.dtype, plan: RecurrencePlan | None) -> Tensor:
     if plan is None:
         plan = state.mixer_plan(("recurrence",), lambda: plan_recurrence(state.plan.documents, state.rank, state.device))
     device = inputs[0].device
