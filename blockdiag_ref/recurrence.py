@@ -1,6 +1,6 @@
 """The truth for the recurrent mixers of hybrid models: float64, token by token, one document at a time.
 
-Slow and obvious on purpose, and differentiable (plain torch ops: the gradients of the float64 reference are
+Slow and obvious on purpose (float64 unless told otherwise), and differentiable (plain torch ops: the gradients of the float64 reference are
 the truth for gradients too). A document's state (its convolution window, its recurrent state) starts at zero
 at the document's first token and never sees another document; padding rows output exactly 0 and their inputs
 get exactly 0 gradient (they take part in no document).
@@ -37,14 +37,16 @@ def _segments(doc_ids: Tensor, shape: tuple[int, int], what: str) -> Tensor:
 
 
 def reference_causal_conv(
-    x: Tensor, doc_ids: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None
+    x: Tensor, doc_ids: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None,
+    *, dtype: torch.dtype = torch.float64,
 ) -> Tensor:
     """Per-document causal depthwise convolution, float64: ``x [B, S, C]``, ``weight [C, W]``, ``bias [C]``
     -> ``[B, S, C]``.
 
     ``out[b, t, c] = act(bias[c] + sum_i weight[c, i] * x[b, t - (W - 1) + i, c])``, the sum over taps ``i``
     whose position lies in ``t``'s document (the others are zero: history of another document is never read);
-    0 on padding. ``activation``: None or ``"silu"``.
+    0 on padding. ``activation``: None or ``"silu"``. ``dtype``: what it computes in (the same computation in
+    float32 is the verifier's single-device baseline).
 
     >>> x = torch.tensor([[[1.0], [2.0], [3.0], [4.0]]])
     >>> reference_causal_conv(x, torch.tensor([[1, 1, 2, 2]]), torch.tensor([[10.0, 1.0]])).flatten().tolist()
@@ -58,8 +60,8 @@ def reference_causal_conv(
     if activation not in ACTIVATIONS:
         raise ValueError(f"reference_causal_conv: activation expected one of {sorted(map(str, ACTIVATIONS))}, got {activation!r}")
     seg = _segments(doc_ids, (B, S), "reference_causal_conv")
-    x64, w64 = x.double(), weight.double()
-    b64 = None if bias is None else bias.double()
+    x64, w64 = x.to(dtype), weight.to(dtype)
+    b64 = None if bias is None else bias.to(dtype)
     act = ACTIVATIONS[activation]
     W = w64.shape[1]
     zero = x64.new_zeros(C)
@@ -95,13 +97,15 @@ def reference_gated_delta_rule(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     eps: float = 1e-6,
+    dtype: torch.dtype = torch.float64,
 ) -> Tensor:
     """The gated delta rule per document, float64: ``q, k [B, S, Hk, K]``, ``v [B, S, Hv, V]``, ``g, beta
     [B, S, Hv]`` -> ``[B, S, Hv, V]``; 0 on padding.
 
     Each query/key head serves ``Hv / Hk`` consecutive value heads (transformers' grouped value attention).
     ``g`` is the log decay (``exp(g)`` multiplies the state), ``beta`` the write strength. ``scale`` defaults
-    to ``K ** -0.5``. The state of each head, ``S [K, V]``, is zero at a document's first token.
+    to ``K ** -0.5``. The state of each head, ``S [K, V]``, is zero at a document's first token. ``dtype``: what
+    it computes in (float64; float32 for the verifier's single-device baseline).
     """
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
         raise ValueError(
@@ -116,7 +120,7 @@ def reference_gated_delta_rule(
         if tuple(t.shape) != (B, S, Hv):
             raise ValueError(f"reference_gated_delta_rule: {name} expected [B, S, Hv] = {[B, S, Hv]}, got {tuple(t.shape)}")
     seg = _segments(doc_ids, (B, S), "reference_gated_delta_rule")
-    q64, k64, v64, g64, b64 = (t.double() for t in (q, k, v, g, beta))
+    q64, k64, v64, g64, b64 = (t.to(dtype) for t in (q, k, v, g, beta))
     q64, k64 = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q64, k64))
     if use_qk_l2norm:
         q64, k64 = _l2norm(q64, eps), _l2norm(k64, eps)

@@ -49,7 +49,7 @@ def exchange_metrics(case: Case, per_rank: Sequence[dict[str, Any]]) -> dict[str
     for r, info in enumerate(per_rank):
         rows = torch.tensor(info["real_positions"], dtype=torch.int64).view(-1, 2)
         owner[rows[:, 0], rows[:, 1]] = r
-    needed = needed_from_reference(ids, owner, world, case.window)
+    needed = needed_from_reference(ids, owner, world, per_rank[0].get("window", case.window))  # a convolution's: W - 1
     bad, worst = [], 0
     for r, info in enumerate(per_rank):
         mode = info.get("mode")

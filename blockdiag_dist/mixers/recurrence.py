@@ -25,8 +25,9 @@ rank), in three local passes and one exchange:
 4. **continuing pieces**: the recurrence from their entering state, outputs.
 
 Autograd differentiates all of it; the exchange's backward sends each summary's gradient back to its owner
-(the mirror image, no collective added to the forward). The output is tied to the received summaries, so every
-rank runs the exchange's backward, a rank holding only padding included.
+(the mirror image, no collective added to the forward). The output is tied to the received summaries (and, on
+a rank holding only padding, to the inputs), so every rank runs the exchange's backward and every input gets a
+gradient (zero on padding).
 
 **Adding a recurrence** (Mamba2's SSD, Mamba1's selective scan, KDA, lightning attention, RG-LRU, ...): subclass
 :class:`Recurrence`, say how a transition acts on a state (``transition``: ``"matrix"`` — ``M [.., K, K] @ S
@@ -44,7 +45,7 @@ per piece (e.g. ``[H, K, V]``), ``*out`` an output's shape per token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -84,6 +85,7 @@ class RecurrencePlan:
 
     rank: int
     world: int
+    pieces: tuple  # this rank's pieces (blockdiag_dist.docs.Piece), local order
     first: Subset
     through: Subset
     cont: Subset
@@ -93,6 +95,15 @@ class RecurrencePlan:
     with_transition: frozenset[int]
     folds: tuple[tuple[int, ...], ...]
     any_traffic: bool  # some rank sends some summary in this step (the same on every rank)
+    _metas: dict = field(default_factory=dict, repr=False)  # per-pass metadata of each recurrence (meta_key)
+
+    def metas(self, rec: Recurrence, device: torch.device) -> dict:
+        """:meth:`Recurrence.prepare` of each pass for ``rec``, built once per plan and recurrence kind."""
+        key = (rec.meta_key(), str(device))
+        got = self._metas.get(key)
+        if got is None:
+            got = self._metas.setdefault(key, {n: rec.prepare(getattr(self, n).cu, device) for n in ("first", "through", "cont")})
+        return got
 
     def elements(self, ids: Sequence[int], state_numel: int, transition_numel: int) -> int:
         """Elements of the summaries of pieces ``ids``: ``C`` each, plus ``M`` where the piece carries one."""
@@ -142,7 +153,7 @@ def plan_recurrence(docs: DocPlan, rank: int, device: torch.device | str = "cpu"
     with_transition = frozenset(p.index for p in docs.pieces if p.continues_from and p.continues_into)
     folds = tuple(tuple(q.index for q in by_doc[mine[k].doc] if q.index < mine[k].index) for k in cont)
     return RecurrencePlan(
-        rank=rank, world=W, first=_subset(mine, first, L, device), through=_subset(mine, through, L, device),
+        rank=rank, world=W, pieces=mine, first=_subset(mine, first, L, device), through=_subset(mine, through, L, device),
         cont=_subset(mine, cont, L, device), summary_source=source, sends=sends, recvs=recvs,
         with_transition=with_transition, folds=folds, any_traffic=bool(routes),
     )
@@ -193,18 +204,25 @@ class Recurrence:
 
 
 class _Tie(torch.autograd.Function):
-    """``out`` unchanged; in backward, a zero gradient for ``other`` too, so that the node producing ``other``
-    (the summary exchange) runs its backward on every rank, whatever this rank's output depends on."""
+    """``out`` unchanged; in backward, a zero gradient for every one of ``others`` too, so that the nodes
+    producing them (the summary exchange; on a rank without pieces, the layer's inputs) run their backward on
+    every rank, whatever this rank's output depends on.
+
+    It saves ``out`` and reads it back in backward: under non-reentrant activation checkpointing, the recompute of
+    a region (which repeats the region's collectives) starts at the first saved tensor backward unpacks, so the
+    tie, the region's last node, starts it at the same point on every rank (a rank holding only padding saves
+    nothing else, and would otherwise run the exchange's backward before, or without, the recompute)."""
 
     @staticmethod
-    def forward(ctx, out, other):
-        ctx.other = (other.shape, other.dtype, other.device)
+    def forward(ctx, out, *others):
+        ctx.others = [(t.shape, t.dtype, t.device) for t in others]
+        ctx.save_for_backward(out)
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        shape, dtype, device = ctx.other
-        return grad, torch.zeros(shape, dtype=dtype, device=device)
+        ctx.saved_tensors  # noqa: B018 - the unpack that starts a checkpoint's recompute here, on every rank
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.others))
 
 
 def run_recurrence(
@@ -227,14 +245,12 @@ def run_recurrence(
 def _run(rec: Recurrence, inputs: Sequence[Tensor], state, state_dtype: torch.dtype, plan: RecurrencePlan | None) -> Tensor:
     if plan is None:
         plan = state.mixer_plan(("recurrence",), lambda: plan_recurrence(state.plan.documents, state.rank, state.device))
-    device = inputs[0].device
-    metas = state.mixer_plan(("recurrence-meta", rec.meta_key()), lambda: {
-        n: rec.prepare(getattr(plan, n).cu, device) for n in ("first", "through", "cont")})
+    metas = plan.metas(rec, inputs[0].device)
 
     def pack(sub: Subset) -> list[Tensor]:
         return [t.index_select(0, sub.token_index) for t in inputs]
 
-    mine = state.docs.pieces
+    mine = plan.pieces
     out_first, leaving = rec.scan(pack(plan.first), metas["first"], None,
                                   want_final=any(mine[k].continues_into for k in plan.first.pieces))
     summaries: dict[int, tuple[Tensor | None, Tensor]] = {}  # piece id -> (M or None, C), in state_dtype
@@ -284,7 +300,8 @@ def _run(rec: Recurrence, inputs: Sequence[Tensor], state, state_dtype: torch.dt
     out = out_first.new_zeros((T, *out_first.shape[1:])).index_copy(0, plan.first.token_index, out_first)
     if out_cont is not None:
         out = out.index_copy(0, plan.cont.token_index, out_cont)
-    return out if recv is None else _Tie.apply(out, recv)
+    ties = ([] if recv is None else [recv]) + ([] if plan.pieces else list(inputs))  # no piece: nothing read them
+    return _Tie.apply(out, *ties) if ties else out
 
 
 def _numel(shape: tuple[int, ...]) -> int:
