@@ -124,6 +124,7 @@ def make_cp_blockdiag_batch_and_ctx(
     window_sizes: Sequence[Sequence[int] | None] | None = None,
     check_consensus: bool | None = None,
     expect_attention: bool = True,
+    conv_widths: Sequence[int] | None = None,
 ) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
     """Shard a packed batch for block-diagonal CP and build the step state.
 
@@ -155,6 +156,9 @@ def make_cp_blockdiag_batch_and_ctx(
             call reached ``cp_blockdiag_sdpa`` in the step (attention that bypasses it attends only within the
             rank's shard). ``False`` only for a model that does not mix along the sequence at all; recurrent
             and convolution layers are judged by the guard either way (:mod:`blockdiag_dist.guard`).
+        conv_widths: the widths of the model's causal convolutions (:func:`blockdiag_dist.mixers.causal_conv`):
+            their history exchanges are planned here, and a convolution wider than the widest is refused
+            (default: any width, planned on its first use in the step).
 
     Returns:
         ``(train_ctx, batch)``: ``train_ctx()`` is a context manager activating the step state (run forward
@@ -173,6 +177,11 @@ def make_cp_blockdiag_batch_and_ctx(
         raise ValueError(f"expect_attention: expected a bool, got {type(expect_attention).__name__}")
     if not isinstance(padding_token_id, int):
         raise ValueError(f"padding_token_id: expected an int, got {type(padding_token_id).__name__}")
+    if conv_widths is not None and (
+        isinstance(conv_widths, (str, bytes)) or not isinstance(conv_widths, Sequence) or not conv_widths
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in conv_widths)
+    ):
+        raise ValueError(f"conv_widths: expected None or a non-empty sequence of convolution widths >= 1, got {conv_widths!r}")
     group, world, rank = _mesh_info(cp_mesh)
     key, B, S, device = _validate_batch(batch, loss_mask)
     doc_ids = _cp_blockdiag_doc_ids(batch, S, device, B)
@@ -190,6 +199,12 @@ def make_cp_blockdiag_batch_and_ctx(
     for left in lefts:
         state.agreed_window_plan(left)
     state.docs  # noqa: B018 - the documents' plan, built here once per step (pure, no communication)
+    if conv_widths is not None:
+        from .mixers.conv import plan_conv
+
+        state.mixer_widths = frozenset(conv_widths)
+        for w in state.mixer_widths:
+            state.mixer_plan(("conv", w), lambda w=w: plan_conv(plan, rank, w, device))
 
     # ---- mutation starts here: everything above may raise, nothing below does ---------------------------
     shards = plan.shards

@@ -95,3 +95,24 @@ def run_mixer_cases(cases: list[dict]) -> list[dict]:
             "traffic": [(e.mode, e.phase, e.sent_elements, e.recv_elements) for e in state.mixer_traffic.entries],
         })
     return results
+
+
+def disagreeing_mixer() -> str:
+    """Rank 1 calls the gated delta rule with 2 value heads, the others with 4: every rank raises
+    PlanMismatchError at the mixer's first call, before its exchange, naming what each rank called."""
+    from blockdiag_dist import PlanMismatchError
+    from blockdiag_dist.mixers import gated_delta_rule
+
+    env = worker_info()
+    ids = torch.tensor([[1] * 12])
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(env["cp_mesh"], None, {"inputs_embeds": torch.zeros(1, 12, 1),
+                                                 "_packed_seq_ids": ids}, expect_attention=False)
+    heads = (2, 2) if env["rank"] == 1 else (2, 4)
+    inputs = mixer_inputs("gdr", 1, ctx.state.local_len, 0, heads=heads)
+    try:
+        with ctx():
+            gated_delta_rule(*(inputs[n] for n in ("q", "k", "v", "g", "beta")))
+    except PlanMismatchError as exc:
+        assert not ctx.state.mixer_traffic.entries, "an exchange ran before the consensus error"
+        return str(exc)
+    raise AssertionError("no error for ranks calling the mixer with different sizes")

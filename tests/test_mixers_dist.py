@@ -103,3 +103,10 @@ def test_cp1_runs_the_same_code_with_no_exchange():
         if res["traffic"]:
             problems.append(f"{case['name']}: CP 1 moved {res['traffic']}")
     assert not problems, "\n".join(problems)
+
+
+def test_ranks_calling_a_mixer_with_different_sizes_fail_alike(session):
+    messages = session.pool(3).run(mixer_checks.disagreeing_mixer, timeout=60, name="mixer consensus")
+    assert len(set(messages)) == 1, messages
+    assert "CP plan consensus failed (mixer)" in messages[0]
+    assert "rank 0: gated_delta_rule q(2, 3) v(4, 2)" in messages[0] and "rank 1: gated_delta_rule q(2, 3) v(2, 2)" in messages[0]

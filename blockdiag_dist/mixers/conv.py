@@ -137,8 +137,8 @@ def causal_conv(
     ``state`` defaults to the active step's.
 
     Raises ``ValueError`` naming expected vs got (before any collective) for tensors that are not this rank's
-    shard, a weight that is not depthwise, an unknown activation, a width the step did not plan, and (with
-    the consensus check) ranks that call it with different sizes (``PlanMismatchError``).
+    shard, a weight that is not depthwise, an unknown activation, a width wider than the history the step
+    planned (when the batch function was given ``conv_widths``), and (with the consensus check) ranks that call it with different sizes (``PlanMismatchError``).
     """
     from ._common import active_state, bind, check_shard
 
@@ -160,10 +160,11 @@ def causal_conv(
         raise ValueError(f"causal_conv: expected floating tensors, got x {x.dtype} and weight {weight.dtype}")
     width = weight.shape[1]
     planned = state.mixer_widths
-    if planned is not None and width not in planned:
+    if planned is not None and width > max(planned):
         raise ValueError(
-            f"causal_conv: expected a convolution width the step planned the history for (conv_widths="
-            f"{sorted(planned)} in make_cp_blockdiag_batch_and_ctx), got width {width}"
+            f"causal_conv: expected a width of at most {max(planned)}, the history the step planned (W - 1 = "
+            f"{max(planned) - 1} tokens: conv_widths={sorted(planned)} in make_cp_blockdiag_batch_and_ctx), got "
+            f"width {width}"
         )
     state.agree_mixer(f"causal_conv C={C} W={width} {x.dtype}/{weight.dtype} bias={bias is not None} act={activation}")
     plan = state.mixer_plan(("conv", width), lambda: plan_conv(state.plan, state.rank, width, state.device))
