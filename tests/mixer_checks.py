@@ -17,7 +17,7 @@ HYBRID_DOC = Path(__file__).resolve().parents[1] / "docs" / "hybrid.md"
 def docs_example(name: str):
     """The ```python block of docs/hybrid.md that defines ``name``, executed; returns the namespace."""
     blocks = re.findall(r"```python\n(.*?)```", HYBRID_DOC.read_text(), re.S)
-    code = next(b for b in blocks if f"def {name}(" in b)
+    code = next(b for b in blocks if f"def {name}(" in b or f"class {name}(" in b)
     ns: dict = {"__name__": "__docs__"}
     exec(compile(code, f"{HYBRID_DOC.name} ({name})", "exec"), ns)
     return ns
@@ -116,3 +116,33 @@ def disagreeing_mixer() -> str:
         assert not ctx.state.mixer_traffic.entries, "an exchange ran before the consensus error"
         return str(exc)
     raise AssertionError("no error for ranks calling the mixer with different sizes")
+
+
+def extension_example_step(ids: list[list[int]], layout: str) -> dict:
+    """docs/hybrid.md's DecayedOuterProduct recurrence through run_recurrence at this pool's CP size (float64):
+    this rank's outputs with their positions, and its part of every input's gradient of ``(out * w).sum()``."""
+    from blockdiag_dist.mixers import run_recurrence
+
+    rec = docs_example("DecayedOuterProduct")["DecayedOuterProduct"]()
+    env = worker_info()
+    ids_t = torch.tensor(ids)
+    B, S = ids_t.shape
+    inputs = extension_inputs(B, S)
+    batch = {"inputs_embeds": torch.zeros(B, S, 1, dtype=torch.float64), "_packed_seq_ids": ids_t, **inputs}
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(env["cp_mesh"], None, batch, layout=layout, expect_attention=False)
+    L = ctx.state.local_len
+    local = tuple(batch[n].reshape(B * L, *batch[n].shape[2:]) for n in ("q", "k", "v", "a"))
+    with ctx():
+        out = run_recurrence(rec, local, ctx.state, state_dtype=torch.float64)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+        (out * w).sum().backward()
+    return {"out": out.detach().view(B, L, *out.shape[1:]).numpy(), "w": w.view(B, L, *out.shape[1:]).numpy(),
+            "positions": ctx.state.positions.tolist(), "grads": {n: t.grad.numpy() for n, t in inputs.items()}}
+
+
+def extension_inputs(B: int, S: int, H: int = 2, K: int = 3, V: int = 2) -> dict:
+    g = torch.Generator().manual_seed(11)
+    return {"q": torch.randn(B, S, H, K, generator=g, dtype=torch.float64).requires_grad_(),
+            "k": torch.randn(B, S, H, K, generator=g, dtype=torch.float64).requires_grad_(),
+            "v": torch.randn(B, S, H, V, generator=g, dtype=torch.float64).requires_grad_(),
+            "a": torch.rand(B, S, H, generator=g, dtype=torch.float64).requires_grad_()}

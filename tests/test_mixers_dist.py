@@ -12,6 +12,7 @@ import torch
 import mixer_checks
 from blockdiag_dist.mixers import plan_conv, plan_recurrence
 from blockdiag_dist.plan import plan_step
+from blockdiag_ref import DocLayout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,3 +111,30 @@ def test_ranks_calling_a_mixer_with_different_sizes_fail_alike(session):
     assert len(set(messages)) == 1, messages
     assert "CP plan consensus failed (mixer)" in messages[0]
     assert "rank 0: gated_delta_rule q(2, 3) v(4, 2)" in messages[0] and "rank 1: gated_delta_rule q(2, 3) v(2, 2)" in messages[0]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+def test_the_extension_example_recurrence_at_cp3(session, layout):
+    """docs/hybrid.md's DecayedOuterProduct (a scalar transition, written only against the Recurrence interface)
+    across 3 ranks: outputs and every input's gradient equal each document run alone."""
+    ids = torch.tensor([[1] * 14 + [2] * 3 + [0] * 2 + [3] * 5])
+    per_rank = session.pool(3).run(mixer_checks.extension_example_step, args=(ids.tolist(), layout), timeout=120,
+                                   name="extension example")
+    rec = mixer_checks.docs_example("DecayedOuterProduct")["DecayedOuterProduct"]()
+    inputs = mixer_checks.extension_inputs(*ids.shape)
+    seg = DocLayout.from_doc_ids(ids)
+    S = ids.shape[1]
+    truth = torch.zeros(1, S, 2, 2, dtype=torch.float64)
+    for row, start, end in seg.segments.tolist():
+        piece = tuple(inputs[n][row, start:end] for n in ("q", "k", "v", "a"))
+        truth = truth.index_put((torch.tensor([row]), torch.arange(start, end)), rec.scan(piece, (0, end - start), None, False)[0])
+    w = torch.zeros_like(truth)
+    for r in per_rank:
+        pos = torch.tensor(r["positions"])
+        keep = pos < S
+        torch.testing.assert_close(torch.from_numpy(r["out"])[:, keep], truth.detach()[:, pos[keep]], rtol=1e-12, atol=1e-12)
+        w[:, pos[keep]] = torch.from_numpy(r["w"])[:, keep]
+    (truth * w).sum().backward()
+    for n, t in inputs.items():
+        got = sum(torch.from_numpy(r["grads"][n]) for r in per_rank)
+        torch.testing.assert_close(got, t.grad, rtol=1e-11, atol=1e-12)
