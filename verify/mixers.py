@@ -123,7 +123,10 @@ def _single_device(case: Case, inputs: dict[str, Tensor], dtype: torch.dtype, de
             return reference_gated_delta_rule(q, k, v, g, beta, ids, dtype=dtype)
     res = _block(case, x, ws, inputs["labels"].to(device), mix)
     res["loss"].backward()
-    return _results(case, res, x, ws)
+    out = _results(case, res, x, ws)
+    # a row of padding only leaves the reference's outputs unconnected to its inputs: their gradient is zero
+    leaves = {"x": x, **{f"d{n}": res[n] for n in MIXER_INPUTS[case.layer]}, **{f"d{n}": ws[n] for n in ws}}
+    return {k: (torch.zeros_like(leaves[k]) if v is None else v) for k, v in out.items()}
 
 
 def mixer_expected(case: Case, device: torch.device | str = "cpu", inputs: dict[str, Tensor] | None = None,
