@@ -285,12 +285,15 @@ def _run(rec: Recurrence, inputs: Sequence[Tensor], state, state_dtype: torch.dt
                 summaries[g] = (M, recv[at:at + cn].view(state_shape))
                 at += cn
 
-    entering = []
+    after: dict[int, Tensor] = {}  # piece id -> the state leaving it, folded from its document's start (shared
+    entering = []  # by the pieces of one document on this rank: each fold step is done once)
     for chain in plan.folds:
-        S = summaries[chain[0]][1]
-        for g in chain[1:]:
-            M, C = summaries[g]
-            S = rec.apply_transition(M, S) + C
+        S = None
+        for i, g in enumerate(chain):
+            if g not in after:
+                M, C = summaries[g]
+                after[g] = C if i == 0 else rec.apply_transition(M, S) + C
+            S = after[g]
         entering.append(S)
     out_cont = None
     if plan.cont.pieces:
