@@ -12,7 +12,7 @@ SEED   ?= 0
 LONG_EXAMPLES ?= 40
 LONG_BUDGET   ?= 600
 
-.PHONY: install peers test verify fuzz fuzz-long bench bench-quick train-demo conformance gpu-check
+.PHONY: install peers test verify verify-models models-md fuzz fuzz-long bench bench-quick train-demo conformance gpu-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,14 @@ test: $(STAMP) $(PEERS_STAMP)
 # The main job: the case matrix (CP 1, 2, 3, 4, 8; every layout, exchange, kernel) against the reference.
 verify: $(STAMP)
 	$(PY) -m verify $(ARGS)
+
+# Whole models: every preset (tiny Llama, Qwen3, Mistral, Gemma 3, Qwen3-MoE, DeepSeek-V3, Qwen3-Next, Nemotron-H,
+# Qwen2.5-VL, Qwen3-VL, gpt-oss, Llama 4, Gemma 2, BLOOM) at CP 1 and 2, four layouts, float64 and float32, against
+# each document run alone (docs/verify-model.md): MODELS.md and results/models.json. A refusal is reported, not failed.
+verify-models: $(STAMP)
+	$(PY) -m verify model --presets --cp 1,2 --allow-unsupported --md MODELS.md --json results/models.json $(ARGS)
+
+models-md: verify-models
 
 # Hypothesis-drawn cases; a failure is shrunk and printed as a replay command.
 fuzz: $(STAMP)

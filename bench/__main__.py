@@ -26,6 +26,8 @@ from .dist import consensus_cost, peak_memory, timed_steps
 from .hybrid import bench_hybrid
 from .kernel import D, H, HKV, attention_step, bench_kernel, bench_scaling
 from .peers import bench_peers
+from .vision import vision_steps
+from .variants import bench_softcap
 from .workloads import interleaved, layout_of, long_tail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,6 +143,16 @@ def bench_balance(cps, S, seeds, step_cp, step_S, reps) -> dict:
                                      "work_per_rank": work}}
 
 
+def bench_vision(size: str, reps: int, timeout=1800) -> dict:
+    """CP 2: a vision-language step with the vision tower replicated vs its images sharded (bench.vision)."""
+    with WorkerPool(2, collective_timeout=timeout) as pool:
+        per_rank = pool.run(vision_steps, args=(size, reps), timeout=timeout, name=f"vision cp2 {size}")
+    r = per_rank[0]
+    r["cp"] = 2
+    r["sharded_over_replicated"] = r["seconds"]["sharded"] / r["seconds"]["replicated"]
+    return r
+
+
 def run(quick: bool, only: list[str] | None = None) -> dict:
     console = make_console()
     t0 = time.perf_counter()
@@ -148,12 +160,14 @@ def run(quick: bool, only: list[str] | None = None) -> dict:
     sections = [
         ("peers", lambda: bench_peers(4096 if quick else 8192, rounds=1 if quick else 2, reps=1 if quick else 2)),
         ("kernel", lambda: bench_kernel((4096,) if quick else (4096, 16384), reps=2 if quick else 3)),
+        ("variants", lambda: bench_softcap(2048 if quick else 4096, windows=(-1, 128), reps=2 if quick else 3)),
         ("scaling", lambda: bench_scaling((2048, 4096, 8192) if quick else (2048, 4096, 8192, 16384, 32768), reps=2 if quick else 3)),
         ("exchange", lambda: bench_exchange((2, 4), (8192,) if quick else (8192, 32768), reps=2 if quick else 3)),
         ("cp_efficiency", lambda: bench_cp_efficiency((2, 4), 8192 if quick else 32768, reps=2 if quick else 3)),
         ("balance", lambda: bench_balance((4, 8), 32768, (0, 1, 2), step_cp=2, step_S=8192 if quick else 32768, reps=2 if quick else 3)),
         ("consensus", lambda: bench_consensus(4, 8192 if quick else 32768, reps=3 if quick else 5)),
         ("verifier", lambda: bench_verifier((2, 4), 60 if quick else 200)),
+        ("vision", lambda: bench_vision("quick" if quick else "full", reps=2 if quick else 3)),
     ]
     if not quick:
         sections.append(("memory", lambda: bench_memory(131072, 4)))

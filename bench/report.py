@@ -16,9 +16,10 @@ GOALS = {
     "cp2_long_tail_auto_over_single": 1.00,  # at most: the same on long-tail packed documents
     "ring_over_auto_one_doc": 7.0,  # at least: ring-attention-pytorch step / blockdiag auto step
     "kernel_over_per_doc_sdpa": 1.00,  # at most: varlen step / torch SDPA per document (at least as fast)
+    "vision_shard_over_replicated_cp2": 0.60,  # at most: CP 2 VLM step, images sharded / tower replicated
 }
 GOAL_AT_MOST = {"cp2_one_doc_auto_over_single", "cp2_long_tail_auto_over_single", "kernel_over_per_doc_sdpa",
-                "balanced_work_max_over_mean"}
+                "balanced_work_max_over_mean", "vision_shard_over_replicated_cp2"}
 
 
 def _gib(n: float) -> str:
@@ -60,6 +61,10 @@ def goal_figures(res: dict) -> list[tuple[str, str, float, float | None]]:
     if "kernel" in res:
         for r in res["kernel"]["rows"]:
             out.append(("kernel_over_per_doc_sdpa", f"local kernel / torch SDPA per document, S={r['S']}", r["varlen_s"] / r["per_doc_sdpa_s"], None))
+    if "vision" in res:
+        v = res["vision"]
+        out.append(("vision_shard_over_replicated_cp2", f"CP 2 vision-language step, images sharded / tower replicated "
+                    f"({v['images']} images)", v["sharded_over_replicated"], None))
     if "exchange" in res:
         for row in res["exchange"]["rows"]:
             if row["cp"] == 4 and row["S"] == 32768:
@@ -123,6 +128,16 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                     ["S", "docs", "longest", "varlen ms", "dense ms", "varlen vs dense", "dense pairs / useful pairs", "useful GFLOP/s",
                      "of matmul rate", "torch SDPA per document ms (of matmul rate)",
                      "torch SDPA per document on slices of the packed row ms (varlen / it)"], rows))
+    if "variants" in res:
+        v = res["variants"]
+        names = [n for n in ("sinks", "softcap blocks", "softcap masked", "softcap dense") if n in v["rows"][0]["seconds"]]
+        rows = [[str(r["S"]), "none" if r["window"] < 0 else str(r["window"]), f"{r['seconds']['plain'] * 1e3:.0f}"]
+                + [f"{r['seconds'][n] * 1e3:.0f} ({r['over_plain'][n]:.2f}x)" for n in names] + [f"{r['masked_over_blocks']:.2f}"]
+                for r in v["rows"]]
+        out.append((f"Attention variants, fwd+bwd, CP 1, {v['dtype']}, H={v['heads'][0]}, Hkv={v['heads'][1]}, D={v['head_dim']}, "
+                    f"softcap {v['softcap']:g}: ms (ratio to the plain call); soft-capped calls on the fused op's inputs run "
+                    f"SOFTCAP_PLAN = {v['chosen']!r}",
+                    ["S", "window", "plain ms", *names, "masked / blocks"], rows))
     if "scaling" in res:
         rows = [[str(r["S"]), f"{r['seconds'] * 1e3:.0f}", f"{r['us_per_token']:.1f}", f"{r['time_ratio']:.2f}", f"{r['size_ratio']:.0f}"] for r in res["scaling"]["rows"]]
         out.append(("Scaling: varlen step time against S (same document-length distribution)", ["S", "ms", "us/token", "time ratio", "S ratio"], rows))
@@ -165,6 +180,15 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     if "verifier" in res:
         rows = [[cp, str(v["cases"]), str(v["failed"]), f"{v['cases_per_second']:.1f} (goal >= {GOALS['verifier_cases_per_second']:.0f})"] for cp, v in res["verifier"]["cps"].items()]
         out.append(("Verifier throughput (pool start excluded)", ["CP", "cases", "failed", "cases/s"], rows))
+    if "vision" in res:
+        v = res["vision"]
+        same = "same" if v["loss"]["replicated"] == v["loss"]["sharded"] else f"differs by {abs(v['loss']['replicated'] - v['loss']['sharded']):.2g}"
+        out.append((f"Vision tower under CP {v['cp']}: a Qwen2.5-VL-shaped step (4-block tower, hidden 256; one-layer decoder), "
+                    f"{v['images']} images, {v['patches']} patches, float32, own forward and backward (slowest rank)",
+                    ["tower", "step s", "over replicated", "summed loss"],
+                    [["replicated (every rank runs every image)", f"{v['seconds']['replicated']:.2f}", "1.00x", f"{v['loss']['replicated']:.4f}"],
+                     ["images sharded by cost (shard_vision=True)", f"{v['seconds']['sharded']:.2f}",
+                      f"{v['sharded_over_replicated']:.2f}x (goal <= {GOALS['vision_shard_over_replicated_cp2']:.2f}x)", f"{v['loss']['sharded']:.4f} ({same})"]]))
     if "memory" in res:
         m = res["memory"]
         rows = [[str(m["S"]), str(m["cp"]), m["mode"], ", ".join(_gib(x) for x in m["peak_rss_bytes_per_rank"]), _gib(sum(m["peak_rss_bytes_per_rank"])),
@@ -281,6 +305,16 @@ def plot(res: dict, path: Path) -> None:
                       {"dense mask": [r["dense_s"] for r in rows], "varlen": [r["varlen_s"] for r in rows]},
                       "fwd+bwd seconds", "local kernel")
         axes[0, 0].set_yscale("log")
+    if "variants" in res:
+        v = res["variants"]
+        names = [n for n in ("sinks", "softcap blocks", "softcap masked", "softcap dense") if n in v["rows"][0]["seconds"]]
+        rows = [[str(r["S"]), "none" if r["window"] < 0 else str(r["window"]), f"{r['seconds']['plain'] * 1e3:.0f}"]
+                + [f"{r['seconds'][n] * 1e3:.0f} ({r['over_plain'][n]:.2f}x)" for n in names] + [f"{r['masked_over_blocks']:.2f}"]
+                for r in v["rows"]]
+        out.append((f"Attention variants, fwd+bwd, CP 1, {v['dtype']}, H={v['heads'][0]}, Hkv={v['heads'][1]}, D={v['head_dim']}, "
+                    f"softcap {v['softcap']:g}: ms (ratio to the plain call); soft-capped calls on the fused op's inputs run "
+                    f"SOFTCAP_PLAN = {v['chosen']!r}",
+                    ["S", "window", "plain ms", *names, "masked / blocks"], rows))
     if "scaling" in res:
         ax, rows = axes[0, 1], res["scaling"]["rows"]
         ax.loglog([r["S"] for r in rows], [r["seconds"] for r in rows], "o-", label="varlen")

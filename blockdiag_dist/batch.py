@@ -19,7 +19,7 @@ from blockdiag_ref import doc_ids_from_batch, normalize_window
 
 from .options import get_defaults, kernel_substitution, resolve_exchange, resolve_kernel, resolve_layout
 from .plan import plan_step
-from .sharding import shard_tensor
+from .sharding import shard_tensor, shard_visual_tokens
 from .state import StepState, activate
 
 __all__ = ["_cp_blockdiag_doc_ids", "make_cp_blockdiag_batch_and_ctx"]
@@ -34,17 +34,25 @@ KNOWN_PADS: dict[str, object] = {
     "_packed_seq_ids": 0,
     "loss_mask": 0,
     "padding_mask": True,
+    "visual_pos_masks": False,
 }
-EXACT_BS_KEYS = ("input_ids", "labels", "_packed_seq_ids", "loss_mask", "padding_mask")
+EXACT_BS_KEYS = ("input_ids", "labels", "_packed_seq_ids", "loss_mask", "padding_mask", "visual_pos_masks")
+# Tensors of a multimodal batch that are not sequence-aligned, whatever their shape: never sharded.
+UNSHARDED_KEYS = frozenset({
+    "pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts",
+})
+# What the loss reads beside the logits: sharded even with shard_primary=False (the logits come out sharded).
+TARGET_KEYS = ("labels", "loss_mask", "padding_mask", "_packed_seq_ids")
+DEEPSTACK_KEY = "_deepstack_visual_embeds"  # a list of [n_vis, H], one per level, indexed by visual token
 
 
 def _cp_blockdiag_doc_ids(batch: dict, seq_len: int, device, batch_size: int) -> torch.Tensor:
     """Resolve per-position document ids ``[B, S]`` (int64, 0 == padding) for the mask.
 
     Prefers ``_packed_seq_ids``; else a 4-D block-causal ``attention_mask`` (every document in it is
-    recovered); else a 2-D indexed ``attention_mask``, or a validity one split where 2-D ``position_ids``
-    restart at 0; else documents from 2-D ``position_ids`` restarting at 0 (transformers'
-    ``DataCollatorWithFlattening``); else one document per row.
+    recovered); else a 2-D indexed ``attention_mask``, or a validity one split where ``position_ids`` restart
+    at 0; else documents from ``position_ids`` restarting at 0 (transformers' ``DataCollatorWithFlattening``;
+    ``[n, B, S]`` mRoPE positions restarting at 0 on every axis); else one document per row.
     Delegates to :func:`blockdiag_ref.doc_ids_from_batch`.
     """
     return doc_ids_from_batch(batch, seq_len, batch_size, device)
@@ -102,13 +110,54 @@ def _validate_batch(batch: Any, loss_mask: Tensor | None) -> tuple[str, int, int
         ):
             got = tuple(pos.shape) if isinstance(pos, Tensor) else type(pos).__name__
             raise ValueError(f"position_ids: expected [B, S] = {[B, S]} or [n, B, S] (e.g. 3 for mRoPE), got {got}")
+    vpm = batch.get("visual_pos_masks")
+    if vpm is not None and vpm.dtype != torch.bool:
+        raise ValueError(f"visual_pos_masks: expected a bool tensor [B, S] (True = visual token), got dtype {vpm.dtype}")
     if loss_mask is not None and (not isinstance(loss_mask, Tensor) or tuple(loss_mask.shape) != (B, S)):
         got = tuple(loss_mask.shape) if isinstance(loss_mask, Tensor) else type(loss_mask).__name__
         raise ValueError(f"loss_mask: expected shape [B, S] = {[B, S]}, got {got}")
     devices = {t.device for t in batch.values() if isinstance(t, Tensor)} | ({loss_mask.device} if loss_mask is not None else set())
+    deepstack = batch.get(DEEPSTACK_KEY)
+    if deepstack is not None:
+        if not isinstance(deepstack, (list, tuple)) or not all(isinstance(t, Tensor) for t in deepstack):
+            raise ValueError(f"{DEEPSTACK_KEY}: expected a list of tensors [n_vis, H], one per level, got {type(deepstack).__name__}")
+        devices |= {t.device for t in deepstack}
     if len(devices) > 1:
         raise ValueError(f"batch: expected every tensor on one device, got {sorted(str(d) for d in devices)}")
     return key, B, S, x.device
+
+
+def _validate_deepstack(batch: MutableMapping, doc_ids: Tensor) -> None:
+    """``_deepstack_visual_embeds`` holds one row per visual token of ``visual_pos_masks`` at every level."""
+    deepstack = batch.get(DEEPSTACK_KEY)
+    if deepstack is None:
+        return
+    vpm = batch.get("visual_pos_masks")
+    if vpm is None:
+        raise ValueError(
+            f"{DEEPSTACK_KEY}: expected visual_pos_masks [B, S] beside it (the positions its rows belong to), got none"
+        )
+    n_vis = int(vpm.sum())
+    for level, t in enumerate(deepstack):
+        if t.dim() != 2 or t.shape[0] != n_vis:
+            raise ValueError(
+                f"{DEEPSTACK_KEY}[{level}]: expected [n_vis, H] with n_vis = {n_vis}, one row per visual token of "
+                f"visual_pos_masks ({_visual_tokens_per_document(vpm, doc_ids)}), got shape {tuple(t.shape)}"
+            )
+
+
+def _visual_tokens_per_document(vpm: Tensor, doc_ids: Tensor) -> str:
+    """'row 0 document 1: 4, row 0 document 2: 10' (documents holding visual tokens, in order)."""
+    parts = []
+    for b in range(vpm.shape[0]):
+        ids, counts = torch.unique_consecutive(doc_ids[b].cpu(), return_counts=True)
+        start = 0
+        for d, n in zip(ids.tolist(), counts.tolist()):
+            k = int(vpm[b, start:start + n].sum())
+            if k:
+                parts.append(f"row {b} {'padding' if d == 0 else f'document {d}'}: {k}")
+            start += n
+    return ", ".join(parts) or "none"
 
 
 def make_cp_blockdiag_batch_and_ctx(
@@ -124,6 +173,8 @@ def make_cp_blockdiag_batch_and_ctx(
     window_sizes: Sequence[Sequence[int] | None] | None = None,
     check_consensus: bool | None = None,
     expect_attention: bool = True,
+    shard_primary: bool = True,
+    shard_vision: bool = False,
     conv_widths: Sequence[int] | None = None,
 ) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
     """Shard a packed batch for block-diagonal CP and build the step state.
@@ -133,7 +184,9 @@ def make_cp_blockdiag_batch_and_ctx(
             (one-rank CP, no communication) are accepted too.
         tp_mesh: accepted for ``_cp_make_batch_fn`` signature compatibility; unused.
         batch: exactly one of ``inputs_embeds [B, S, H]`` / ``input_ids [B, S]``, plus any of ``labels``,
-            ``position_ids [B, S]`` or ``[n, B, S]``, ``_packed_seq_ids``, ``attention_mask``, ``loss_mask``.
+            ``position_ids [B, S]`` or ``[n, B, S]`` (mRoPE), ``_packed_seq_ids``, ``attention_mask``,
+            ``loss_mask``, and for a vision-language model its inputs (``pixel_values``, ``image_grid_thw``, ...,
+            never sharded), ``visual_pos_masks [B, S]`` and ``_deepstack_visual_embeds``.
             Mutated in place, after all validation: ``attention_mask`` is dropped, ``padding_mask [B, S]``
             (True = pad) is added, every sequence-aligned tensor is padded to ``W * L`` and sliced to this
             rank's ``L`` rows. ``inputs_embeds`` is sliced differentiably, so grads reach the full tensor.
@@ -156,6 +209,19 @@ def make_cp_blockdiag_batch_and_ctx(
             call reached ``cp_blockdiag_sdpa`` in the step (attention that bypasses it attends only within the
             rank's shard). ``False`` only for a model that does not mix along the sequence at all; recurrent
             and convolution layers are judged by the guard either way (:mod:`blockdiag_dist.guard`).
+        shard_primary: ``False`` for a model that embeds its inputs itself on the full row (a vision-language
+            model's own forward splices vision features into the embedded ``input_ids``): only what the loss
+            reads beside the logits (``labels``, ``loss_mask``, ``padding_mask``, ``_packed_seq_ids``) is
+            sharded here; the primary stream, ``position_ids`` and every other model input stay full, and the
+            integration shards the model's decoder entry (``inputs_embeds``, ``position_ids``,
+            ``visual_pos_masks``, deepstack embeddings) with this step's plan
+            (:mod:`blockdiag_dist.integrations.vlm`); a step whose decoder entry was not sharded raises at its
+            context's exit. ``pixel_values``, ``image_grid_thw`` and the other vision inputs are never sharded.
+            With ``True`` (default), ``_deepstack_visual_embeds`` (a list of ``[n_vis, H]``, one row per visual
+            token of ``visual_pos_masks``) keeps the rows of the visual tokens this rank holds, in its order.
+        shard_vision: with ``shard_primary=False``, a vision-language model's vision tower runs on this rank's
+            share of the images (balanced by a modelled cost) instead of all of them, and a differentiable gather
+            gives every rank the whole output (:mod:`blockdiag_dist.integrations.vision_shard`).
         conv_widths: the widths of the model's causal convolutions (:func:`blockdiag_dist.mixers.causal_conv`):
             their history exchanges are planned here, and a convolution wider than the widest is refused
             (default: any width, planned on its first use in the step).
@@ -177,6 +243,17 @@ def make_cp_blockdiag_batch_and_ctx(
         raise ValueError(f"expect_attention: expected a bool, got {type(expect_attention).__name__}")
     if not isinstance(padding_token_id, int):
         raise ValueError(f"padding_token_id: expected an int, got {type(padding_token_id).__name__}")
+    if not isinstance(shard_primary, bool):
+        raise ValueError(f"shard_primary: expected a bool, got {type(shard_primary).__name__}")
+    if not isinstance(shard_vision, bool):
+        raise ValueError(f"shard_vision: expected a bool, got {type(shard_vision).__name__}")
+    if shard_vision and shard_primary:
+        raise ValueError(
+            "shard_vision=True: expected shard_primary=False (the model's own forward runs its vision tower under "
+            "the step), got shard_primary=True"
+        )
+    if not shard_primary:
+        from .integrations import vlm  # noqa: F401  (registers the scan visitor that hooks decoder entries)
     if conv_widths is not None and (
         isinstance(conv_widths, (str, bytes)) or not isinstance(conv_widths, Sequence) or not conv_widths
         or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in conv_widths)
@@ -185,13 +262,15 @@ def make_cp_blockdiag_batch_and_ctx(
     group, world, rank = _mesh_info(cp_mesh)
     key, B, S, device = _validate_batch(batch, loss_mask)
     doc_ids = _cp_blockdiag_doc_ids(batch, S, device, B)
+    _validate_deepstack(batch, doc_ids)
     if check_consensus is None:
         check_consensus = os.environ.get("BLOCKDIAG_CHECK_CONSENSUS", "1") not in ("", "0")
 
     plan = plan_step(doc_ids, world, layout)
     state = StepState(
         plan, rank=rank, group=group, device=device, kv_exchange=kv_exchange, kernel=kernel_name,
-        check_consensus=check_consensus, expect_attention=expect_attention,
+        check_consensus=check_consensus, expect_attention=expect_attention, shard_primary=shard_primary,
+        padding_token_id=padding_token_id, shard_vision=shard_vision,
     )
     substitution = kernel_substitution(kernel_requested)
     if substitution:
@@ -212,9 +291,12 @@ def make_cp_blockdiag_batch_and_ctx(
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
     batch["padding_mask"] = doc_ids == 0
+    if shard_primary and batch.get(DEEPSTACK_KEY) is not None:  # before visual_pos_masks is sharded
+        vpm = batch["visual_pos_masks"]
+        batch[DEEPSTACK_KEY] = [shard_visual_tokens(t, vpm, shards, rank) for t in batch[DEEPSTACK_KEY]]
     for k in list(batch):
         t = batch[k]
-        if not isinstance(t, Tensor):
+        if not isinstance(t, Tensor) or k in UNSHARDED_KEYS or (not shard_primary and k not in TARGET_KEYS):
             continue
         pad = KNOWN_PADS.get(k, 0)
         pad = padding_token_id if pad == "padding_token_id" else pad

@@ -23,6 +23,9 @@ Shape legend: B batch rows, L rows held by this rank.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 import threading
 import weakref
 from collections.abc import Callable
@@ -61,6 +64,18 @@ MIXER_KINDS: dict[str, str] = {
     "token_shift": "a token shift (each token mixes in the previous one)",
     "alibi_attention": "softmax attention with an ALiBi bias that the layer computes itself, not through "
                        "transformers' attention interface or scaled_dot_product_attention, so blockdiag cannot route it",
+    "own_attention": "softmax attention the layer computes itself (a softmax in its own code, no call of "
+                     "scaled_dot_product_attention or transformers' attention interface), so blockdiag cannot route it",
+    "sparse_attention": "sparse attention over keys an indexer selects from the sequence",
+    "compressed_attention": "attention over compressed blocks of the sequence (a compressor or indexer over "
+                            "neighbouring tokens)",
+    "image_bidirectional": "a vision-language model whose text attention is bidirectional within each image's tokens "
+                           "(a mask transformers builds only for its own attention names; blockdiag computes causal "
+                           "attention per document)",
+    "row_positions": "a positional embedding computed from the row's length (torch.arange over the rows), not from "
+                     "position_ids: wrong for every document but the row's first once packed, and on every rank "
+                     "but the first under CP",
+    "byte_patching": "byte patching with n-gram hash embeddings over neighbouring tokens",
     "recurrent": "a layer holding a state-space / gated-decay parameter (a recurrence along the sequence)",
     "conv1d": "a Conv1d along the sequence",
     "rnn": "a recurrent network (nn.RNN / LSTM / GRU) along the sequence",
@@ -77,7 +92,8 @@ KNOWN_MIXERS: dict[str, str] = {
     # short convolutions
     "Lfm2ShortConv": "short_conv", "Lfm2MoeShortConv": "short_conv", "Lfm3ShortConv": "short_conv",
     "InklingShortConvolution": "short_conv", "Inkling2ShortConvolution": "short_conv",
-    "Inkling2DynamicShortConvolution": "short_conv",
+    "Inkling2DynamicShortConvolution": "short_conv", "Inkling2LoopShortConvolution": "short_conv",
+    "Inkling2LoopDynamicShortConvolution": "short_conv", "ZayaCCAProjection": "short_conv",
     # Gated DeltaNet
     "Qwen3NextGatedDeltaNet": "gated_delta_net", "Qwen3_5GatedDeltaNet": "gated_delta_net",
     "Qwen3_5MoeGatedDeltaNet": "gated_delta_net", "OlmoHybridGatedDeltaNet": "gated_delta_net",
@@ -92,6 +108,23 @@ KNOWN_MIXERS: dict[str, str] = {
     # attention computed by the layer itself, with ALiBi (Falcon's rotary variant is refused at build time by
     # register_transformers_attention, its attention does not call the interface either)
     "BloomAttention": "alibi_attention", "MptAttention": "alibi_attention", "FalconAttention": "alibi_attention",
+    # attention over compressed blocks (DeepSeek-V4), byte patching (BLT)
+    "DeepseekV4HCACompressor": "compressed_attention", "DeepseekV4CSACompressor": "compressed_attention",
+    "DeepseekV4Indexer": "compressed_attention",
+    # sparse attention over indexer-selected keys (DeepSeek-V3.2 DSA and its descendants)
+    "DeepseekV32Indexer": "sparse_attention", "AXK2Indexer": "sparse_attention", "Dots3NoteTextIndexer": "sparse_attention",
+    "Glm5NextTextIndexer": "sparse_attention", "GlmMoeDsaIndexer": "sparse_attention", "HYV4Indexer": "sparse_attention",
+    "HYV4VLIndexer": "sparse_attention", "MiniMaxM3VLIndexer": "sparse_attention",
+    "MistralLarge4TextIndexer": "sparse_attention", "Qwen4ExpTextQSAIndexer": "sparse_attention",
+    "BltPatcher": "byte_patching", "BltModel": "byte_patching",
+    # vision-language models whose image tokens attend bidirectionally within their image (Gemma 3, PaliGemma)
+    "Gemma3Model": "image_bidirectional", "PaliGemmaModel": "image_bidirectional",
+    "Gemma4UnifiedModel": "image_bidirectional",
+    # decoders that compute their positions from the row's length, whatever position_ids say
+    "BartDecoder": "row_positions", "BigBirdPegasusDecoder": "row_positions", "BlenderbotDecoder": "row_positions",
+    "BlenderbotSmallDecoder": "row_positions", "MarianDecoder": "row_positions", "MBartDecoder": "row_positions",
+    "PegasusDecoder": "row_positions", "PLBartDecoder": "row_positions", "MvpDecoder": "row_positions",
+    "PPFormulaNetTextModel": "row_positions", "ProphetNetDecoder": "row_positions", "CpmAntModel": "row_positions",
 }
 
 # Parameters that only a recurrence along the sequence holds (Mamba's A_log / dt_bias, Gated DeltaNet's A_log).
@@ -111,14 +144,13 @@ class Finding:
     def message(self) -> str:
         where = f"layer {self.name!r} ({self.cls})" if self.name else f"layer {self.cls}"
         return (
-            f"blockdiag_dist: {where} mixes along the sequence and is not computed per document under CP: it is "
-            f"{MIXER_KINDS[self.kind]} ({self.reason}). Expected every layer that mixes along the sequence to be "
-            "computed per document; this one would mix tokens across document ends and miss the part of its "
-            "document held by other ranks: its gradients would be silently wrong. Computed per document: softmax "
-            "attention through cp_blockdiag_sdpa (sdpa_routing(), register_transformers_attention()) and the "
-            f"mixers {_supported_summary()}; a layer your own code computes per document (from the step's "
-            "documents, current_state().docs) is declared with declare_per_document(module, how). Refused on every "
-            "rank, before the layer ran."
+            f"blockdiag_dist: {where} is not computed per document under CP: it is {MIXER_KINDS[self.kind]} "
+            f"({self.reason}). Expected every layer that mixes along the sequence to be computed per document; this "
+            "one would mix tokens across document ends and miss the part of its document held by other ranks: its "
+            "gradients would be silently wrong. Computed per document: softmax attention through cp_blockdiag_sdpa "
+            f"(sdpa_routing(), register_transformers_attention()) and the mixers {_supported_summary()}; a layer "
+            "your own code computes per document (from the step's documents, current_state().docs) is declared with "
+            "declare_per_document(module, how). Refused on every rank, before the layer ran."
         )
 
 
@@ -156,6 +188,17 @@ def register_installer(class_name: str, kind: str, install: Callable[[type], str
     if kind not in MIXER_KINDS:
         raise ValueError(f"register_installer: expected a kind of {sorted(MIXER_KINDS)}, got {kind!r}")
     _registry.installers[class_name] = (kind, install)
+
+
+_visitors: list[Callable[[nn.Module], None]] = []
+
+
+def register_scan_visitor(visit: Callable[[nn.Module], None]) -> None:
+    """Call ``visit(module)`` for every module a step's scan meets (once per module and step, before the module
+    and its children run: the scan starts at the first module called in the step). Used by the integrations to
+    prepare a model for the step (e.g. a hook at a vision-language model's decoder entry). Idempotent."""
+    if visit not in _visitors:
+        _visitors.append(visit)
 
 
 def per_document_reason(module: nn.Module) -> str | None:
@@ -198,6 +241,36 @@ def _install(cls: type) -> str | None:
     return None
 
 
+_POSITIONAL = re.compile(r"Positional(Embedding|Encoding)s?$")
+_ROUTED = ("ALL_ATTENTION_FUNCTIONS", "attention_interface", "scaled_dot_product_attention", "cp_blockdiag_sdpa")
+
+
+@functools.lru_cache(maxsize=None)
+def _positions_from_rows(cls: type) -> bool:
+    """A positional embedding class whose forward cannot take ``position_ids`` (it derives positions from the
+    input's shape)."""
+    if not _POSITIONAL.search(cls.__name__):
+        return False
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "position_ids" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _computes_own_attention(cls: type) -> bool:
+    """An ``*Attention*`` class whose own source has a softmax and calls neither SDPA, transformers' attention
+    interface nor cp_blockdiag_sdpa (judged at its call, by the shape of its input)."""
+    if "Attention" not in cls.__name__ or cls.__module__.startswith("torch."):
+        return False
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
+    return "softmax" in source and not any(name in source for name in _ROUTED)
+
+
 def classify(module: nn.Module) -> Finding | None:
     """What the scan rule says of one module (not its children): None if it does not recognise a sequence
     mixer; a :class:`Finding` otherwise, with ``per_document`` set when it is computed per document."""
@@ -207,9 +280,12 @@ def classify(module: nn.Module) -> Finding | None:
         kind, reason = known
     else:
         params = [n for n in RECURRENT_PARAMETERS if n in module._parameters]
-        if not params:
+        if params:
+            kind, reason = "recurrent", f"it holds the parameter {params[0]!r}"
+        elif _positions_from_rows(cls):
+            kind, reason = "row_positions", "its forward takes no position_ids"
+        else:
             return None
-        kind, reason = "recurrent", f"it holds the parameter {params[0]!r}"
     how = per_document_reason(module) or (_install(cls) if known is not None else None)
     return Finding(name="", cls=cls.__name__, kind=kind, reason=reason, per_document=how)
 
@@ -262,6 +338,8 @@ class StepGuard:
 
     def _scan(self, root: nn.Module) -> None:
         for name, module, f, inside in _walk(root, self.verdicts):
+            for visit in _visitors:
+                visit(module)
             if f is not None and f.per_document is None:
                 raise UnsupportedLayerError(Finding(name, f.cls, f.kind, f.reason).message())
             if f is not None:
@@ -269,6 +347,18 @@ class StepGuard:
             self.verdicts[id(module)] = inside or f is not None
             self.names[id(module)] = name
             self._modules.append(module)
+
+    def after_call(self, module: nn.Module, output: object) -> None:
+        """An attention that computes itself is judged by its output (its inputs may be keywords, which a global
+        pre-hook does not see): along this rank's rows, it is refused before any backward ran."""
+        if self.verdicts.get(id(module), True) or not _computes_own_attention(type(module)):
+            return
+        out = output[0] if isinstance(output, (tuple, list)) and output else output
+        if torch.is_tensor(out) and out.dim() >= 2 and out.shape[-2] == self.local_len:
+            raise UnsupportedLayerError(
+                Finding(self.names.get(id(module), ""), type(module).__name__, "own_attention",
+                        f"its output {tuple(out.shape)} runs along this rank's L = {self.local_len} rows").message()
+            )
 
     def _check_operator(self, module: nn.Module, args: tuple) -> None:
         L = self.local_len
@@ -292,32 +382,56 @@ class StepGuard:
 
 
 _hook_lock = threading.Lock()
-_hook_handle = None
 _hook_users = 0
+_get_guard: Callable[[], StepGuard | None] = lambda: None
+
+
+def _before(module: nn.Module, args: tuple) -> None:
+    if torch.compiler.is_compiling():  # the eager call of an enclosing module scanned it
+        return None
+    guard = _get_guard()
+    if guard is not None:
+        guard.before_call(module, args)
+    return None
+
+
+def _after(module: nn.Module, args: tuple, output: object) -> None:
+    if torch.compiler.is_compiling():
+        return None
+    guard = _get_guard()
+    if guard is not None:
+        guard.after_call(module, output)
+    return None
+
+
+# (registry of global hooks, register function, hook, its handle once registered). The same functions under the
+# same handle ids every time, so that code compiled by torch.compile (which guards on the global hooks) is not
+# recompiled for every step.
+_HOOKS = [
+    [nn.modules.module._global_forward_pre_hooks, nn.modules.module.register_module_forward_pre_hook, _before, None],
+    [nn.modules.module._global_forward_hooks, nn.modules.module.register_module_forward_hook, _after, None],
+]
 
 
 def install(get_guard: Callable[[], StepGuard | None]) -> None:
-    """Install the process-wide forward pre-hook (once for any number of active steps)."""
-    global _hook_handle, _hook_users
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        if torch.compiler.is_compiling():  # the eager call of an enclosing module scanned it
-            return None
-        guard = get_guard()
-        if guard is not None:
-            guard.before_call(module, args)
-        return None
-
+    """Install the process-wide forward hooks (once for any number of active steps)."""
+    global _hook_users, _get_guard
     with _hook_lock:
         _hook_users += 1
-        if _hook_handle is None:
-            _hook_handle = nn.modules.module.register_module_forward_pre_hook(hook)
+        _get_guard = get_guard
+        for entry in _HOOKS:
+            hooks, register, hook, handle = entry
+            if handle is None:
+                entry[3] = register(hook)
+            elif handle.id not in hooks:
+                hooks[handle.id] = hook
 
 
 def uninstall() -> None:
-    global _hook_handle, _hook_users
+    global _hook_users
     with _hook_lock:
         _hook_users -= 1
-        if _hook_users == 0 and _hook_handle is not None:
-            _hook_handle.remove()
-            _hook_handle = None
+        if _hook_users == 0:
+            for _, _, _, handle in _HOOKS:
+                if handle is not None:
+                    handle.remove()

@@ -225,6 +225,19 @@ class StepPlan:
     layout: DocLayout
     shards: ShardPlan
     _exchanges: dict[int, ExchangePlan] = field(default_factory=dict, repr=False)
+    _chunked: dict[int, StepPlan] = field(default_factory=dict, repr=False)
+
+    def chunked(self, chunk: int) -> StepPlan:
+        """The plan of chunked local attention with chunks of ``chunk`` positions (``< 0``: this plan): the same
+        shards over the layout whose documents are the chunks of each document, counted from its start
+        (:meth:`~blockdiag_ref.DocLayout.chunked`). Its needed sets, segments and document starts are those of
+        the chunks, so every exchange and kernel computes chunked attention unchanged. Built once per step."""
+        if chunk < 0:
+            return self
+        plan = self._chunked.get(chunk)
+        if plan is None:
+            plan = self._chunked.setdefault(chunk, StepPlan(layout=self.layout.chunked(chunk), shards=self.shards))
+        return plan
 
     @cached_property
     def segments(self) -> Tensor:

@@ -14,16 +14,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from blockdiag_ref import normalize_window
+from blockdiag_ref import normalize_chunk, normalize_window
 
 from ._stock import stock_sdpa
 from .binding import bind_output, bind_reentrant_forward, in_backward, recompute_state
 from .kernels.dense import dense_attention
+from .kernels.explicit import explicit_attention
 from .kernels.varlen import flash_unusable_reason, varlen_attention
 from .state import StepState, current_state, last_exited_state
 
 __all__ = ["cp_blockdiag_sdpa", "sdpa_routing"]
 
+SINKS_NOT_FLASH = "attention sinks: flash-attn's varlen function has none"
 NONCAUSAL = ("raise", "causal", "local")  # what a non-causal call does under a step (see cp_blockdiag_sdpa)
 
 
@@ -43,18 +45,33 @@ def cp_blockdiag_sdpa(
     window_size: Sequence[int] | None = None,
     *,
     noncausal: str = "raise",
+    sinks: Tensor | None = None,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
 ) -> Tensor:
     """Scaled dot-product attention, per document and across CP ranks while a step context is active.
 
     With no active context this is exactly ``torch.nn.functional.scaled_dot_product_attention``; a
-    ``window_size`` there becomes a bottom-right-aligned causal band (in place of ``is_causal``) combined
-    with ``attn_mask``.
+    ``window_size`` (or ``chunk_size``) there becomes a bottom-right-aligned causal band (in place of
+    ``is_causal``) combined with ``attn_mask``, and the variants below are computed with explicit scores.
+
+    Attention variants (keyword-only; the same math with or without a step, and at every CP size):
+
+    - ``sinks [Hq]``: attention sinks (gpt-oss' ``s_aux``): one learned logit per query head joins every
+      query's softmax denominator, with no value: ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sinks[h]))``.
+      Differentiable; each rank's gradient covers its own queries (summed over the CP group like every other
+      parameter's).
+    - ``softcap``: logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)`` before the
+      mask and the softmax.
+    - ``chunk_size``: chunked local attention (Llama 4): a query sees only the keys of its own chunk of
+      ``chunk_size`` positions of its document, chunks counted from the document's start (outside a step: from
+      the first key of the row). Combines with ``window_size``.
 
     With an active context (``with train_ctx():``): ``query [B, Hq, L, D]``, ``key [B, Hkv, L, D]`` and
     ``value [B, Hkv, L, Dv]`` are this rank's rows; the result ``[B, Hq, L, Dv]`` is causal attention inside
-    each document over the whole (sharded) sequence. A call must be causal (``is_causal=True`` or a
-    ``window_size``, no ``attn_mask``); any other raises ``ValueError`` unless ``noncausal`` opts in:
-    ``"causal"`` computes per-document causal attention anyway (a causal decoder passing its own mask; the
+    each document over the whole (sharded) sequence. A call must be causal (``is_causal=True``, a
+    ``window_size`` or a ``chunk_size``, no ``attn_mask``); any other raises ``ValueError`` unless ``noncausal``
+    opts in: ``"causal"`` computes per-document causal attention anyway (a causal decoder passing its own mask; the
     replacement is recorded in the state's notes), ``"local"`` runs stock SDPA on the tensors as given, with
     their mask (attention over tensors CP does not shard: encoders, vision towers, cross-attention; recorded
     too). Bidirectional attention per document is not offered. ``scale``, ``enable_gqa`` and
@@ -69,7 +86,14 @@ def cp_blockdiag_sdpa(
         state.attention_calls += 1
     if noncausal not in NONCAUSAL:
         raise ValueError(f"cp_blockdiag_sdpa: noncausal expected one of {NONCAUSAL}, got {noncausal!r}")
+    chunk = normalize_chunk(chunk_size)
+    variants = sinks is not None or softcap is not None or chunk > 0
+    if variants:
+        _check_variants(query, sinks, softcap)
     if state is None:
+        if variants:
+            return _single_device(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+                                  sinks, softcap, chunk)
         if window_size is not None:
             attn_mask = _with_band(query, key, attn_mask, normalize_window(window_size))
             is_causal = False
@@ -77,8 +101,11 @@ def cp_blockdiag_sdpa(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa,
         )
-    if attn_mask is not None or not (is_causal or window_size is not None):
+    if attn_mask is not None or not (is_causal or window_size is not None or chunk > 0):
         if _non_causal_call(state, query, attn_mask, is_causal, noncausal) == "local":
+            if variants:  # as without a step: on the tensors as given, with their mask
+                return _single_device(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+                                      sinks, softcap, chunk)
             return stock_sdpa(
                 query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa,
@@ -86,7 +113,7 @@ def cp_blockdiag_sdpa(
     left = normalize_window(window_size)
     query, key, value = _autocast_like_sdpa(query, key, value)
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)
-    wp = state.agreed_window_plan(left)
+    wp = state.agreed_window_plan(left, chunk)
     B, Hq, L, D = query.shape
     Hkv, Dv = key.shape[1], value.shape[-1]
     kv_tok = torch.cat(
@@ -95,18 +122,48 @@ def cp_blockdiag_sdpa(
     kv_buf = state.exchange(kv_tok, wp)  # [Tk, Hkv * (D + Dv)]
     q_tok = query.transpose(1, 2).reshape(B * L, Hq, D)
     if state.kernel == "dense":
-        out = dense_attention(q_tok, kv_buf, wp.kernel_meta, heads_kv=Hkv, dim_v=Dv, dropout_p=dropout_p, scale=scale)
+        out = dense_attention(q_tok, kv_buf, wp.kernel_meta, heads_kv=Hkv, dim_v=Dv, dropout_p=dropout_p, scale=scale,
+                              sinks=sinks, softcap=softcap)
     else:
-        why_not = flash_unusable_reason(q_tok, D, Dv)
+        why_not = SINKS_NOT_FLASH if sinks is not None else flash_unusable_reason(q_tok, D, Dv)
         if why_not is not None and q_tok.device.type == "cuda":
             state.note(f"varlen kernel: flash-attn not used ({why_not}); batched SDPA per size class instead")
         out = varlen_attention(
             q_tok, kv_buf, wp.kernel_meta, heads_kv=Hkv, dim_v=Dv, dropout_p=dropout_p, scale=scale,
-            use_flash=why_not is None,
+            use_flash=why_not is None, sinks=sinks, softcap=softcap,
         )
     if torch.is_grad_enabled():
-        bind_output(out, (query, key, value), state)
+        bind_output(out, (query, key, value) + (() if sinks is None else (sinks,)), state)
     return out.view(B, L, Hq, Dv).transpose(1, 2)
+
+
+def _check_variants(query: Tensor, sinks: Tensor | None, softcap: float | None) -> None:
+    if sinks is not None:
+        heads = query.shape[1] if isinstance(query, Tensor) and query.dim() == 4 else None
+        if not isinstance(sinks, Tensor) or sinks.dim() != 1 or (heads is not None and sinks.shape[0] != heads):
+            got = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+            raise ValueError(f"cp_blockdiag_sdpa: sinks expected a tensor [Hq] = [{heads}] (one logit per query head), got {got}")
+        if not sinks.is_floating_point():
+            raise ValueError(f"cp_blockdiag_sdpa: sinks expected a floating-point tensor, got dtype {sinks.dtype}")
+        if isinstance(query, Tensor) and sinks.device != query.device:
+            raise ValueError(f"cp_blockdiag_sdpa: sinks expected on the query's device {query.device}, got {sinks.device}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"cp_blockdiag_sdpa: softcap expected None or a number > 0, got {softcap!r}")
+
+
+def _single_device(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, sinks, softcap,
+                   chunk: int) -> Tensor:
+    """The variants on the tensors as given (no step): explicit scores, masked as stock SDPA would be (a window or
+    chunks: a bottom-right-aligned causal band in place of ``is_causal``), with the same GQA rule."""
+    query, key, value = _autocast_like_sdpa(query, key, value)
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"cp_blockdiag_sdpa: Hq={query.shape[1]} != Hkv={key.shape[1]} needs enable_gqa=True (as in SDPA)")
+    if window_size is not None or chunk > 0:
+        left = -1 if window_size is None else normalize_window(window_size)
+        attn_mask = _with_band(query, key, attn_mask, left, chunk)
+        is_causal = False
+    return explicit_attention(query, key, value, attn_mask, causal=is_causal, scale=scale, softcap=softcap, sinks=sinks,
+                              dropout_p=dropout_p)
 
 
 def _non_causal_call(state: StepState, query: Tensor, attn_mask: Tensor | None, is_causal: bool, noncausal: str) -> str:
@@ -211,13 +268,16 @@ def _refuse_recompute_outside_context(query: Tensor) -> None:
         )
 
 
-def _with_band(query: Tensor, key: Tensor, attn_mask: Tensor | None, left: int) -> Tensor:
+def _with_band(query: Tensor, key: Tensor, attn_mask: Tensor | None, left: int, chunk: int = -1) -> Tensor:
     """Stock-SDPA mask with a causal window (it replaces ``is_causal``): query ``i``, bottom-right aligned,
-    sees keys ``i - left .. i``; combined with ``attn_mask`` if one is given."""
+    sees keys ``i - left .. i`` (and, with chunks, only those of its chunk of ``chunk`` keys, counted from key
+    0); combined with ``attn_mask`` if one is given."""
     Lq, Lk = query.shape[-2], key.shape[-2]
     i = torch.arange(Lq, device=query.device)[:, None] + (Lk - Lq)
     j = torch.arange(Lk, device=query.device)[None, :]
     band = (j <= i) & ((j >= i - left) if left >= 0 else True)
+    if chunk > 0:
+        band = band & (j // chunk == i // chunk)
     if attn_mask is None:
         return band
     if attn_mask.dtype == torch.bool:

@@ -1,8 +1,12 @@
 """Moving sequence-aligned tensors between the full row and a rank's shard.
 
 ``shard_tensor`` pads a tensor to ``W * L`` along its sequence dim and takes one rank's rows (differentiable);
-``unshard`` puts every rank's shard back in global order; ``gather_sequence`` does that across the CP group,
-for evaluation and logging (for example to restore per-token outputs of a ``balanced`` layout).
+``shard_visual_tokens`` takes the rows of a tensor indexed by visual token (deepstack embeddings ``[n_vis, H]``)
+whose positions one rank holds, in its local order; ``unshard`` puts every rank's shard back in global order;
+``gather_sequence`` does that across the CP group, for evaluation and logging (for example to restore per-token
+outputs of a ``balanced`` layout).
+
+Shape legend: B rows, S sequence length, Sp = W * L padded length, L rows of one rank, n_vis visual tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from torch import Tensor
 
 from .plan import ShardPlan
 
-__all__ = ["gather_sequence", "shard_tensor", "unshard"]
+__all__ = ["gather_sequence", "local_visual_index", "shard_tensor", "shard_visual_tokens", "unshard"]
 
 
 def shard_tensor(t: Tensor, dim: int, pad_value: object, shards: ShardPlan, rank: int) -> Tensor:
@@ -32,6 +36,25 @@ def shard_tensor(t: Tensor, dim: int, pad_value: object, shards: ShardPlan, rank
     pad_shape[dim] = shards.padded_len - S
     padded = torch.cat([t, torch.full(pad_shape, pad_value, dtype=t.dtype, device=t.device)], dim=dim)
     return padded.index_select(dim, shards.positions[rank].to(t.device))
+
+
+def local_visual_index(mask: Tensor, shards: ShardPlan, rank: int) -> Tensor:
+    """int64 ``[n_local]``: for the visual tokens (``mask [B, S]`` True) at positions ``rank`` holds, their index
+    in the batch's visual-token order (row-major over ``[B, S]``, as ``hidden[mask]`` enumerates them), listed in
+    the rank's local order (row-major over ``[B, L]``, as ``hidden_local[mask_local]`` enumerates them)."""
+    B, S = mask.shape
+    index = torch.cumsum(mask.reshape(-1).to(torch.int64), 0).view(B, S) - 1
+    padded = torch.zeros(B, shards.padded_len, dtype=torch.bool, device=mask.device)
+    padded[:, :S] = mask
+    index = torch.nn.functional.pad(index, (0, shards.padded_len - S))
+    rows = shards.positions[rank].to(mask.device)
+    return index[:, rows][padded[:, rows]]
+
+
+def shard_visual_tokens(t: Tensor, mask: Tensor, shards: ShardPlan, rank: int) -> Tensor:
+    """The rows of ``t [n_vis, ...]`` (one per visual token of ``mask [B, S]``, in the batch's order) whose
+    positions ``rank`` holds, in its local order: what ``hidden_local[mask_local]`` pairs with (differentiable)."""
+    return t.index_select(0, local_visual_index(mask, shards, rank).to(t.device))
 
 
 def unshard(parts: list[Tensor], shards: ShardPlan, dim: int = 1) -> Tensor:

@@ -28,7 +28,15 @@ from .kernels.dense import DenseMeta, plan_dense
 from .kernels.varlen import VarlenMeta, plan_varlen
 from .plan import ExchangePlan, StepPlan
 
-__all__ = ["AttentionNotRoutedError", "PlanMismatchError", "StepState", "WindowPlan", "activate", "current_state"]
+__all__ = [
+    "AttentionNotRoutedError",
+    "DecoderEntryNotShardedError",
+    "PlanMismatchError",
+    "StepState",
+    "WindowPlan",
+    "activate",
+    "current_state",
+]
 
 log = logging.getLogger("blockdiag_dist")
 
@@ -41,11 +49,16 @@ class AttentionNotRoutedError(RuntimeError):
     """A step's context exited without any attention call reaching ``cp_blockdiag_sdpa``."""
 
 
+class DecoderEntryNotShardedError(RuntimeError):
+    """A step built with ``shard_primary=False`` exited without the model's decoder entry being sharded."""
+
+
 @dataclass(frozen=True, eq=False)
 class WindowPlan:
     """What this rank does for one window: the exchange, its transport sizes, and the kernel metadata."""
 
     window_left: int
+    chunk: int  # chunked local attention's chunk length; -1 = none
     exchange: ExchangePlan
     mode: str  # "local" | "allgather" | "halo" | "a2a"
     reason: str
@@ -70,6 +83,9 @@ class StepState:
         kernel: str,
         check_consensus: bool = True,
         expect_attention: bool = True,
+        shard_primary: bool = True,
+        padding_token_id: int = 0,
+        shard_vision: bool = False,
     ) -> None:
         self.plan = plan
         self.rank = rank
@@ -81,12 +97,16 @@ class StepState:
         self.check_consensus = check_consensus
         self.expect_attention = expect_attention
         self.attention_calls = 0  # calls of cp_blockdiag_sdpa that computed under this step
+        self.shard_primary = shard_primary  # False: the model's inputs stay full, sharded at its decoder's entry
+        self.padding_token_id = padding_token_id
+        self.shard_vision = shard_vision  # vision towers run on this rank's share of the images (integrations)
+        self.decoder_entries = 0  # decoder entries sharded in this step (shard_primary=False)
         self.traffic = TrafficLog()
         self.mixer_traffic = TrafficLog()  # what the mixers' exchanges moved: convolution histories, state summaries
         self.mixer_widths: frozenset[int] | None = None  # convolution widths planned in the batch function (None: any)
         self.notes: list[str] = []  # fallbacks and substitutions that happened, with their reasons
-        self._windows: dict[int, WindowPlan] = {}
-        self._agreed: set[int] = set()  # windows whose plan the CP group compared (check_consensus)
+        self._windows: dict[tuple[int, int], WindowPlan] = {}  # by (window left, chunk)
+        self._agreed: set[tuple[int, int]] = set()  # windows whose plan the CP group compared (check_consensus)
         self._mixer_plans: dict = {}  # plans of the sequence mixers (blockdiag_dist.mixers), built on first use
         self._mixers_agreed: set[str] = set()  # mixer call signatures the CP group compared (check_consensus)
         self._lock = threading.RLock()
@@ -96,6 +116,11 @@ class StepState:
     @property
     def batch_size(self) -> int:
         return self.plan.layout.batch_size
+
+    @property
+    def seq_len(self) -> int:
+        """``S``: the length of the rows as given to the batch function."""
+        return self.plan.shards.seq_len
 
     @property
     def local_len(self) -> int:
@@ -132,33 +157,45 @@ class StepState:
                 "gradients are wrong. Route every attention call through cp_blockdiag_sdpa (sdpa_routing(), "
                 "register_transformers_attention())."
             )
+        if not self.shard_primary and self.decoder_entries == 0:
+            raise DecoderEntryNotShardedError(
+                "train_ctx(): the step was built with shard_primary=False (the model's inputs stay full, to be "
+                "sharded at its decoder's entry) and exited without any decoder entry being sharded; expected the "
+                "model's language model to be entered at least once. The integration shards the entry of a "
+                "transformers vision-language model's language_model (blockdiag_dist.integrations.vlm); for any "
+                "other model keep shard_primary=True (the batch function shards every sequence-aligned tensor)."
+            )
 
     # ---- per-window plans -----------------------------------------------------------------------------
-    def window_plan(self, window_left: int) -> WindowPlan:
-        """The plan for a window, built on first use in the step (then cached; thread-safe). Never communicates:
-        every decision in it derives from the replicated doc ids, so one rank may call it alone (reports)."""
-        wp = self._windows.get(window_left)
+    def window_plan(self, window_left: int, chunk: int = -1) -> WindowPlan:
+        """The plan for a window (and chunk length of chunked local attention, ``-1`` = none), built on first
+        use in the step (then cached; thread-safe). Never communicates: every decision in it derives from the
+        replicated doc ids, so one rank may call it alone (reports)."""
+        key = (window_left, chunk)
+        wp = self._windows.get(key)
         if wp is None:
             with self._lock:
-                wp = self._windows.get(window_left)
+                wp = self._windows.get(key)
                 if wp is None:
-                    wp = self._build_window_plan(window_left)
-                    self._windows[window_left] = wp
+                    wp = self._build_window_plan(window_left, chunk)
+                    self._windows[key] = wp
         return wp
 
-    def agreed_window_plan(self, window_left: int) -> WindowPlan:
+    def agreed_window_plan(self, window_left: int, chunk: int = -1) -> WindowPlan:
         """:meth:`window_plan`, compared across the CP group on the window's first use in the step when
         ``check_consensus`` (one all-gather of a fingerprint; every rank calls it at the same point)."""
-        wp = self.window_plan(window_left)
-        if self.check_consensus and window_left not in self._agreed:
+        wp = self.window_plan(window_left, chunk)
+        key = (window_left, chunk)
+        if self.check_consensus and key not in self._agreed:
             with self._lock:
-                if window_left not in self._agreed:
-                    self._check_consensus(window_left, wp.mode)
-                    self._agreed.add(window_left)
+                if key not in self._agreed:
+                    self._check_consensus(window_left, wp.mode, chunk)
+                    self._agreed.add(key)
         return wp
 
-    def _build_window_plan(self, window_left: int) -> WindowPlan:
-        xplan = self.plan.exchange(window_left)
+    def _build_window_plan(self, window_left: int, chunk: int = -1) -> WindowPlan:
+        plan = self.plan.chunked(chunk)  # chunked attention: the chunks are the documents
+        xplan = plan.exchange(window_left)
         mode, reason = choose_exchange(xplan, self.kv_exchange)
         local = self.plan.local_flat_ids(self.rank)
         send_rows, send_splits, recv_splits = None, [], []
@@ -178,12 +215,13 @@ class StepState:
             send_rows = send_rows.to(self.device)
         sp = self.plan.shards.padded_len
         if self.kernel == "dense":
-            meta = plan_dense(local, key_flat, self.plan.segments, sp, window_left)
+            meta = plan_dense(local, key_flat, plan.segments, sp, window_left)
         else:
-            meta = plan_varlen(local, key_flat, self.plan.segments, self.plan.doc_starts, sp, window_left)
-        _log_once(f"kv_exchange={mode} (window left={window_left}): {reason}")
+            meta = plan_varlen(local, key_flat, plan.segments, plan.doc_starts, sp, window_left)
+        _log_once(f"kv_exchange={mode} (window left={window_left}{_chunk_text(chunk)}): {reason}")
         return WindowPlan(
             window_left=window_left,
+            chunk=chunk,
             exchange=xplan,
             mode=mode,
             reason=reason,
@@ -219,9 +257,10 @@ class StepState:
             self._compare_fingerprints(f"mixer {signature}", lambda: signature)
             self._mixers_agreed.add(signature)
 
-    def _check_consensus(self, window_left: int, mode: str) -> None:
+    def _check_consensus(self, window_left: int, mode: str, chunk: int = -1) -> None:
         """All-gather a fingerprint of the plan; raise naming the ranks that disagree (instead of hanging)."""
-        self._compare_fingerprints(f"window left={window_left}", None, f"|{window_left}|{mode}|{self.kernel}")
+        self._compare_fingerprints(f"window left={window_left}{_chunk_text(chunk)}", None,
+                                   f"|{window_left}|{chunk}|{mode}|{self.kernel}")
 
     def _compare_fingerprints(self, what: str, readable, extra: str = "") -> None:
         """All-gather a fingerprint of the plan and ``what`` (+ ``extra``); on a mismatch raise on every rank,
@@ -265,11 +304,12 @@ class StepState:
         return torch.cat([kv_tok, recv])
 
     # ---- reports --------------------------------------------------------------------------------------
-    def comm_report(self, window_left: int = -1, *, bytes_per_token: int = 1) -> dict:
+    def comm_report(self, window_left: int = -1, *, chunk: int = -1, bytes_per_token: int = 1) -> dict:
         """Tokens (or bytes, with ``bytes_per_token = Hkv * (D + Dv) * element_size``) received and sent
-        per rank by the chosen exchange and by the minimum (needed-only), for one window. Never communicates
-        (a window not planned yet is planned here from the replicated doc ids), so one rank may log it alone."""
-        wp = self.window_plan(window_left)
+        per rank by the chosen exchange and by the minimum (needed-only), for one window (and chunk length).
+        Never communicates (a window not planned yet is planned here from the replicated doc ids), so one rank
+        may log it alone."""
+        wp = self.window_plan(window_left, chunk)
         x = wp.exchange
         needed, sent = x.needed_tokens(), x.sent_tokens()
         ag = [x.allgather_tokens()] * self.world
@@ -313,6 +353,10 @@ def choose_exchange(xplan: ExchangePlan, requested: str) -> tuple[str, str]:
     if needed < ag:
         return "a2a", f"needed-only all-to-all moves {needed} of {ag} all-gather tokens"
     return "allgather", f"every rank needs every other rank's tokens ({needed} = {ag})"
+
+
+def _chunk_text(chunk: int) -> str:
+    return "" if chunk < 0 else f", chunks of {chunk}"
 
 
 def _first_non_neighbour_pair(xplan: ExchangePlan) -> tuple[int, int]:

@@ -7,7 +7,7 @@ training batch) and :func:`reference_attention` (float64 per-document causal att
 
 from .attention import reference_attention
 from .batch import doc_ids_from_4d_mask, doc_ids_from_batch, doc_ids_from_position_ids
-from .layout import DocLayout, normalize_window
+from .layout import DocLayout, normalize_chunk, normalize_window
 from .recurrence import reference_causal_conv, reference_gated_delta_rule
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "doc_ids_from_4d_mask",
     "doc_ids_from_batch",
     "doc_ids_from_position_ids",
+    "normalize_chunk",
     "normalize_window",
     "reference_attention",
     "reference_causal_conv",

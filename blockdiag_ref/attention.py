@@ -28,6 +28,9 @@ def reference_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     window_size: Sequence[int] | None = None,
+    sinks: Tensor | None = None,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
 ) -> Tensor:
     """Per-document causal attention, computed in float64 and returned in ``query``'s dtype.
 
@@ -40,11 +43,18 @@ def reference_attention(
         enable_gqa: allow ``Hq != Hkv`` (``Hq`` a multiple of ``Hkv``), as in
             ``torch.nn.functional.scaled_dot_product_attention``.
         window_size: ``(left, right)`` with flash-attn's meaning inside each document; ``right <= 0``.
+        sinks: ``[Hq]`` attention sinks (gpt-oss): one learned logit per head that joins every query's softmax
+            denominator with no value, ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sinks[h]))``. Differentiable.
+        softcap: logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)`` before the
+            mask and the softmax.
+        chunk_size: chunked local attention (Llama 4): a query sees only keys of its own chunk of
+            ``chunk_size`` positions, chunks counted from its document's start.
 
     Returns:
         ``[B, Hq, S, Dv]``. Rows at padding positions are exactly 0, and no gradient reaches keys or values
         at padding positions. Differentiable in ``query``, ``key`` and ``value``. Slow: it materializes the
-        ``[B, 1, S, S]`` mask and the scores.
+        ``[B, 1, S, S]`` mask and the scores. With sinks the padding rows are 0 too, and give the sinks no
+        gradient.
 
     Autocast is off inside; float64 matmuls never use TF32.
 
@@ -56,7 +66,8 @@ def reference_attention(
     """
     layout = layout if isinstance(layout, DocLayout) else DocLayout.from_doc_ids(layout)
     _check_qkv(query, key, value, layout, enable_gqa)
-    allowed = layout.materialize_mask(window_size=window_size).to(query.device)  # [B, 1, S, S]
+    _check_variants(query, sinks, softcap)
+    allowed = layout.materialize_mask(window_size=window_size, chunk_size=chunk_size).to(query.device)  # [B, 1, S, S]
     D = query.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     group = query.shape[1] // key.shape[1]
@@ -65,12 +76,28 @@ def reference_attention(
         k = key.to(torch.float64).repeat_interleave(group, dim=1)
         v = value.to(torch.float64).repeat_interleave(group, dim=1)
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         has_key = allowed.any(dim=-1, keepdim=True)  # False on padding rows
         # Rows with no visible key get finite scores (all 0) so that softmax stays NaN-free, then exactly 0.
         scores = scores.masked_fill(~allowed & has_key, float("-inf")).masked_fill(~has_key, 0.0)
-        probs = torch.where(has_key, torch.softmax(scores, dim=-1), 0.0)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # one more logit per row, with no value: it takes its share of the denominator, then is dropped
+            sink = sinks.to(torch.float64).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        probs = torch.where(has_key, probs, 0.0)
         out = torch.matmul(probs, v)
     return out.to(query.dtype)
+
+
+def _check_variants(query: Tensor, sinks: Tensor | None, softcap: float | None) -> None:
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or sinks.dim() != 1 or sinks.shape[0] != query.shape[1]:
+            got = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+            raise ValueError(f"sinks: expected a tensor [Hq] = [{query.shape[1]}] (one logit per query head), got {got}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap: expected None or a number > 0, got {softcap!r}")
 
 
 def _check_qkv(query: Tensor, key: Tensor, value: Tensor, layout: DocLayout, enable_gqa: bool) -> None:

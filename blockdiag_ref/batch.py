@@ -11,7 +11,9 @@ Precedence, the seed's ``_cp_blockdiag_doc_ids`` order first:
    positions restart at 0 (as in 4);
 4. ``batch["position_ids"]``     2-D ``[B, S]`` per-document positions (what transformers'
    ``DataCollatorWithFlattening`` emits): a document starts at each row's first token and wherever the
-   position is 0. ``[n, B, S]`` positions (mRoPE) are not read: their components do not mark documents;
+   position is 0. ``[n, B, S]`` positions (mRoPE: temporal, height, width) the same way: a document starts where
+   every component is 0, its first token's position whether it is text or an image's first patch (see
+   :func:`doc_ids_from_position_ids`);
 5. otherwise one document per row (all ones).
 
 Anything malformed raises ``ValueError`` naming what was expected and what was got.
@@ -78,24 +80,61 @@ def doc_ids_from_4d_mask(mask: Tensor) -> Tensor:
 
 
 def doc_ids_from_position_ids(position_ids: Tensor, valid: Tensor | None = None) -> Tensor:
-    """Doc ids ``[B, S]`` from per-document positions ``[B, S]``: a document starts at a row's first token and
-    wherever the position is 0; ``valid`` (``[B, S]``, nonzero = real token) marks padding.
+    """Doc ids ``[B, S]`` from per-document positions ``[B, S]`` or ``[n, B, S]``: a document starts at a row's
+    first token and wherever the position is 0 (on every one of the ``n`` components); ``valid`` (``[B, S]``,
+    nonzero = real token) marks padding.
+
+    mRoPE positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL ``get_rope_index``): text tokens count on from the previous
+    position on every axis, ``(p, p, p)``; an image at ``s`` gives its patch ``(i, j, k)`` the position
+    ``(s + i, s + j, s + k)`` and the text after it continues past ``s + max(h, w)``. So a document's first
+    token is ``(0, 0, 0)``, text or image, and ``(0, 0, 0)`` appears nowhere else in it; and the positions whose
+    components are all equal (text tokens, each image's first patch) never decrease along a document. A restart
+    those rules cannot read (such a position below an earlier one of the same document, without every axis at
+    0) is evidence of a document boundary the ids do not mark: it raises rather than merging documents.
 
     >>> doc_ids_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]))
     tensor([[1, 1, 1, 2, 2, 3, 3, 3, 3]])
+    >>> doc_ids_from_position_ids(torch.tensor([[[0, 1, 1, 1, 1, 3, 0, 0, 0, 0, 2]],
+    ...                                         [[0, 1, 1, 2, 2, 3, 0, 0, 1, 1, 2]],
+    ...                                         [[0, 1, 2, 1, 2, 3, 0, 1, 0, 1, 2]]]))
+    tensor([[1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2]])
     """
-    if not isinstance(position_ids, Tensor) or position_ids.dim() != 2:
+    if not isinstance(position_ids, Tensor) or position_ids.dim() not in (2, 3):
         got = tuple(position_ids.shape) if isinstance(position_ids, Tensor) else type(position_ids).__name__
-        raise ValueError(f"position_ids: expected a tensor [B, S], got {got}")
+        raise ValueError(f"position_ids: expected a tensor [B, S] or [n, B, S], got {got}")
     if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
         raise ValueError(f"position_ids: expected integer positions, got dtype {position_ids.dtype}")
     pos = position_ids.to(torch.int64).cpu()
     if bool((pos < 0).any()):
         raise ValueError(f"position_ids: expected positions >= 0, got {int(pos.min())}")
-    starts = pos == 0
+    pos = pos[None] if pos.dim() == 2 else pos  # [n, B, S]
+    starts = (pos == 0).all(0)
     starts[:, 0] = True
     ids = torch.cumsum(starts.to(torch.int64), dim=1)
+    if pos.shape[0] > 1:
+        _check_mrope_restarts(pos, ids, valid)
     return ids if valid is None else ids * (valid.cpu() != 0)
+
+
+def _check_mrope_restarts(pos: Tensor, ids: Tensor, valid: Tensor | None) -> None:
+    """Raise where a position whose components are all equal is below an earlier one of the same document."""
+    diagonal = (pos == pos[:1]).all(0)  # [B, S]
+    if valid is not None:
+        diagonal &= valid.cpu() != 0
+    for b in range(pos.shape[1]):
+        where = diagonal[b].nonzero().flatten()
+        values, docs = pos[0, b, where], ids[b, where]
+        bad = ((docs[1:] == docs[:-1]) & (values[1:] < values[:-1])).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            p, q = int(where[i + 1]), int(where[i])
+            raise ValueError(
+                f"position_ids: expected [n, B, S] positions that restart at 0 on every axis where a document "
+                f"starts (mRoPE: a document's first token is {tuple([0] * pos.shape[0])}); got row {b}, position "
+                f"{p} at {tuple(pos[:, b, p].tolist())} after {tuple(pos[:, b, q].tolist())} at position {q} in the "
+                f"same document: a restart the positions do not mark. Pass _packed_seq_ids (or per-document "
+                "positions from 0)"
+            )
 
 
 def doc_ids_from_batch(
@@ -109,10 +148,13 @@ def doc_ids_from_batch(
     positions = batch.get("position_ids")
     if positions is not None and not isinstance(positions, Tensor):
         raise ValueError(f"position_ids: expected a torch.Tensor, got {type(positions).__name__}")
-    if positions is not None and positions.dim() != 2:
-        positions = None  # [n, B, S] (mRoPE): not read
-    if positions is not None and tuple(positions.shape) != expected:
-        raise ValueError(f"position_ids: expected shape [B, S] = {list(expected)}, got {tuple(positions.shape)}")
+    if positions is not None and not (
+        (positions.dim() == 2 and tuple(positions.shape) == expected)
+        or (positions.dim() == 3 and tuple(positions.shape[1:]) == expected)
+    ):
+        raise ValueError(
+            f"position_ids: expected shape [B, S] = {list(expected)} or [n, B, S] (mRoPE), got {tuple(positions.shape)}"
+        )
     ids = batch.get("_packed_seq_ids")
     if ids is not None:
         ids = _check_doc_ids(ids, "_packed_seq_ids")

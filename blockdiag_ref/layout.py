@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["DocLayout", "normalize_window"]
+__all__ = ["DocLayout", "normalize_chunk", "normalize_window"]
 
 
 def normalize_window(window_size: Sequence[int] | None) -> int:
@@ -42,6 +42,23 @@ def normalize_window(window_size: Sequence[int] | None) -> int:
             f"got right={right} in {window_size!r}"
         )
     return -1 if left < 0 else left
+
+
+def normalize_chunk(chunk_size: int | None) -> int:
+    """Return the chunk length of chunked local attention; ``-1`` means none.
+
+    With chunks of ``C`` a query sees only the keys of its own chunk: positions ``0 .. C - 1`` of its document,
+    then ``C .. 2C - 1``, and so on, counted from the document's start (as the model computes one document
+    alone). Combined with causality (and a window, if any).
+
+    >>> normalize_chunk(None), normalize_chunk(8)
+    (-1, 8)
+    """
+    if chunk_size is None:
+        return -1
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected None or an int >= 1 (positions per chunk), got {chunk_size!r}")
+    return chunk_size
 
 
 def _check_doc_ids(doc_ids: object, what: str = "doc_ids") -> Tensor:
@@ -170,19 +187,42 @@ class DocLayout:
     def max_seqlen(self) -> int:
         return int((self.segments[:, 2] - self.segments[:, 1]).max()) if self.num_docs else 0
 
+    @property
+    def doc_starts(self) -> Tensor:
+        """int64 ``[B, S]``: the start position of each token's document (``-1`` on padding)."""
+        starts = torch.cat([torch.tensor([-1]), self.segments[:, 1]])
+        return starts[self.segment_ids]
+
+    def chunked(self, chunk_size: int) -> DocLayout:
+        """The layout whose documents are the chunks of ``chunk_size`` positions of each document, counted from
+        the document's start: chunked local attention is block-diagonal causal attention over these.
+
+        >>> DocLayout.from_seqlens([5, 3], pad=1).chunked(2).seqlens
+        [[2, 2, 1, 2, 1]]
+        """
+        c = normalize_chunk(chunk_size)
+        real = self.segment_ids != 0
+        prev = torch.nn.functional.pad(self.segment_ids[:, :-1], (1, 0), value=0)
+        offset = torch.arange(self.seq_len)[None, :] - self.doc_starts
+        starts = real & ((self.segment_ids != prev) | (offset % c == 0))
+        return DocLayout(torch.cumsum(starts.flatten(), 0).view_as(starts) * real)
+
     def materialize_mask(
         self,
         q_positions: Tensor | None = None,
         k_positions: Tensor | None = None,
         window_size: Sequence[int] | None = None,
+        chunk_size: int | None = None,
     ) -> Tensor:
         """Bool mask ``[B, 1, Lq, Lk]``: True where the query may see the key. Slow, for tests and references.
 
-        Query at position ``i`` sees key ``j`` iff both lie in the same document, ``j <= i`` and, with a
-        window, ``i - left <= j``. ``q_positions`` / ``k_positions`` (int64 ``[Lq]`` / ``[Lk]``, default all
-        positions) select rows and columns, e.g. one rank's shard.
+        Query at position ``i`` sees key ``j`` iff both lie in the same document, ``j <= i``, with a window
+        ``i - left <= j``, and with chunks both lie in the same chunk of the document (``(i - start) // C ==
+        (j - start) // C`` for the document's start position ``start``). ``q_positions`` / ``k_positions``
+        (int64 ``[Lq]`` / ``[Lk]``, default all positions) select rows and columns, e.g. one rank's shard.
         """
         left = normalize_window(window_size)
+        chunk = normalize_chunk(chunk_size)
         qp = torch.arange(self.seq_len) if q_positions is None else torch.as_tensor(q_positions, dtype=torch.int64)
         kp = torch.arange(self.seq_len) if k_positions is None else torch.as_tensor(k_positions, dtype=torch.int64)
         for name, pos in (("q_positions", qp), ("k_positions", kp)):
@@ -196,6 +236,11 @@ class DocLayout:
         allowed = (seg_q == seg_k) & (seg_q != 0) & (kp[None, None, :] <= qp[None, :, None])
         if left >= 0:
             allowed &= kp[None, None, :] >= qp[None, :, None] - left
+        if chunk > 0:
+            start = self.doc_starts
+            chunk_q = (qp[None, :] - start[:, qp]) // chunk
+            chunk_k = (kp[None, :] - start[:, kp]) // chunk
+            allowed &= chunk_q[:, :, None] == chunk_k[:, None, :]
         return allowed[:, None]
 
     def __repr__(self) -> str:

@@ -164,3 +164,26 @@ def lone_report_and_inplace_output() -> dict:
         "dq_err": float(((local[0].grad - qf.grad[:, :, rows]) * real).abs().max()),
         "out_stride": tuple(out.stride()),
     }
+
+
+def transformers_step_refusal(model_type: str, config_kwargs: dict) -> tuple[str, str]:
+    """Build a tiny transformers model with blockdiag's attention and run one CP step on this rank's shard of
+    three packed documents; return (exception class name, message), or ("", "") when nothing was refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from blockdiag_dist.integrations import pack_documents, register_transformers_attention
+
+    info = worker_info()
+    try:
+        name = register_transformers_attention()
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(model_type, **config_kwargs)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=name).double()
+        batch = pack_documents([list(range(1, 21)), list(range(1, 13)), list(range(1, 17))], seq_len=48)
+        ctx, batch = make_cp_blockdiag_batch_and_ctx(info.get("cp_mesh"), None, batch)
+        with ctx():
+            out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+            out.logits.sum().backward()
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        return type(e).__name__, str(e)
+    return "", ""

@@ -34,3 +34,14 @@ def test_goals_table_shows_goal_and_bound():
     assert ring[1:] == [f"{20.5 / 4.5:.2f}x", "NOT met (>= 7.00x)", f"{20.5 / 4.1:.2f}x"]
     assert next(r for r in rows if r[0].startswith("CP 2 one"))[2:] == ["met (<= 1.10x)", "-"]
     assert goals_table({}) is None
+
+
+def test_the_vision_figure_is_judged_at_most_its_goal():
+    res = {"vision": {"cp": 2, "images": 8, "patches": 2816, "seconds": {"replicated": 5.0, "sharded": 2.5},
+                      "loss": {"replicated": 1.5, "sharded": 1.5}, "sharded_over_replicated": 0.5}}
+    figures = {key: (value, bound) for key, _, value, bound in goal_figures(res)}
+    assert figures["vision_shard_over_replicated_cp2"] == (0.5, None)
+    row = next(r for r in goals_table(res)[2] if r[0].startswith("CP 2 vision-language"))
+    assert row[1:3] == ["0.50x", "met (<= 0.60x)"]
+    res["vision"]["sharded_over_replicated"] = 0.7
+    assert next(r for r in goals_table(res)[2] if r[0].startswith("CP 2 vision"))[2] == "NOT met (<= 0.60x)"

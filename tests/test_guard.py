@@ -60,7 +60,7 @@ class Net(nn.Module):
 def test_a_convolution_along_the_rows_is_refused_before_it_runs():
     net = Net(ShortConv())
     ctx, batch = step()
-    with pytest.raises(UnsupportedLayerError, match=r"layer 'mixer.conv' \(Conv1d\) mixes along the sequence.*a Conv1d along the sequence \(kernel 3 over an input of length 12, this rank's L = 12"):
+    with pytest.raises(UnsupportedLayerError, match=r"layer 'mixer.conv' \(Conv1d\) is not computed per document under CP: it is a Conv1d along the sequence \(kernel 3 over an input of length 12, this rank's L = 12"):
         with ctx():
             net(batch["inputs_embeds"])
     assert net.mixer.calls == 1 and net.mixer.conv.weight.grad is None  # its parent ran, the convolution did not
@@ -69,7 +69,7 @@ def test_a_convolution_along_the_rows_is_refused_before_it_runs():
 def test_a_recurrence_found_by_its_parameter_is_refused_at_the_scan_naming_the_layer():
     net = Net(Decay())
     ctx, batch = step()
-    with pytest.raises(UnsupportedLayerError, match=r"layer 'mixer' \(Decay\) mixes along the sequence.*a layer holding a state-space.*'A_log'"):
+    with pytest.raises(UnsupportedLayerError, match=r"layer 'mixer' \(Decay\) is not computed per document under CP: it is a layer holding a state-space.*'A_log'"):
         with ctx():
             net(batch["inputs_embeds"])
     assert net.mixer.calls == 0, "refused at the first call of the model, before the layer computed"

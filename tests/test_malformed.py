@@ -14,6 +14,7 @@ from blockdiag_dist import causal_conv, configure_cp_varlen, cp_blockdiag_sdpa, 
 from blockdiag_ref import DocLayout, reference_attention
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+MULTIMODAL_PAGE = Path(__file__).resolve().parents[1] / "docs" / "multimodal.md"
 
 
 def good_batch() -> dict:
@@ -63,6 +64,35 @@ BATCH_ROWS = [
     ("mesh-type", "a mesh that is not a mesh", lambda b: None, {"cp_mesh": "cp"}, "cp_mesh: expected a 1-D DeviceMesh, a ProcessGroup or None, got str"),
     ("batch-type", "a batch that is not a dict", None, {}, "batch: expected a dict of tensors, got list"),
     ("conv-widths", "`conv_widths` that are not widths >= 1", lambda b: None, {"conv_widths": [4, 0]}, r"conv_widths: expected None or a non-empty sequence of convolution widths >= 1, got \[4, 0\]"),
+]
+
+
+def with_deepstack(b, rows=(4, 4)):
+    """visual_pos_masks marking 2 tokens of document 1 and 2 of document 3, deepstack levels of ``rows`` rows."""
+    mask = torch.zeros(2, 7, dtype=torch.bool)
+    mask[0, 1:3] = True
+    mask[1, 0:2] = True
+    b["visual_pos_masks"] = mask
+    b["_deepstack_visual_embeds"] = [torch.zeros(n, 3) for n in rows]
+
+
+def mrope_restart(b):
+    b.pop("_packed_seq_ids")
+    b.pop("attention_mask")
+    b["position_ids"] = torch.tensor([[0, 1, 2, 3, 1, 2, 3]] * 2).expand(3, 2, 7).clone()
+
+
+# Vision-language batches (docs/multimodal.md's table): id, what is malformed, edit, keyword arguments, message
+MULTIMODAL_BATCH_ROWS = [
+    ("deepstack-lengths", "a `_deepstack_visual_embeds` level whose rows disagree with `visual_pos_masks`", lambda b: with_deepstack(b, (4, 3)), {}, r"_deepstack_visual_embeds\[1\]: expected \[n_vis, H\] with n_vis = 4, one row per visual token of visual_pos_masks \(row 0 document 1: 2, row 1 document 3: 2\), got shape \(3, 3\)"),
+    ("deepstack-no-mask", "`_deepstack_visual_embeds` without `visual_pos_masks`", lambda b: (with_deepstack(b), b.pop("visual_pos_masks")), {}, r"_deepstack_visual_embeds: expected visual_pos_masks \[B, S\] beside it"),
+    ("deepstack-type", "`_deepstack_visual_embeds` that is not a list of tensors", lambda b: (with_deepstack(b), b.update(_deepstack_visual_embeds=torch.zeros(4, 3))), {}, r"_deepstack_visual_embeds: expected a list of tensors \[n_vis, H\], one per level, got Tensor"),
+    ("visual-mask-dtype", "`visual_pos_masks` that is not bool", lambda b: (with_deepstack(b), b.update(visual_pos_masks=b["visual_pos_masks"].long())), {}, "visual_pos_masks: expected a bool tensor \\[B, S\\] \\(True = visual token\\), got dtype torch.int64"),
+    ("visual-mask-shape", "`visual_pos_masks` of another shape", lambda b: (with_deepstack(b), b.update(visual_pos_masks=b["visual_pos_masks"][:, :6])), {}, r"visual_pos_masks: expected shape \[B, S\] = \[2, 7\] like inputs_embeds, got \(2, 6\)"),
+    ("mrope-restart", "mRoPE `position_ids [3, B, S]` restarting without every axis at 0 (no doc ids, no mask)", mrope_restart, {}, r"position_ids: expected \[n, B, S\] positions that restart at 0 on every axis .*got row 0, position 4 at \(1, 1, 1\) after \(3, 3, 3\) at position 3"),
+    ("mrope-length", "mRoPE `position_ids [3, B, S']` with another length", lambda b: b.update(position_ids=torch.zeros(3, 2, 6, dtype=torch.long)), {}, r"position_ids: expected \[B, S\] = \[2, 7\] or \[n, B, S\].*got \(3, 2, 6\)"),
+    ("shard-primary-type", "`shard_primary` that is not a bool", lambda b: None, {"shard_primary": 1}, "shard_primary: expected a bool, got int"),
+    ("shard-vision-primary", "`shard_vision=True` with the primary stream sharded", lambda b: None, {"shard_vision": True}, r"shard_vision=True: expected shard_primary=False .*got shard_primary=True"),
 ]
 
 
@@ -116,7 +146,9 @@ def _snapshot(batch):
     return {k: (v, v.clone() if isinstance(v, torch.Tensor) and not v.is_meta else copy.deepcopy(v)) for k, v in batch.items()}
 
 
-@pytest.mark.parametrize("edit, kwargs, match", [pytest.param(e, k, m, id=i) for i, _, e, k, m in BATCH_ROWS])
+@pytest.mark.parametrize(
+    "edit, kwargs, match", [pytest.param(e, k, m, id=i) for i, _, e, k, m in BATCH_ROWS + MULTIMODAL_BATCH_ROWS]
+)
 def test_batch_function_rejects_before_mutating(edit, kwargs, match):
     if edit is None:
         with pytest.raises(ValueError, match=match):
@@ -166,3 +198,12 @@ def test_readme_table_lists_every_case():
     test_ids = [r[0] for r in BATCH_ROWS + SDPA_ROWS + MIXER_ROWS + OTHER_ROWS]
     assert len(test_ids) >= 15 and len(set(test_ids)) == len(test_ids)
     assert sorted(readme_ids) == sorted(test_ids)
+
+
+def test_multimodal_table_lists_every_case():
+    """docs/multimodal.md's malformed-input table names the vision-language batch cases here and those of
+    tests/test_vlm.py (the model's own inputs and the collator's documents)."""
+    section = MULTIMODAL_PAGE.read_text().split("## Malformed input", 1)[1].split("\n## ", 1)[0]
+    page_ids = re.findall(r"^\| `([a-z0-9-]+)` \|", section, re.M)
+    for case_id, *_ in MULTIMODAL_BATCH_ROWS:
+        assert case_id in page_ids, f"{case_id} is missing from docs/multimodal.md's table"

@@ -108,8 +108,8 @@ def test_position_id_resets_give_the_documents():
     valid = torch.tensor([[1] * 7 + [0], [1] * 8])
     got = doc_ids_from_batch({"position_ids": pos, "attention_mask": valid}, 8, 2)
     assert got.tolist() == [[1, 1, 1, 2, 2, 3, 3, 0], [1, 1, 1, 1, 2, 2, 2, 2]]
-    # [n, B, S] positions (mRoPE) do not mark documents
-    assert doc_ids_from_batch({"position_ids": pos.expand(3, 2, 8)}, 8, 2).tolist() == [[1] * 8] * 2
+    # [n, B, S] positions (mRoPE) mark documents as [B, S] ones do: where every component is 0 (issue 22)
+    assert doc_ids_from_batch({"position_ids": pos.expand(3, 2, 8)}, 8, 2).tolist() == [[1, 1, 1, 2, 2, 3, 3, 3], [1, 1, 1, 1, 2, 2, 2, 2]]
     with pytest.raises(ValueError, match="position_ids: expected integer positions, got dtype torch.float32"):
         doc_ids_from_batch({"position_ids": pos.float()}, 8, 2)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import mp_checks  # noqa: F401 - importable by pool workers
+from conftest import assert_pass
 from verify.cases import Case, case_from_args, format_rows, parse_rows
 from verify.cli import _parser
 from verify.pool import PoolError, WorkerPool
@@ -52,9 +53,18 @@ def test_replay_command_rebuilds_the_same_case():
     assert case_from_args(_parser().parse_args(["case", *argv])) == case
 
 
+def test_replay_command_rebuilds_a_case_with_variants():
+    case = Case(rows=parse_rows("1x4,2x3"), cp=2, sinks=True, softcap=2.5, chunk=3, name="v")
+    argv = case.command().split()[4:]
+    assert case_from_args(_parser().parse_args(["case", *argv])) == case
+    assert case.variants == ("sinks", "softcap", "chunk") and "sinks cap2.5 chunk3" in case.label()
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
+        pytest.param({"softcap": -1.0}, "softcap: expected > 0", id="softcap"),
+        pytest.param({"chunk": 0}, "chunk: expected >= 1", id="chunk"),
         pytest.param({"cp": 0}, "cp: expected >= 1", id="cp"),
         pytest.param({"hq": 3, "hkv": 2}, "Hq a multiple of Hkv", id="heads"),
         pytest.param({"dtype": "float8"}, "dtype: expected one of", id="dtype"),
@@ -150,12 +160,49 @@ def test_verifier_reports_each_wrong_answer(session, bug):
         assert r.case.command(r.impl).endswith(f"--impl verify.mutants.{bug}")
 
 
+# attention variants and the planted bug that gets each wrong (verify.mutants)
+VARIANT_BUGS = {
+    "sinks_ignored": {"sinks": True},
+    "chunk_from_row": {"chunk": 3},  # row 1's second document starts at position 7: its chunks differ
+    "softcap_after_softmax": {"softcap": 5.0},
+}
+ALL_VARIANTS = {"sinks": True, "softcap": 5.0, "chunk": 3}
+
+
+def test_the_correct_toy_passes_with_variants(session):
+    cases = [c for v in (*VARIANT_BUGS.values(), ALL_VARIANTS) for c in _cases(**v)]
+    for r in session.run(cases + _cases(cp=3, window=2, **ALL_VARIANTS), impl="verify.mutants.toy"):
+        assert r.ok, (r.case.label(), r.details)
+
+
+@pytest.mark.parametrize("bug", list(VARIANT_BUGS))
+def test_verifier_reports_each_wrong_variant(session, bug):
+    """Each variant bug fails every case with its variant (at CP 1 too), and only those: without the variant the
+    same module passes."""
+    with_variant = _cases(**VARIANT_BUGS[bug]) + _cases(cp=1, **VARIANT_BUGS[bug])
+    for r in session.run(with_variant + _cases(), impl=f"verify.mutants.{bug}"):
+        if r.case.variants:
+            assert r.status == "fail" and r.failed_metrics, (r.case.label(), r.status, r.details)
+        else:
+            assert r.ok, (r.case.label(), r.details)
+
+
+def test_variants_pass_on_every_kernel_and_exchange(session):
+    """blockdiag_dist with sinks, soft-capping and chunks, alone and together, at CP 1-4 on both kernels."""
+    kernels = (("varlen", "a2a"), ("dense", "allgather"), ("varlen", "auto"), ("dense", "a2a"))
+    cases = [Case(**{**c.__dict__, "kernel": kernels[(i + cp) % 4][0], "exchange": kernels[(i + cp) % 4][1]})
+             for i, v in enumerate((*VARIANT_BUGS.values(), ALL_VARIANTS)) for cp in (1, 2, 3, 4)
+             for c in _cases(cp=cp, window=1 if cp == 3 else -1, **v)]
+    assert_pass(session.run(cases))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_a_small_relative_error_is_caught_at_every_cp_size(session, dtype):
     """K and V off by 1e-4 (float32) or 1e-9 (float64) relative: the limits stay this sharp at every CP size,
-    with the baseline taken over every SDPA backend."""
+    with the baseline taken over every SDPA backend, and with the attention variants' baselines."""
     cases = [Case(**{**BUGGY_CASE.__dict__, "dtype": dtype, "cp": cp}) for cp in (1, 2, 3, 4, 8)]
     cases += [Case(**{**c.__dict__, "window": 2, "hq": 3, "hkv": 1, "seed": 5}) for c in cases]
+    cases += [Case(**{**c.__dict__, **v}) for c in cases[:5] for v in (*VARIANT_BUGS.values(), ALL_VARIANTS)]
     for r in session.run(cases, impl="verify.mutants.kv_scale"):
         assert r.status == "fail" and "out" in r.failed_metrics, (r.case.label(), r.status, r.details)
 

@@ -86,6 +86,9 @@ class Case:
     gain: float = 2.0  # gain of the q and k projections: scores have a standard deviation of about gain ** 2
     layer: str = "attention"  # attention | conv (causal depthwise convolution) | gated_delta (Gated DeltaNet)
     width: int = 4  # the convolution's width (layer conv)
+    sinks: bool = False  # attention sinks: one learned logit per query head (drawn ~ N(0, 2^2)), its gradient checked
+    softcap: float = 0.0  # logit soft-capping softcap * tanh(scores / softcap); 0 = none
+    chunk: int = -1  # chunked local attention: chunks of this many positions from each document's start; -1 = none
 
     def __post_init__(self) -> None:
         if self.layer not in LAYERS:
@@ -102,6 +105,10 @@ class Case:
             raise ValueError(f"source: expected one of {SOURCES}, got {self.source!r}")
         if not self.gain > 0:
             raise ValueError(f"gain: expected > 0, got {self.gain}")
+        if not self.softcap >= 0:
+            raise ValueError(f"softcap: expected > 0 (or 0 = none), got {self.softcap}")
+        if self.chunk == 0 or self.chunk < -1:
+            raise ValueError(f"chunk: expected >= 1 (or -1 = none), got {self.chunk}")
         if self.checkpoint not in CHECKPOINTS:
             raise ValueError(f"checkpoint: expected one of {CHECKPOINTS}, got {self.checkpoint!r}")
         if self.backend is not None:
@@ -117,6 +124,11 @@ class Case:
     def seq_len(self) -> int:
         return sum(n for _, n in self.rows[0])
 
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The attention variants the case asks for: ``sinks``, ``softcap``, ``chunk``."""
+        return tuple(n for n, on in (("sinks", self.sinks), ("softcap", self.softcap > 0), ("chunk", self.chunk > 0)) if on)
+
     def doc_ids(self) -> list[list[int]]:
         return [[i for i, n in row for _ in range(n)] for row in self.rows]
 
@@ -129,7 +141,9 @@ class Case:
         if self.layer != "attention":
             kind = f"conv w{self.width} C{self.hq * self.dim}" if self.layer == "conv" else f"gdr {self.hq}:{self.hkv}x{self.dim}"
             return f"{kind} {self.name} cp{self.cp} {self.layout or ''} {self.dtype}{ckpt}".replace("  ", " ")
-        return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win} {opts} {self.dtype} {self.source}{ckpt}{sdpa}{gain}".replace("  ", " ")
+        var = ("" if not self.sinks else " sinks") + (f" cap{self.softcap:g}" if self.softcap > 0 else "") + (
+            f" chunk{self.chunk}" if self.chunk > 0 else "")
+        return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win}{var} {opts} {self.dtype} {self.source}{ckpt}{sdpa}{gain}".replace("  ", " ")
 
     def args(self) -> list[str]:
         """Command-line arguments of ``python -m verify case`` that replay exactly this case."""
@@ -144,6 +158,12 @@ class Case:
             a += ["--sdpa-backend", self.backend]
         if self.gain != 2.0:
             a += ["--gain", repr(self.gain)]
+        if self.sinks:
+            a += ["--sinks"]
+        if self.softcap > 0:
+            a += ["--softcap", repr(self.softcap)]
+        if self.chunk > 0:
+            a += ["--chunk", str(self.chunk)]
         if self.layer != "attention":
             a += ["--layer", self.layer] + (["--width", str(self.width)] if self.layer == "conv" else [])
         for flag, value in (("--kernel", self.kernel), ("--exchange", self.exchange), ("--layout", self.layout)):
@@ -182,6 +202,9 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sdpa-backend", default=None, help="force the implementation onto one SDPA backend (math, flash_attention, ...)")
     p.add_argument("--layer", default="attention", choices=LAYERS, help="the layer judged: attention, or a mixer of hybrid models")
     p.add_argument("--width", type=int, default=4, help="the convolution's width (--layer conv)")
+    p.add_argument("--sinks", action="store_true", help="attention sinks: one learned logit per query head")
+    p.add_argument("--softcap", type=float, default=0.0, help="logit soft-capping softcap * tanh(scores / softcap)")
+    p.add_argument("--chunk", type=int, default=-1, help="chunked local attention: chunk length from each document's start")
 
 
 def case_from_args(ns: argparse.Namespace) -> Case:
@@ -191,6 +214,7 @@ def case_from_args(ns: argparse.Namespace) -> Case:
         window=ns.window, kernel=ns.kernel, exchange=ns.exchange, layout=ns.layout, dtype=ns.dtype, seed=ns.seed,
         source=ns.source, hidden=ns.hidden, checkpoint=ns.checkpoint, backend=ns.sdpa_backend, gain=ns.gain,
         layer=ns.layer, width=ns.width,
+        sinks=ns.sinks, softcap=ns.softcap, chunk=ns.chunk,
     )
 
 
@@ -267,6 +291,11 @@ HEADS = ((2, 2), (4, 2), (3, 1))  # MHA, GQA, MQA
 CHECKPOINT_CYCLE = ("none", "reentrant", "none", "nonreentrant")  # half the cases recompute under checkpointing
 DIMS = (4, 3, 5)  # odd head dims included
 WINDOWS = (-1, 2, -1, 0)
+# attention variants, rotated in place (not multiplied): (sinks, softcap, chunk). The chunk length (3) and the
+# layouts' documents (which rarely start at a multiple of 3) make chunks counted from the row differ from
+# chunks counted from each document; softcap 5 bends scores of standard deviation ~4 (gain 2) markedly.
+VARIANTS = ((False, 0.0, -1), (True, 0.0, -1), (False, 0.0, -1), (False, 0.0, 3), (False, 0.0, -1), (False, 5.0, -1),
+            (False, 0.0, -1), (True, 5.0, 3))
 
 
 def default_matrix(
@@ -278,8 +307,8 @@ def default_matrix(
     applicable: Callable[[Case], bool] | None = None,
 ) -> Iterator[Case]:
     """Every named layout at every CP size, for every kernel x exchange x layout x dtype; heads, head dims,
-    windows, doc-id sources and activation checkpointing rotate across the cases so that each value meets
-    every layout."""
+    windows, doc-id sources, activation checkpointing and attention variants (sinks, softcap, chunks) rotate
+    across the cases so that each value meets every layout."""
     k = 0
     for cp in cps:
         for name, make in NAMED_LAYOUTS.items():
@@ -291,11 +320,13 @@ def default_matrix(
                     for layout in layouts:
                         for dtype in dtypes:
                             hq, hkv = HEADS[k % len(HEADS)]
+                            sinks, softcap, chunk = VARIANTS[(k // 2 + k // 16) % len(VARIANTS)]
                             case = Case(
                                 rows=rows, cp=cp, name=name, hq=hq, hkv=hkv, dim=DIMS[(k // 3) % len(DIMS)],
                                 window=WINDOWS[(k // 2) % len(WINDOWS)], kernel=kernel, exchange=exchange,
                                 layout=layout, dtype=dtype, seed=k, source=SOURCES[(k // 5) % len(SOURCES)],
                                 checkpoint=CHECKPOINT_CYCLE[(k // 7) % len(CHECKPOINT_CYCLE)],
+                                sinks=sinks, softcap=softcap, chunk=chunk,
                             )
                             k += 1
                             if applicable is None or applicable(case):

@@ -6,6 +6,7 @@
     python -m verify plan --seqlens 300,20,700 --pad 4 --cp 4
     python -m verify conformance [--impls nemo,ring_attention] [--md CONFORMANCE.md] [--json PATH]
     python -m verify gpu --out DIR [--device cpu|cuda] [--quick]
+    python -m verify model --model llama|qwen3_next|path/config.json [--tiny] --cp 1,2 [--impl MODULE] [--json PATH]
 
 --impl takes a module path or an adapter's short name (verify/adapters: nemo, ring_attention, torch_cp,
 ring_flash_attn).
@@ -100,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default="bfloat16")
     plan.add_argument("--json", metavar="PATH")
 
+    from .model.cli import add_arguments as add_model_arguments
+
+    add_model_arguments(sub.add_parser(
+        "model", help="a whole model's training step under CP against each document alone (see docs/verify-model.md)"))
+
     from .gpu import add_arguments as add_gpu_arguments
 
     add_gpu_arguments(sub.add_parser("gpu", help="the GPU check: CP 1 matrix, multi-rank cases, kernel benchmark on the device"))
@@ -122,6 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .conformance import main as conformance_main
 
         return conformance_main(args)
+    if args.command == "model":
+        from .model.cli import main as model_main
+
+        return model_main(args)
     if args.command == "gpu":
         from .gpu import main as gpu_main
 

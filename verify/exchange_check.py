@@ -23,12 +23,14 @@ from .cases import Case
 __all__ = ["exchange_metrics", "needed_from_reference"]
 
 
-def needed_from_reference(doc_ids: Tensor, owner: Tensor, world: int, window: int = -1) -> Tensor:
+def needed_from_reference(doc_ids: Tensor, owner: Tensor, world: int, window: int = -1, chunk: int = -1) -> Tensor:
     """int64 ``[W (source), W (destination)]``: keys each rank needs from each other rank.
 
-    ``doc_ids [B, S]``; ``owner [B, S]``: the rank holding each real position (-1 for padding positions).
+    ``doc_ids [B, S]``; ``owner [B, S]``: the rank holding each real position (-1 for padding positions);
+    ``chunk``: chunked local attention's chunk length (-1 = none).
     """
-    mask = DocLayout.from_doc_ids(doc_ids).materialize_mask(window_size=(window, 0) if window >= 0 else None)[:, 0]
+    mask = DocLayout.from_doc_ids(doc_ids).materialize_mask(
+        window_size=(window, 0) if window >= 0 else None, chunk_size=chunk if chunk > 0 else None)[:, 0]
     counts = torch.zeros(world, world, dtype=torch.int64)
     for r in range(world):
         seen = (mask & (owner == r)[:, :, None]).any(1)  # [B, S] keys some real query of r may see
@@ -49,7 +51,7 @@ def exchange_metrics(case: Case, per_rank: Sequence[dict[str, Any]]) -> dict[str
     for r, info in enumerate(per_rank):
         rows = torch.tensor(info["real_positions"], dtype=torch.int64).view(-1, 2)
         owner[rows[:, 0], rows[:, 1]] = r
-    needed = needed_from_reference(ids, owner, world, per_rank[0].get("window", case.window))  # a convolution's: W - 1
+    needed = needed_from_reference(ids, owner, world, per_rank[0].get("window", case.window), case.chunk)  # a convolution's window: W - 1
     bad, worst = [], 0
     for r, info in enumerate(per_rank):
         mode = info.get("mode")

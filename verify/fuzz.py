@@ -4,10 +4,11 @@ failure is a case the verifier classes ``bug`` (:mod:`verify.classify`): contrac
 
 Drawn: CP size, batch rows, sequence length, document runs (ids 0-4, so padding anywhere and reused ids),
 heads (MHA / GQA / MQA), head dim, window, and every kernel / exchange / layout the implementation offers,
-dtype, doc-id source, activation checkpointing, seed, and the q/k projection gain (scores' standard deviation
-is about gain squared: up to 25, where the softmax is peaked and float32 kernels differ most). A third of the
-cases judge a mixer of hybrid models instead of attention (the convolution, of width 1-5, or the gated delta
-rule), when the implementation offers them.
+dtype, doc-id source, activation checkpointing, seed, the q/k projection gain (scores' standard deviation
+is about gain squared: up to 25, where the softmax is peaked and float32 kernels differ most), and the attention
+variants the implementation offers (sinks, soft-capping, chunks). A third of the cases judge a mixer of hybrid
+models instead of attention (the convolution, of width 1-5, or the gated delta rule), when the implementation
+offers them.
 
 ``--long`` draws long rows instead (documents up to 1,100 tokens, so every varlen size class and the exact
 path above 1,024 tokens), at small heads; ``--budget`` bounds the wall time of either.
@@ -30,6 +31,8 @@ __all__ = ["case_strategy", "fuzz", "main"]
 CP_SIZES = (1, 2, 3, 4, 8)
 GAINS = (0.5, 1.0, 2.0, 3.0, 4.0, 5.0)
 LONG_CP_SIZES = (1, 2, 3, 4)
+SOFTCAPS = (0.0, 0.0, 0.0, 1.0, 5.0)  # 0 = none (most cases), else the cap
+CHUNKS = (-1, -1, -1, 1, 3, 7, 64)  # -1 = none; chunked local attention's chunk length
 
 
 def case_strategy(info, max_cp: int = 8, max_len: int = 40, applicable=None, long: bool = False) -> st.SearchStrategy[Case]:
@@ -71,6 +74,9 @@ def case_strategy(info, max_cp: int = 8, max_len: int = 40, applicable=None, lon
             source=draw(st.sampled_from(SOURCES)),
             checkpoint=draw(st.sampled_from(CHECKPOINTS)),
             gain=draw(st.sampled_from(GAINS)),
+            sinks="sinks" in info.variants and draw(st.booleans()),
+            softcap=draw(st.sampled_from(SOFTCAPS)) if "softcap" in info.variants else 0.0,
+            chunk=draw(st.sampled_from(CHUNKS)) if "chunk" in info.variants else -1,
         )
         if applicable is not None and not applicable(info, case):
             case = Case(**{**case.__dict__, "exchange": "auto"})  # halo is offered only where it applies
@@ -80,7 +86,7 @@ def case_strategy(info, max_cp: int = 8, max_len: int = 40, applicable=None, lon
             hkv = case.hkv
             case = Case(**{**case.__dict__, "layer": layer, "width": draw(st.integers(1, 5)), "window": -1,
                            "kernel": None, "exchange": None, "hq": hkv * draw(st.sampled_from([1, 2])),
-                           "gain": 2.0, "source": "packed"})
+                           "gain": 2.0, "source": "packed", "sinks": False, "softcap": 0.0, "chunk": -1})
         return case
 
     return draw_case()

@@ -6,7 +6,11 @@ small vocabulary -> summed cross-entropy against labels with ``-100`` on padding
 1. reference: float64, single device, ``blockdiag_ref.reference_attention``;
 2. baseline (dtypes below float64): the case's dtype, single device, stock SDPA with the dense
    per-document mask, once on every SDPA backend of the device; the worst error against the reference sets
-   the tolerance (see ``tolerances.py``);
+   the tolerance (see ``tolerances.py``). Stock SDPA has no sinks and no soft-cap: for those variants the
+   ``math`` baseline is explicit-score math in the case's dtype (transformers' eager attention: scores and
+   the weighted sum in the dtype, soft-cap and softmax in float32), and on CPU ``flash_attention`` is the
+   fused kernel with the sinks joined through an explicit logsumexp (soft-cap: refused, the fused kernel has
+   none);
 3. implementation: the case's dtype, CP-sharded through ``make_cp_blockdiag_batch_and_ctx`` and
    ``cp_blockdiag_sdpa`` of the module under test (on the SDPA backend the case forces, if any).
 
@@ -43,6 +47,7 @@ from .tolerances import BASELINE_BACKENDS, judge, sdpa_backend
 __all__ = ["ImplInfo", "check_case", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
 
 VOCAB = 11
+VARIANT_KWARGS = {"sinks": "sinks", "softcap": "softcap", "chunk": "chunk_size"}  # Case variant -> sdpa keyword
 
 
 class ImplInfo:
@@ -64,7 +69,9 @@ class ImplInfo:
         self.sdpa = self.module.cp_blockdiag_sdpa
         self.make_params = set(inspect.signature(self.make).parameters)
         self.options = {o for o in ("kernel", "kv_exchange", "layout") if o in self.make_params}
-        self.windows = "window_size" in inspect.signature(self.sdpa).parameters
+        sdpa_params = set(inspect.signature(self.sdpa).parameters)
+        self.windows = "window_size" in sdpa_params
+        self.variants = {v for v, kw in VARIANT_KWARGS.items() if kw in sdpa_params}
         from .mixers import MIXER_LAYERS
 
         self.mixers = {layer for layer, fn in MIXER_LAYERS.items() if callable(getattr(self.module, fn, None))}
@@ -74,6 +81,8 @@ class ImplInfo:
             return case.layer in self.mixers and (case.layout is None or "layout" in self.options)
         wanted = {"kernel": case.kernel, "kv_exchange": case.exchange, "layout": case.layout}
         if any(v is not None and k not in self.options for k, v in wanted.items()):
+            return False
+        if not set(case.variants) <= self.variants:
             return False
         return case.window < 0 or self.windows
 
@@ -100,7 +109,7 @@ def make_inputs(case: Case) -> dict[str, Tensor]:
 
     labels = torch.randint(0, VOCAB, (B, S), generator=g)
     labels[(torch.rand(B, S, generator=g) < 0.2) | (ids == 0)] = -100
-    return {
+    inputs = {
         "doc_ids": ids,
         "x": torch.randn(B, S, E, generator=g, dtype=f64),
         "wq": w(E, case.hq * case.dim, gain=case.gain),
@@ -109,6 +118,21 @@ def make_inputs(case: Case) -> dict[str, Tensor]:
         "wo": w(case.hq * case.dim, VOCAB),
         "labels": labels,
     }
+    if case.sinks:  # drawn last: a case without sinks keeps the inputs it always had
+        inputs["sinks"] = torch.randn(case.hq, generator=g, dtype=f64) * 2.0
+    return inputs
+
+
+def _variant_kwargs(case: Case, ws: dict[str, Tensor]) -> dict[str, Any]:
+    """The case's attention variants as keywords of ``reference_attention`` / ``cp_blockdiag_sdpa``."""
+    out: dict[str, Any] = {}
+    if case.sinks:
+        out["sinks"] = ws["sinks"]
+    if case.softcap > 0:
+        out["softcap"] = case.softcap
+    if case.chunk > 0:
+        out["chunk_size"] = case.chunk
+    return out
 
 
 def _block(case: Case, x: Tensor, ws: dict[str, Tensor], labels: Tensor, attend) -> dict[str, Tensor]:
@@ -132,7 +156,7 @@ def _leaves(inputs: dict[str, Tensor], dtype: torch.dtype, device: torch.device)
     def leaf(t: Tensor) -> Tensor:
         return t.detach().to(device=device, dtype=dtype, copy=True).requires_grad_()
 
-    return leaf(inputs["x"]), {k: leaf(inputs[k]) for k in ("wq", "wk", "wv", "wo")}
+    return leaf(inputs["x"]), {k: leaf(inputs[k]) for k in ("wq", "wk", "wv", "wo", "sinks") if k in inputs}
 
 
 def _forced(backend: str | None):
@@ -151,17 +175,21 @@ def _single_device(
     layout = DocLayout.from_doc_ids(inputs["doc_ids"])
     window = (case.window, 0) if case.window >= 0 else None
     x, ws = _leaves(inputs, dtype, device)
+    variants = _variant_kwargs(case, ws)
     if reference:
         def attend(q, k, v):
-            return reference_attention(q, k, v, layout, enable_gqa=True, window_size=window)
+            return reference_attention(q, k, v, layout, enable_gqa=True, window_size=window, **variants)
     else:
-        mask = layout.materialize_mask(window_size=window).to(device)
+        mask = layout.materialize_mask(window_size=window, chunk_size=variants.get("chunk_size")).to(device)
         pad = layout.padding_mask.to(device)[:, None, :, None]
-
-        def attend(q, k, v):
-            with _forced(backend):
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-            return torch.where(pad, 0.0, o)
+        sinks, softcap = variants.get("sinks"), variants.get("softcap")
+        if sinks is not None or softcap is not None:
+            attend = _variant_baseline(backend, device, mask, pad, sinks, softcap)
+        else:
+            def attend(q, k, v):
+                with _forced(backend):
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+                return torch.where(pad, 0.0, o)
 
     res = _block(case, x, ws, inputs["labels"].to(device), attend)
     with _forced(backend):
@@ -170,6 +198,43 @@ def _single_device(
         "out": res["out"].detach(), "loss": res["loss"].detach(), "x": x.grad,
         **{f"d{n}": res[n].grad for n in ("q", "k", "v")}, **{f"d{n}": ws[n].grad for n in ws},
     }
+
+
+def _variant_baseline(backend: str | None, device: torch.device, mask: Tensor, pad: Tensor, sinks: Tensor | None,
+                      softcap: float | None):
+    """Single-device attention with sinks / a soft-cap in the case's dtype, as a stock computation would run it:
+    ``math``: explicit scores (transformers' eager attention); ``flash_attention`` on CPU (sinks only): the
+    fused kernel, the sinks joined by ``out * sigmoid(lse - sink)`` with ``lse`` from explicit scores. Other backends raise (the baseline names them refused)."""
+    if backend == "math":
+        def attend(q, k, v):
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+            scores = scores.float()
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~mask, -math.inf).masked_fill(pad, 0.0)  # padding rows: finite, zeroed
+            if sinks is not None:
+                sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+                probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, -1)
+            return torch.where(pad, 0.0, probs.to(q.dtype) @ v)
+        return attend
+    if backend == "flash_attention" and device.type == "cpu" and softcap is None:
+        visible = mask | (pad & torch.eye(mask.shape[-1], dtype=torch.bool, device=device))  # no empty row
+
+        def attend(q, k, v):
+            with _forced(backend):
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+            g = q.shape[1] // k.shape[1]
+            scores = (q @ k.repeat_interleave(g, 1).transpose(-2, -1)) / math.sqrt(q.shape[-1])
+            lse = torch.logsumexp(scores.masked_fill(~visible, -math.inf), -1, keepdim=True)
+            o = o * torch.sigmoid(lse - sinks.view(1, -1, 1, 1).to(lse.dtype))  # = exp(lse - logaddexp(lse, sink))
+            return torch.where(pad, 0.0, o)
+        return attend
+    what = "soft-capping" if softcap is not None else "sinks"
+    raise RuntimeError(f"SDPA backend {backend} on {device.type}: no {what} (stock SDPA has none)")
 
 
 # ---- the implementation under CP ----------------------------------------------------------------------
@@ -200,14 +265,24 @@ def _run_impl(case: Case, impl: ImplInfo, inputs: dict[str, Tensor], dtype, devi
     sdpa_kwargs: dict[str, Any] = {"is_causal": True, "enable_gqa": case.hq != case.hkv}
     if case.window >= 0:
         sdpa_kwargs["window_size"] = (case.window, 0)
-    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return impl.sdpa(q, k, v, **sdpa_kwargs)
+    variants = _variant_kwargs(case, ws)
+    sinks = variants.pop("sinks", None)
+    sdpa_kwargs.update(variants)
 
+    def attend(q: Tensor, k: Tensor, v: Tensor, *s: Tensor) -> Tensor:
+        return impl.sdpa(q, k, v, **sdpa_kwargs, **({"sinks": s[0]} if s else {}))
+
+    extra = () if sinks is None else (sinks,)
     if case.checkpoint != "none":  # recomputed during backward, on autograd's threads
         plain = attend
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return torch.utils.checkpoint.checkpoint(plain, q, k, v, use_reentrant=case.checkpoint == "reentrant")
+            return torch.utils.checkpoint.checkpoint(plain, q, k, v, *extra, use_reentrant=case.checkpoint == "reentrant")
+    elif extra:
+        plain = attend
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return plain(q, k, v, *extra)
 
     with train_ctx(), _forced(case.backend):
         res = _block(case, batch["inputs_embeds"], ws, batch["labels"], attend)
@@ -303,7 +378,9 @@ def expected_results(
             base[backend] = restore(_single_device(case, inputs, dtype, device, reference=False, backend=backend))
         except RuntimeError as exc:  # this backend refuses these inputs: it cannot be the one a user gets
             refused[backend] = str(exc).splitlines()[0]
-    return {"ref": ref, "base": base, "default_backend": _default_backend(case, dtype, device), "refused": refused}
+    # soft-capped cases: no SDPA backend computes them; the baseline and the implementation run explicit scores
+    default = "math" if case.softcap > 0 else _default_backend(case, dtype, device)
+    return {"ref": ref, "base": base, "default_backend": default, "refused": refused}
 
 
 def _default_backend(case: Case, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -389,12 +466,15 @@ def check_case(
     # this rank's contributions to quantities summed over ranks; whoever merges the ranks adds them up
     partials = {"dinputs_embeds": run["x"].grad, "loss": res["loss"].detach()}
     partials.update({f"dW{n[1]}": run["ws"][n].grad for n in ("wq", "wk", "wv", "wo")})
+    if case.sinks:
+        partials["dsinks"] = run["ws"]["sinks"].grad
 
     state = run["state"]
     info: dict[str, Any] = {"rank": rank}
     if state is not None and hasattr(state, "traffic") and hasattr(state, "comm_report"):
         bytes_per_token = case.hkv * 2 * case.dim * torch.empty((), dtype=dtype).element_size()
-        report = state.comm_report(case.window, bytes_per_token=bytes_per_token)
+        chunk = {"chunk": case.chunk} if case.chunk > 0 else {}
+        report = state.comm_report(case.window, bytes_per_token=bytes_per_token, **chunk)
         fwd = state.traffic.totals("forward")  # one call per forward (two under checkpointing: the recompute)
         bwd = state.traffic.totals("backward")
         calls = max(fwd["calls"], 1)
@@ -426,7 +506,7 @@ def summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> dict[str
     used = case.backend or expected.get("default_backend")
     m = _Metrics(case.dtype)
     w_scale = max(ref[k].abs().max().item() for k in ("dwq", "dwk", "dwv", "dwo"))
-    for label, key in SUMMED:
+    for label, key in SUMMED + ((("dsinks", "dsinks"),) if case.sinks else ()):
         parts = [info["partials"][label] for info in per_rank if info["partials"].get(label) is not None]
         got = None
         if parts:

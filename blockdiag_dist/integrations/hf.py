@@ -14,16 +14,28 @@ replaced by the per-document causal mask (``noncausal="causal"``, recorded in th
 Under CP: pass ``position_ids`` (per-document positions, sharded by the batch function) and no ``labels``.
 Models shift ``labels`` inside their loss, which is wrong on a shard; compute the loss from the logits with
 pre-shifted labels (:func:`~blockdiag_dist.integrations.causal_lm_loss`). Pass ``use_cache=False`` in training.
+
+Vision-language models: the vision tower's bidirectional attention runs stock SDPA on this rank (its tensors are
+not sharded; decided per module, :mod:`~blockdiag_dist.integrations.vlm`), and with the batch function's
+``shard_primary=False`` the model's own forward embeds and splices on the full rows while its decoder entry is
+sharded by the integration (docs/multimodal.md).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import sys
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from .._stock import stock_sdpa
 from ..runtime import cp_blockdiag_sdpa
 from ..state import current_state
+from .vlm import in_sharded_region, unsharded_reason
 
 __all__ = ["ATTENTION_NAME", "UnsupportedAttentionError", "blockdiag_attention_forward", "register_transformers_attention"]
 
@@ -40,11 +52,14 @@ NEUTRAL_KWARGS = frozenset({
 # - describe the documents of the rows as given; under a step blockdiag takes them from the batch function
 #   (the full doc ids), and outside one the mask or position ids of the call carry them to stock SDPA:
 DOCUMENT_KWARGS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+# - change the math and are carried (per document, across CP ranks): ``s_aux`` (gpt-oss' per-head sinks
+#   ``[Hq]``) -> ``sinks``; ``softcap`` is a named parameter; chunked local attention comes from the layer's
+#   config (``attention_chunk_size`` on layers whose ``config.layer_types[i]`` is ``"chunked_attention"``)
+CARRIED_KWARGS = frozenset({"s_aux"})
 # - change the math, not carried: refused on every rank, before any collective
 REFUSED_KWARGS = {
-    "s_aux": "attention sinks (a learned per-head logit in each softmax denominator)",
-    "sinks": "attention sinks (a learned per-head logit in each softmax denominator)",
-    "softcap": "logit soft-capping (softcap * tanh(scores / softcap))",
+    "sinks": "per-token attention sinks (a logit per query projected from its hidden state, [B, H, L, 1]); "
+             "only per-head sinks [Hq] (gpt-oss' s_aux) are carried",
     "position_bias": "an additive position bias (ALiBi or relative-position buckets)",
     "indices": "sparse attention over selected key indices",
     "block_indices": "block-sparse attention over selected key blocks",
@@ -63,26 +78,33 @@ def _refuse(module: nn.Module, expected: str, got: str) -> UnsupportedAttentionE
     )
 
 
-def _check_layer(module: nn.Module, kwargs: dict[str, Any], softcap: float | None) -> None:
-    """Refuse what this layer asks for that blockdiag does not compute (see the tables above)."""
-    if softcap is not None:
-        raise _refuse(module, "no logit soft-capping (softcap=None)", f"softcap={softcap}: " + REFUSED_KWARGS["softcap"])
+def _check_layer(module: nn.Module, kwargs: dict[str, Any], softcap: float | None) -> int | None:
+    """Refuse what this layer asks for that blockdiag does not compute (see the tables above); return the
+    chunk length of a chunked-attention layer (None otherwise)."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise _refuse(module, "softcap=None or a number > 0", f"softcap={softcap!r}")
     for key, value in kwargs.items():
         if key in REFUSED_KWARGS and value is not None:
             raise _refuse(module, f"no {key!r}", f"{key!r}: {REFUSED_KWARGS[key]}")
-    unknown = sorted(k for k in kwargs if k not in NEUTRAL_KWARGS | DOCUMENT_KWARGS | REFUSED_KWARGS.keys())
+    known = NEUTRAL_KWARGS | DOCUMENT_KWARGS | CARRIED_KWARGS | REFUSED_KWARGS.keys()
+    unknown = sorted(k for k in kwargs if k not in known)
     if unknown:
         raise _refuse(
-            module, f"only keywords blockdiag knows ({sorted(NEUTRAL_KWARGS | DOCUMENT_KWARGS)})",
+            module, f"only keywords blockdiag knows ({sorted(NEUTRAL_KWARGS | DOCUMENT_KWARGS | CARRIED_KWARGS)})",
             f"{unknown}, which may change what attention computes",
         )
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and not (isinstance(sinks, Tensor) and sinks.dim() == 1):
+        got = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise _refuse(module, "s_aux: per-head attention sinks [Hq]", f"s_aux of shape {got}")
     config = getattr(module, "config", None)
     chunk = getattr(config, "attention_chunk_size", None)
-    if chunk is not None and _layer_type(module, config) in (None, "chunked_attention"):
+    layer_type = _layer_type(module, config)
+    if chunk is not None and layer_type is None:
         raise _refuse(
-            module, "full or sliding-window causal attention",
-            f"chunked local attention (config.attention_chunk_size={chunk}): transformers expresses it only through "
-            f"a mask, which it does not build for {ATTENTION_NAME!r}",
+            module, "a layer whose config.layer_types says whether it is chunked",
+            f"config.attention_chunk_size={chunk} without a layer type for layer_idx="
+            f"{getattr(module, 'layer_idx', None)}: blockdiag cannot tell a chunked layer from a full one",
         )
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         raise _refuse(
@@ -91,6 +113,11 @@ def _check_layer(module: nn.Module, kwargs: dict[str, Any], softcap: float | Non
             "positions it takes from torch.arange over the rows, not from position_ids, which is wrong for every "
             "document but the row's first once packed, with or without CP",
         )
+    if layer_type == "chunked_attention":
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+            raise _refuse(module, "config.attention_chunk_size an int >= 1 on a chunked layer", f"{chunk!r}")
+        return chunk
+    return None
 
 
 def _layer_type(module: nn.Module, config: Any) -> str | None:
@@ -121,15 +148,27 @@ def blockdiag_attention_forward(
     ``w`` keys, itself included) becomes ``window_size=(w - 1, 0)``. Outside a context: stock SDPA, causal over
     the row, with ``attention_mask`` if one is given.
 
-    Every keyword is honoured or refused (``UnsupportedAttentionError``, the same on every rank, before any
-    collective): sinks, soft-capping, position biases, sparse indices, chunked attention, NoPE temperature
-    tuning and keywords it does not know are refused; so are a non-causal layer and, under a step, an additive
-    float ``attention_mask`` (a bias).
+    Carried, per document across CP ranks: ``s_aux`` (gpt-oss' per-head attention sinks ``[Hq]``),
+    ``softcap`` (Gemma 2's logit soft-capping) and chunked local attention (Llama 4: a layer whose
+    ``config.layer_types[layer_idx]`` is ``"chunked_attention"`` attends within chunks of
+    ``config.attention_chunk_size`` positions of each document, counted from the document's start).
+
+    A bidirectional layer (``is_causal=False``) of an encoder whose tensors CP does not shard (a vision tower's
+    patches: the module's ``config`` is a ``vision_config`` / ``audio_config`` sub-config, and it is not a layer
+    of a language model whose rows CP shards) runs stock SDPA on this rank's tensors, with its mask, per segment
+    of ``cu_seq_lens_q`` when given: exactly what transformers' ``sdpa`` attention computes. Any other
+    bidirectional layer is refused.
+
+    Every other keyword is honoured or refused (``UnsupportedAttentionError``, the same on every rank, before
+    any collective): per-token ``sinks``, position biases, sparse indices, NoPE temperature tuning and keywords
+    it does not know are refused; so are a bidirectional layer on the sequence CP shards and, under a step, an
+    additive float ``attention_mask`` (a bias).
     """
-    _check_layer(module, kwargs, softcap)
+    chunk = _check_layer(module, kwargs, softcap)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not causal:
-        raise _refuse(module, "a causal (decoder) attention layer", f"is_causal=False")
+        return _encoder_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                                  kwargs), None
     if attention_mask is not None and attention_mask.is_floating_point() and current_state() is not None:
         raise _refuse(
             module, "no attention_mask, or a bool one (replaced by the per-document causal mask)",
@@ -147,15 +186,80 @@ def blockdiag_attention_forward(
         enable_gqa=query.shape[1] != key.shape[1],
         window_size=None if sliding_window is None else (sliding_window - 1, 0),
         noncausal="causal",  # the layer is causal (checked above): a mask it was given is per-document under a step
+        sinks=kwargs.get("s_aux"),
+        softcap=softcap,
+        chunk_size=chunk,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _encoder_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    kwargs: dict[str, Any],
+) -> Tensor:
+    """A bidirectional layer: stock SDPA on this rank's tensors when they are an encoder's (CP does not shard
+    them), refused otherwise. ``query [B, Hq, T, D]`` -> ``[B, T, Hq, Dv]``; with ``cu_seq_lens_q``
+    (``= cu_seq_lens_k``, ``[n + 1]``, one packed row ``B = 1``) each segment attends within itself."""
+    reason = unsharded_reason(module)
+    if reason is None:
+        where = (
+            "a layer of the language model, whose rows CP shards" if in_sharded_region(module)
+            else "not an encoder's layer over tensors CP does not shard (its config is no vision_config / audio_config)"
+        )
+        raise _refuse(
+            module,
+            "a causal (decoder) attention layer, or a bidirectional one of a vision / audio encoder (tensors CP does "
+            "not shard)",
+            f"is_causal=False in {where}: bidirectional attention over the sharded sequence is not computed per "
+            "document",
+        )
+    variants = {"sliding_window": sliding_window, "softcap": softcap, "s_aux": kwargs.get("s_aux"),
+                "seq_idx": kwargs.get("seq_idx")}
+    asked = sorted(k for k, v in variants.items() if v is not None)
+    if asked:
+        raise _refuse(module, "plain bidirectional attention in an encoder layer", f"{asked}, not carried there")
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    gqa = query.shape[1] != key.shape[1]
+    if cu_q is None and cu_k is None:
+        out = stock_sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=False,
+                         scale=scaling, enable_gqa=gqa)
+    else:
+        T = query.shape[2]
+        bounds = [] if cu_q is None else [int(b) for b in cu_q.tolist()]
+        same = cu_q is not None and cu_k is not None and bounds == [int(b) for b in cu_k.tolist()]
+        rising = bool(bounds) and bounds[0] == 0 and bounds[-1] == T and all(a <= b for a, b in zip(bounds, bounds[1:]))
+        if not (same and rising and query.shape[0] == 1 and attention_mask is None and key.shape[2] == T):
+            raise _refuse(
+                module, f"segments cu_seq_lens_q = cu_seq_lens_k rising from 0 to T = {T} over one packed row "
+                "[1, H, T, D], without an attention_mask",
+                f"cu_seq_lens_q={bounds}, cu_seq_lens_k={None if cu_k is None else cu_k.tolist()}, query "
+                f"{tuple(query.shape)}, key {tuple(key.shape)}, attention_mask {attention_mask is not None}",
+            )
+        out = torch.cat([
+            stock_sdpa(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=False,
+                       scale=scaling, enable_gqa=gqa)
+            for a, b in zip(bounds, bounds[1:]) if b > a
+        ], dim=2)
+    state = current_state()
+    if state is not None:
+        state.note(f"{type(module).__name__}: bidirectional attention over tensors CP does not shard ({reason}) ran "
+                   "stock SDPA on this rank")
+    return out.transpose(1, 2).contiguous()
 
 
 def register_transformers_attention(name: str = ATTENTION_NAME) -> str:
     """Register :func:`blockdiag_attention_forward` in ``transformers.AttentionInterface`` under ``name``;
     returns ``name``, to pass as ``attn_implementation`` (or to set on ``model.set_attn_implementation``).
-    Models whose attention layers do not call the interface are refused by name when built with it (Falcon) or
-    when a step meets them (BLOOM, MPT: :mod:`blockdiag_dist.guard`)."""
+    Models whose attention layers do not call the interface are refused by name when built with it (Falcon,
+    GPT-Neo, GIT: :data:`SELF_DISPATCHING`) or when a step meets them (:mod:`blockdiag_dist.guard`)."""
     try:
         from transformers import AttentionInterface
     except ImportError as e:
@@ -164,26 +268,70 @@ def register_transformers_attention(name: str = ATTENTION_NAME) -> str:
             "install the extra: pip install 'blockdiag[hf]'"
         ) from e
     AttentionInterface.register(name, blockdiag_attention_forward)
-    _refuse_falcon(name)
+    for module_name, table, model in SELF_DISPATCHING:
+        _after_import(module_name, functools.partial(_refuse_in_table, name=name, table=table, model=model))
     return name
 
 
-def _refuse_falcon(name: str) -> None:
-    """Falcon picks its attention class from a table keyed by the implementation's name (a ``KeyError`` at build
-    for any other name); its classes compute attention themselves (ALiBi when ``config.alibi``). Give ``name`` a
-    class that refuses, saying so."""
-    try:
-        from transformers.models.falcon import modeling_falcon
-    except ImportError:
-        return
+# Models that pick their attention class from a table keyed by the implementation's name (a KeyError at build for
+# any other name); their classes compute attention themselves: (module, table, what the refusal says).
+SELF_DISPATCHING = (
+    ("transformers.models.falcon.modeling_falcon", "FALCON_ATTENTION_CLASSES", "Falcon"),
+    ("transformers.models.gpt_neo.modeling_gpt_neo", "GPT_NEO_ATTENTION_CLASSES", "GPT-Neo"),
+    ("transformers.models.git.modeling_git", "GIT_SELF_ATTENTION_CLASSES", "GIT"),
+)
 
-    class RefusedFalconAttention(nn.Module):
-        def __init__(self, config: Any, layer_idx: int | None = None) -> None:
-            variant = "an ALiBi bias (config.alibi=True)" if getattr(config, "alibi", False) else "rotary positions"
+
+def _refuse_in_table(module: Any, *, name: str, table: str, model: str) -> None:
+    """Give ``name`` a class in ``module.<table>`` that refuses when the model is built, saying why."""
+
+    class RefusedAttention(nn.Module):
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            alibi = " with an ALiBi bias (config.alibi=True)" if getattr(config, "alibi", False) else ""
             raise UnsupportedAttentionError(
                 f"{name} attention: expected a model whose attention layers call transformers' attention interface, "
-                f"got Falcon: FalconAttention computes attention itself, with {variant}, so {name!r} cannot route "
-                "it per document. Refused rather than computed within each rank's shard."
+                f"got {model}: its attention layers compute attention themselves{alibi}, so {name!r} cannot route "
+                "them per document. Refused rather than computed within each rank's shard."
             )
 
-    modeling_falcon.FALCON_ATTENTION_CLASSES.setdefault(name, RefusedFalconAttention)
+    getattr(module, table).setdefault(name, RefusedAttention)
+
+
+class _PostImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks on a module right after it is first imported (no import happens here)."""
+
+    def __init__(self) -> None:
+        self.callbacks: dict[str, list[Callable[[Any], None]]] = {}
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in self.callbacks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None:
+                exec_module, callbacks = spec.loader.exec_module, self.callbacks.pop(fullname)
+
+                def exec_and_call(module: Any) -> None:
+                    exec_module(module)
+                    for callback in callbacks:
+                        callback(module)
+
+                spec.loader.exec_module = exec_and_call
+                return spec
+        return None
+
+
+_post_import = _PostImport()
+
+
+def _after_import(module_name: str, callback: Callable[[Any], None]) -> None:
+    """``callback(module)`` now if ``module_name`` is imported, else right after its first import."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        callback(module)
+        return
+    _post_import.callbacks.setdefault(module_name, []).append(callback)
+    if _post_import not in sys.meta_path:
+        sys.meta_path.insert(0, _post_import)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .._stock import stock_sdpa
+from .explicit import explicit_attention
 
 __all__ = ["DenseMeta", "dense_attention", "plan_dense"]
 
@@ -66,10 +67,12 @@ def plan_dense(q_flat: Tensor, k_flat: Tensor, segments: Tensor, padded_len: int
 
 
 def dense_attention(
-    q_tok: Tensor, kv_buf: Tensor, meta: DenseMeta, *, heads_kv: int, dim_v: int, dropout_p: float, scale: float | None
+    q_tok: Tensor, kv_buf: Tensor, meta: DenseMeta, *, heads_kv: int, dim_v: int, dropout_p: float, scale: float | None,
+    sinks: Tensor | None = None, softcap: float | None = None,
 ) -> Tensor:
     """``q_tok [Tq, Hq, D]`` and the key buffer ``kv_buf [Tk, Hkv * (D + Dv)]`` (keys then values per token)
-    -> ``[Tq, Hq, Dv]``; padding rows exactly 0, padded key slots and masked keys exactly 0 gradient."""
+    -> ``[Tq, Hq, Dv]``; padding rows exactly 0, padded key slots and masked keys exactly 0 gradient. With
+    ``sinks [Hq]`` or a ``softcap``, explicit scores (:mod:`.explicit`) in place of SDPA."""
     B, _, L, Sk = meta.mask.shape
     Hq, D = q_tok.shape[1], q_tok.shape[2]
     kd = heads_kv * D
@@ -77,5 +80,8 @@ def dense_attention(
     rows = kv_buf.index_select(0, meta.key_index).view(B, Sk, -1)
     k = rows[..., :kd].unflatten(2, (heads_kv, D)).transpose(1, 2)  # [B, Hkv, Sk, D]
     v = rows[..., kd:].unflatten(2, (heads_kv, dim_v)).transpose(1, 2)
-    out = stock_sdpa(q, k, v, attn_mask=meta.mask, dropout_p=dropout_p, scale=scale, enable_gqa=Hq != heads_kv)
+    if sinks is not None or softcap is not None:
+        out = explicit_attention(q, k, v, meta.mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
+    else:
+        out = stock_sdpa(q, k, v, attn_mask=meta.mask, dropout_p=dropout_p, scale=scale, enable_gqa=Hq != heads_kv)
     return torch.where(meta.pad_q, 0.0, out).transpose(1, 2).reshape(B * L, Hq, dim_v)

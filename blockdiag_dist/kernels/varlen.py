@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .._stock import stock_sdpa
+from .explicit import explicit_attention
 
 __all__ = ["VarlenMeta", "fused_unusable_reason", "plan_varlen", "size_class", "varlen_attention"]
 
@@ -48,6 +49,10 @@ EXACT_UP_TO = 16  # ... and so do pieces this short (see size_class)
 BAND_MIN = EXACT_UP_TO  # a windowed piece with at most this many keys runs as one masked block, not bands
 FULL, CAUSAL, MASKED = 0, 1, 2  # block kinds of the maskless plan
 PRIMARY, SECONDARY = 0, 1  # every real query row has one primary block, and at most one secondary
+# Soft-capped attention on the inputs the fused op takes (which has no soft-cap): "blocks" runs the maskless
+# blocks with explicit scores, "masked" the masked plan with explicit scores. Measured (bench section
+# "variants"): the same speed without a window, blocks 5-9x faster with one (its bands skip masked-out keys).
+SOFTCAP_PLAN = "blocks"
 _fused_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _fused_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -414,10 +419,17 @@ class _MergedBlocks(torch.autograd.Function):
     merged into its rows by log-sum-exp. Backward: each bucket's fused backward with its rows' merged output
     and logsumexp; a bucket none of whose rows was merged reuses its own forward output and logsumexp, and a
     padded slot keeps its own (so its probabilities stay <= 1 and its zero gradient stays finite).
+
+    Sinks ``[Hq]`` (optional) are one more block of every real row, with logsumexp ``sinks[h]`` and output 0:
+    merged last, they scale each row by ``exp(lse - lse') = sigmoid(lse - sink)`` with ``lse' = logaddexp(lse,
+    sink)`` (the sigmoid keeps a factor near 1 precise: ``exp`` of a difference of two large logsumexps loses
+    it). The blocks' backward with the merged output and ``lse'`` is then exact, and the sinks' own gradient is
+    ``-sum_rows exp(sink - lse') * (dout . out)``.
     """
 
     @staticmethod
-    def forward(ctx, q_tok: Tensor, kv_buf: Tensor, pad_rows: Tensor, plan: BucketPlan, heads_kv: int, scale: float | None):
+    def forward(ctx, q_tok: Tensor, kv_buf: Tensor, pad_rows: Tensor, plan: BucketPlan, heads_kv: int, scale: float | None,
+                sinks: Tensor | None = None):
         Hq, D = q_tok.shape[1], q_tok.shape[2]
         qshape = [tuple(b.q_index.shape) for b in plan.buckets]
         kshape = [tuple(b.k_index.shape) for b in plan.buckets]
@@ -437,7 +449,8 @@ class _MergedBlocks(torch.autograd.Function):
         Tq = q_tok.shape[0]
         out[Tq:], lse_rows[Tq:] = 0.0, -torch.inf  # a secondary bucket's padded slot merges with nothing
         rows_of = _split(plan.out_rows, qshape)
-        for b, o, lse, rows in zip(plan.buckets, outs, lses, rows_of):
+        merged = [b.merged or sinks is not None for b in plan.buckets]  # sinks: every row is merged with its sink
+        for b, o, lse, rows, m in zip(plan.buckets, outs, lses, rows_of, merged):
             o_t, l_t = o.transpose(1, 2).reshape(-1, Hq, D).to(acc), lse.transpose(1, 2).reshape(-1, Hq)
             if b.secondary:  # its rows already hold their primary block: merge
                 l_cur = lse_rows.index_select(0, rows)
@@ -447,15 +460,23 @@ class _MergedBlocks(torch.autograd.Function):
                 o_t = out.index_select(0, rows) * (w_cur / den)[..., None] + o_t * (w_t / den)[..., None]
                 l_t = top + torch.log(den)
             out.index_copy_(0, rows, o_t)
-            if b.merged:  # read back by a later merge, or saved for backward
+            if m:  # read back by a later merge, or saved for backward
                 lse_rows.index_copy_(0, rows, l_t)
+        if sinks is not None:  # the last merge of every real row; padding rows (lse -inf) stay exactly 0
+            lse_rows.index_fill_(0, pad_rows, -torch.inf)
+            l_cur, sink = lse_rows[:Tq], sinks.to(acc)[None, :]
+            out[:Tq] *= torch.sigmoid(l_cur - sink)[..., None]  # = exp(lse - lse'), precise near 1
+            lse_rows[:Tq] = torch.logaddexp(l_cur, sink)
         out = out.to(q_tok.dtype)
         saved = []
-        for b, o, lse, rows, (n, lq) in zip(plan.buckets, outs, lses, rows_of, qshape):
-            if b.merged:  # this bucket's rows as merged (a padded slot's spare row holds its own values)
+        for b, o, lse, rows, (n, lq), m in zip(plan.buckets, outs, lses, rows_of, qshape, merged):
+            if m:  # this bucket's rows as merged (a padded slot's spare row holds its own values)
                 o = out.index_select(0, rows).view(n, lq, Hq, D).transpose(1, 2)
                 lse = lse_rows.index_select(0, rows).view(n, lq, Hq).transpose(1, 2)
             saved += [o, lse.contiguous()]
+        ctx.has_sinks = sinks is not None
+        if sinks is not None:  # for the sinks' gradient (copies: the caller may modify the output in place)
+            saved += [out[:Tq].clone(), lse_rows[:Tq].clone(), sinks]
         ctx.save_for_backward(q_rows, kv_buf, g_q, g_kv, *saved)
         ctx.plan, ctx.shapes, ctx.heads, ctx.scale = plan, (qshape, kshape), (Hq, heads_kv, D), scale
         ctx.sizes = (q_tok.shape, kv_buf.shape)
@@ -468,6 +489,13 @@ class _MergedBlocks(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         q_rows, kv_buf, g_q, g_kv, *saved = ctx.saved_tensors
         plan, (qshape, kshape), (Hq, Hkv, D) = ctx.plan, ctx.shapes, ctx.heads
+        dsinks = None
+        if ctx.has_sinks:
+            out_rows, lse_rows, sinks = saved[-3:]
+            saved = saved[:-3]
+            acc = lse_rows.dtype
+            delta = (grad_out.to(acc) * out_rows.to(acc)).sum(-1)  # [Tq, Hq]
+            dsinks = -(torch.exp(sinks.to(acc)[None, :] - lse_rows) * delta).sum(0).to(sinks.dtype)
         q_shape, kv_shape = ctx.sizes
         dq_tok = g_q.new_zeros((q_shape[0], Hq * D))
         dkv = g_kv.new_zeros(kv_shape)
@@ -490,7 +518,7 @@ class _MergedBlocks(torch.autograd.Function):
             _accumulate(dq_tok, b.q_start, qi, dq.transpose(1, 2).reshape(n * lq, Hq * D))
             _accumulate(dk_half, b.k_start, ki, dk.transpose(1, 2).reshape(n * lk, Hkv * D))
             _accumulate(dv_half, b.k_start, ki, dv.transpose(1, 2).reshape(n * lk, Hkv * D))
-        return dq_tok.view(q_shape), dkv, None, None, None, None
+        return dq_tok.view(q_shape), dkv, None, None, None, None, dsinks
 
 
 def _operands(src: Tensor, gathered: Tensor, starts: list[int], shapes: list[tuple[int, int]],
@@ -630,6 +658,8 @@ def varlen_attention(
     dropout_p: float,
     scale: float | None,
     use_flash: bool = False,
+    sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """``q_tok [Tq, Hq, D]`` and the key buffer ``kv_buf [Tk, Hkv * (D + Dv)]`` (keys then values per token)
     -> ``[Tq, Hq, Dv]``; padding rows exactly 0.
@@ -637,42 +667,104 @@ def varlen_attention(
     The maskless blocks when the fused op can run them (see :func:`fused_unusable_reason`), else the masked
     plan. Either way: one gather for all queries, one for all keys and values, one scatter for all outputs,
     whatever the number of buckets (and one pass each in backward).
+
+    Variants: ``sinks [Hq]`` join the fused blocks' log-sum-exp merge; a ``softcap`` (which the fused op lacks)
+    runs the same blocks with explicit scores (:data:`SOFTCAP_PLAN`, chosen by measurement: ``bench`` section
+    ``variants``), and the masked plan runs explicit scores whenever a variant is given. flash-attn takes the
+    soft-cap itself; it has no sinks (``use_flash`` is never set with sinks).
     """
     Hq, D = q_tok.shape[1], q_tok.shape[2]
     if use_flash:
         kd = heads_kv * D
         k_buf, v_buf = kv_buf[:, :kd].unflatten(1, (heads_kv, D)), kv_buf[:, kd:].unflatten(1, (heads_kv, dim_v))
-        return _flash_varlen(q_tok, k_buf, v_buf, meta, dropout_p=dropout_p, scale=scale)
+        return _flash_varlen(q_tok, k_buf, v_buf, meta, dropout_p=dropout_p, scale=scale, softcap=softcap)
     if not meta.blocks.buckets:  # this rank holds only padding: zeros that still reach q and the key buffer
-        return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v)
-    if meta.window_left == 0 and dropout_p == 0:  # each query sees only its own key: softmax of one score is 1
-        rows, keys = meta.self_keys(q_tok.device)
+        return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v, sinks)
+    if meta.window_left == 0 and dropout_p == 0 and sinks is None:  # each query sees only its own key: softmax
+        rows, keys = meta.self_keys(q_tok.device)  # of one (capped) score is 1
         v_own = kv_buf.index_select(0, keys)[:, heads_kv * D :].unflatten(1, (heads_kv, dim_v))
         own = v_own.repeat_interleave(Hq // heads_kv, dim=1)
         return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v).index_copy(0, rows, own)  # q stays in the graph
+    variants = sinks is not None or softcap is not None
     if fused_unusable_reason(q_tok, D, dim_v, dropout_p) is None:
-        return _MergedBlocks.apply(q_tok, kv_buf, meta.pad_rows, meta.blocks, heads_kv, scale)
+        if softcap is None:
+            return _MergedBlocks.apply(q_tok, kv_buf, meta.pad_rows, meta.blocks, heads_kv, scale, sinks)
+        if SOFTCAP_PLAN == "blocks":
+            return _explicit_blocks(q_tok, kv_buf, meta, heads_kv, dim_v, scale, softcap, sinks)
     plan = meta.masked(q_tok.device)
     gqa = Hq != heads_kv
     qs = _GatherQueries.apply(q_tok, plan.q_gather, [b.q_index.shape for b in plan.buckets])
     kvs = _GatherKeysValues.apply(kv_buf, plan.k_gather, [b.k_index.shape for b in plan.buckets], heads_kv, D)
-    outs = [
-        stock_sdpa(q, k, v, attn_mask=b.mask, dropout_p=dropout_p, is_causal=b.mask is None, scale=scale, enable_gqa=gqa)
-        for b, q, k, v in zip(plan.buckets, qs, kvs[0::2], kvs[1::2])
-    ]
+    if variants:
+        outs = [
+            explicit_attention(q, k, v, b.mask, causal=b.mask is None, scale=scale, softcap=softcap, sinks=sinks,
+                               dropout_p=dropout_p)
+            for b, q, k, v in zip(plan.buckets, qs, kvs[0::2], kvs[1::2])
+        ]
+    else:
+        outs = [
+            stock_sdpa(q, k, v, attn_mask=b.mask, dropout_p=dropout_p, is_causal=b.mask is None, scale=scale, enable_gqa=gqa)
+            for b, q, k, v in zip(plan.buckets, qs, kvs[0::2], kvs[1::2])
+        ]
     return _ScatterOutputs.apply(plan.out_rows, meta.pad_rows, meta.num_queries, *outs)
 
 
-def _zero_rows(q_tok: Tensor, kv_buf: Tensor, rows: int, Hq: int, Dv: int) -> Tensor:
-    """Exact zeros ``[rows, Hq, Dv]`` that still reach q and the key buffer in the graph (with exactly 0
-    gradient), so that a rank holding only padding runs the exchange's backward like every other rank."""
+def _explicit_blocks(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: int, dim_v: int, scale: float | None,
+                     softcap: float | None, sinks: Tensor | None) -> Tensor:
+    """The maskless blocks with explicit scores (a soft-cap), merged by log-sum-exp, all through autograd.
+
+    Same blocks, slots and spare rows as :class:`_MergedBlocks`: a block's causal kind is top-left causal in
+    its slots (a band's slots run in reverse). The primary blocks (one per real row) are placed with one copy,
+    then the secondary ones (at most one per row) merged into their rows with one more, and sinks are one more
+    block of every real row (logsumexp ``sinks[h]``, output 0)."""
+    plan = meta.blocks
+    Hq, D = q_tok.shape[1], q_tok.shape[2]
+    qshape = [tuple(b.q_index.shape) for b in plan.buckets]
+    qs = _GatherQueries.apply(q_tok, plan.q_gather, qshape)
+    kvs = _GatherKeysValues.apply(kv_buf, plan.k_gather, [tuple(b.k_index.shape) for b in plan.buckets], heads_kv, D)
+    outs, lses = {False: [], True: []}, {False: [], True: []}  # by secondary: (rows, values)
+    for b, q, k, v, rows in zip(plan.buckets, qs, kvs[0::2], kvs[1::2], _split(plan.out_rows, qshape)):
+        need_lse = b.merged or sinks is not None  # a row merged with another block, or with its sink
+        res = explicit_attention(q, k, v, b.mask, causal=b.causal, scale=scale, softcap=softcap, return_lse=True,
+                                 lse_needed=need_lse)
+        outs[b.secondary].append((rows, res[0].transpose(1, 2).reshape(-1, Hq, dim_v)))
+        if need_lse:
+            lses[b.secondary].append((rows, res[1].transpose(1, 2).reshape(-1, Hq)))
+    rows, o_p = (torch.cat(t) for t in zip(*outs[False]))
+    out = o_p.new_zeros((plan.num_rows, Hq, dim_v)).index_copy(0, rows, o_p)
+    lse = out.new_full((plan.num_rows, Hq), -torch.inf)
+    if lses[False]:  # rows never merged keep -inf: nothing reads them
+        rows, l_p = (torch.cat(t) for t in zip(*lses[False]))
+        lse = lse.index_copy(0, rows, l_p)
+    if outs[True]:  # rows of secondary blocks are distinct (a padded slot's spare row merges with nothing)
+        (rows, o_s), (_, l_s) = (torch.cat(t) for t in zip(*outs[True])), (torch.cat(t) for t in zip(*lses[True]))
+        l_cur = lse.index_select(0, rows)
+        top = torch.maximum(l_cur, l_s)  # weights relative to the larger: exact differences, sum in [1, 2]
+        w_cur, w_s = torch.exp(l_cur - top), torch.exp(l_s - top)
+        den = w_cur + w_s
+        merged = (out.index_select(0, rows) * w_cur[..., None] + o_s * w_s[..., None]) / den[..., None]
+        out, lse = out.index_copy(0, rows, merged), lse.index_copy(0, rows, top + torch.log(den))
+    Tq = meta.num_queries
+    out, lse = out[:Tq], lse[:Tq]  # padding rows: never written, exactly 0 (lse -inf)
+    if sinks is not None:
+        out = out * torch.sigmoid(lse - sinks.to(lse.dtype)[None, :])[..., None]  # = exp(lse - lse'), precise near 1
+    return out.to(q_tok.dtype)
+
+
+def _zero_rows(q_tok: Tensor, kv_buf: Tensor, rows: int, Hq: int, Dv: int, sinks: Tensor | None = None) -> Tensor:
+    """Exact zeros ``[rows, Hq, Dv]`` that still reach q, the key buffer (and the sinks) in the graph (with
+    exactly 0 gradient), so that a rank holding only padding runs the exchange's backward like every other rank."""
     anchor = q_tok[:1, :1, :1].sum() + kv_buf[:1, :1].sum()
+    if sinks is not None:
+        anchor = anchor + sinks[:1].sum().to(anchor.dtype)
     zero = torch.where(torch.zeros((), dtype=torch.bool, device=q_tok.device), anchor, 0.0)
     return zero.expand(rows, Hq, Dv).clone(memory_format=torch.contiguous_format)  # writable, like other ranks' output
 
 
-def _flash_varlen(q_tok, k_buf, v_buf, meta: VarlenMeta, *, dropout_p: float, scale: float | None) -> Tensor:
+def _flash_varlen(q_tok, k_buf, v_buf, meta: VarlenMeta, *, dropout_p: float, scale: float | None,
+                  softcap: float | None = None) -> Tensor:
     fm = meta.flash_meta(q_tok.device)
+    extra = {} if softcap is None else {"softcap": softcap}  # flash-attn >= 2.6
     out = _flash_varlen_fn()(
         q_tok.index_select(0, fm["q_rows"]),
         k_buf.index_select(0, fm["k_rows"]),
@@ -685,5 +777,6 @@ def _flash_varlen(q_tok, k_buf, v_buf, meta: VarlenMeta, *, dropout_p: float, sc
         softmax_scale=scale,
         causal=True,
         window_size=(meta.window_left, 0),
+        **extra,
     )
     return torch.cat([out, out.new_zeros((1,) + tuple(out.shape[1:]))]).index_select(0, fm["out_index"])

@@ -18,6 +18,7 @@ Shape legend: B rows, S packed length, L rows of one rank, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,8 +47,11 @@ Forward = Callable[[nn.Module, Mapping[str, Tensor]], Tensor]  # (model, batch) 
 
 
 def text_forward(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
-    """A transformers causal LM on ``input_ids`` with per-document ``position_ids``: logits ``[B, L, V]``. No
-    labels (the model would shift them; the targets are pre-shifted) and no cache."""
+    """A transformers causal LM on ``input_ids`` (or ``inputs_embeds`` when the batch holds them) with
+    per-document ``position_ids``: logits ``[B, L, V]``. No labels (the model would shift them; the targets are
+    pre-shifted) and no cache."""
+    if batch.get("inputs_embeds") is not None:
+        return model(inputs_embeds=batch["inputs_embeds"], position_ids=batch["position_ids"], use_cache=False).logits
     return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
 
 
@@ -60,6 +64,10 @@ class StepResult:
     grads: dict[str, np.ndarray]
     targets: int
     notes: list[str] = field(default_factory=list)  # what the implementation recorded (fallbacks, substitutions)
+    # cp_step: global positions [B, L] of this rank's rows (-1: CP padding), when the step state or a tracked
+    # tensor gives them; records: what a ModuleRecorder kept (one Records per forward)
+    rows: np.ndarray | None = None
+    records: list[Any] = field(default_factory=list)
 
 
 def param_grads(model: nn.Module) -> dict[str, np.ndarray]:
@@ -75,27 +83,52 @@ def param_grads(model: nn.Module) -> dict[str, np.ndarray]:
     return out
 
 
-def document_reference(model: nn.Module, docs: Sequence[Tensor], forward: Forward = text_forward) -> StepResult:
+def _recording(recorder: Any, B: int, L: int, into: list):
+    """``recorder.forward(B, L)`` appending its Records to ``into``, or a null context."""
+    if recorder is None:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def ctx():
+        with recorder.forward(B, L) as rec:
+            yield
+        into.append(rec)
+
+    return ctx()
+
+
+def document_reference(
+    model: nn.Module, docs: Sequence[Tensor], forward: Forward = text_forward, *, recorder: Any = None
+) -> StepResult:
     """The truth: each document ``docs[i]`` (int64 token ids ``[n_i]``) alone as a row ``[1, n_i]`` with positions
-    ``0 .. n_i - 1``; the summed next-token cross-entropy of every document, and its gradients."""
+    ``0 .. n_i - 1``; the summed next-token cross-entropy of every document, and its gradients. ``recorder`` (a
+    :class:`~verify.model.record.ModuleRecorder`): one Records per document in ``records``."""
     model.zero_grad(set_to_none=True)
-    total, targets = 0.0, 0
+    total, targets, records = 0.0, 0, []
     for doc in docs:
         batch = pack_documents([doc], seq_len=len(doc))
-        loss = causal_lm_loss(forward(model, batch), batch["labels"], 1)  # a sum: divided by 1
+        with _recording(recorder, 1, len(doc), records):
+            logits = forward(model, batch)
+        loss = causal_lm_loss(logits, batch["labels"], 1)  # a sum: divided by 1
         loss.backward()
         total += float(loss.detach())
         targets += int((batch["labels"] != IGNORE_INDEX).sum())
-    return StepResult(loss=total, grads=param_grads(model), targets=targets)
+    return StepResult(loss=total, grads=param_grads(model), targets=targets, records=records)
 
 
-def packed_reference(model: nn.Module, batch: Mapping[str, Tensor], forward: Forward = text_forward) -> StepResult:
+def packed_reference(
+    model: nn.Module, batch: Mapping[str, Tensor], forward: Forward = text_forward, *, recorder: Any = None
+) -> StepResult:
     """The packed rows ``batch`` (``input_ids``, ``labels``, ``position_ids`` ``[B, S]``) through ``model`` on one
     device, no CP: what the model computes once packed, with whatever attention it was built with."""
     model.zero_grad(set_to_none=True)
-    loss = causal_lm_loss(forward(model, batch), batch["labels"], 1)
+    records: list = []
+    with _recording(recorder, *batch["labels"].shape, records):
+        logits = forward(model, batch)
+    loss = causal_lm_loss(logits, batch["labels"], 1)
     loss.backward()
-    return StepResult(loss=float(loss.detach()), grads=param_grads(model), targets=int((batch["labels"] != IGNORE_INDEX).sum()))
+    return StepResult(loss=float(loss.detach()), grads=param_grads(model), targets=int((batch["labels"] != IGNORE_INDEX).sum()),
+                      records=records)
 
 
 def cp_step(
@@ -105,18 +138,45 @@ def cp_step(
     forward: Forward = text_forward,
     *,
     make_batch_and_ctx: Callable | None = None,
+    embed: bool = False,
+    track_rows: bool = False,
+    recorder: Any = None,
     **options: Any,
 ) -> StepResult:
     """The step under CP on this rank: ``make_batch_and_ctx(cp_mesh, None, batch, **options)`` (default
     blockdiag_dist's), forward and backward inside ``train_ctx()``, then the loss and the gradients summed over
-    the CP group (``cp_mesh`` a 1-D DeviceMesh, a ProcessGroup or None for one rank). Same result on every rank."""
+    the CP group (``cp_mesh`` a 1-D DeviceMesh, a ProcessGroup or None for one rank). Same result on every rank.
+
+    ``embed``: give the batch function ``inputs_embeds`` (the model's input embeddings of the whole rows, as the
+    seed's API shards them) instead of ``input_ids``. ``track_rows``: find the global positions of this rank's rows
+    (``rows``): from the step state's ``positions`` when it has them, else from a position tensor added to the
+    batch (``_verify_rows``, sharded like any ``[B, S]`` tensor). ``recorder``: record the forward's modules
+    (``records``)."""
     if make_batch_and_ctx is None:
         from blockdiag_dist import make_cp_blockdiag_batch_and_ctx as make_batch_and_ctx
     model.zero_grad(set_to_none=True)
-    train_ctx, local = make_batch_and_ctx(cp_mesh, None, dict(batch), **options)
+    batch = dict(batch)
+    B, S = batch["labels"].shape
+    if embed:
+        batch["inputs_embeds"] = model.get_input_embeddings()(batch.pop("input_ids"))
+    if track_rows:
+        batch["_verify_rows"] = torch.arange(1, S + 1).expand(B, S).clone()  # 0 = padding added by the batch function
+    train_ctx, local = make_batch_and_ctx(cp_mesh, None, batch, **options)
+    tagged = local.pop("_verify_rows", None)
+    records: list = []
     with train_ctx():
-        loss = causal_lm_loss(forward(model, local), local["labels"], 1)
+        with _recording(recorder, *local["labels"].shape, records):
+            logits = forward(model, local)
+        loss = causal_lm_loss(logits, local["labels"], 1)
         loss.backward()
+    rows = None
+    if track_rows:
+        positions = getattr(getattr(train_ctx, "state", None), "positions", None)
+        if positions is not None:
+            pos = positions.to(torch.int64).cpu()
+            rows = torch.where(pos < S, pos, -1).expand(*local["labels"].shape).numpy().copy()
+        elif isinstance(tagged, Tensor) and tagged.shape == local["labels"].shape:  # sharded like the batch
+            rows = (tagged.to(torch.int64).cpu() - 1).numpy()
     group = None if cp_mesh is None else (cp_mesh if isinstance(cp_mesh, dist.ProcessGroup) else cp_mesh.get_group())
     grads = param_grads(model)
     summed = torch.tensor([float(loss.detach()), float((local["labels"] != IGNORE_INDEX).sum())], dtype=torch.float64)
@@ -129,7 +189,8 @@ def cp_step(
         grads = {n: part.numpy().reshape(grads[n].shape).copy() for n, part in zip(names, parts)}
         summed = flat[sum(sizes):]
     state = getattr(train_ctx, "state", None)
-    return StepResult(loss=float(summed[0]), grads=grads, targets=int(summed[1]), notes=list(getattr(state, "notes", [])))
+    return StepResult(loss=float(summed[0]), grads=grads, targets=int(summed[1]), notes=list(getattr(state, "notes", [])),
+                      rows=rows, records=records)
 
 
 # ---- grouping and comparison ------------------------------------------------------------------------------
@@ -177,21 +238,36 @@ def module_kind(model: nn.Module, param_name: str) -> str:
 @dataclass
 class Comparison:
     """``got`` against ``ref``: the loss's relative error, every parameter's, each group's worst, and the first
-    parameter (in module order) above ``limit``."""
+    parameter (in module order) above its limit (``limits[name]`` when given, else ``limit``)."""
 
     loss_rel: float
     per_param: dict[str, float]
     per_kind: dict[str, tuple[float, str]]  # kind -> (worst relative error, its parameter)
     first_wrong: str | None
     limit: float
+    limits: dict[str, float] = field(default_factory=dict)  # per-parameter limits, where not ``limit``
+    loss_limit: float | None = None
+    kinds: dict[str, str] = field(default_factory=dict)  # parameter -> module kind
 
     @property
     def worst(self) -> float:
         return max([self.loss_rel, *self.per_param.values()])
 
+    def limit_of(self, name: str) -> float:
+        return self.limits.get(name, self.limit)
+
+    @property
+    def failing(self) -> list[str]:
+        """Parameters above their limit, in module order."""
+        return [n for n in self.per_param if self.per_param[n] > self.limit_of(n)]
+
+    @property
+    def loss_ok(self) -> bool:
+        return self.loss_rel <= (self.limit if self.loss_limit is None else self.loss_limit)
+
     @property
     def ok(self) -> bool:
-        return self.worst <= self.limit
+        return self.loss_ok and not self.failing
 
     def summary(self) -> str:
         kinds = ", ".join(f"{k} {e:.1e}" for k, (e, _) in self.per_kind.items())
@@ -202,22 +278,34 @@ class Comparison:
 def _rel(got: np.ndarray, ref: np.ndarray) -> float:
     scale = float(np.linalg.norm(ref))
     diff = float(np.linalg.norm(got - ref))
+    if not np.isfinite(diff):
+        return float("inf")
     return diff / scale if scale > 0 else diff
 
 
-def compare(ref: StepResult, got: StepResult, model: nn.Module, limit: float) -> Comparison:
-    """Relative (Frobenius) errors of ``got`` against ``ref``, grouped by :func:`module_kind` of ``model``."""
+def compare(
+    ref: StepResult, got: StepResult, model: nn.Module, limit: float, *, limits: Mapping[str, float] | None = None,
+    loss_limit: float | None = None,
+) -> Comparison:
+    """Relative (Frobenius) errors of ``got`` against ``ref``, grouped by :func:`module_kind` of ``model``;
+    ``limits`` (parameter -> limit) and ``loss_limit`` replace ``limit`` where given."""
     missing = sorted(set(ref.grads) ^ set(got.grads))
     if missing:
         raise ValueError(f"compare: expected the same parameters in both steps, got {missing[:5]} in only one")
     loss_rel = abs(got.loss - ref.loss) / max(abs(ref.loss), np.finfo(np.float64).tiny)
-    per_param = {n: _rel(got.grads[n], ref.grads[n]) for n in ref.grads}
+    if not np.isfinite(loss_rel):
+        loss_rel = float("inf")
+    order = [n for n, _ in model.named_parameters() if n in ref.grads]
+    order += [n for n in ref.grads if n not in set(order)]
+    per_param = {n: _rel(got.grads[n], ref.grads[n]) for n in order}
+    limits = dict(limits or {})
+    kinds = {n: module_kind(model, n) for n in per_param}
     per_kind: dict[str, tuple[float, str]] = {}
     for name, err in per_param.items():
-        kind = module_kind(model, name)
+        kind = kinds[name]
         if kind not in per_kind or err > per_kind[kind][0]:
             per_kind[kind] = (err, name)
-    order = [n for n, _ in model.named_parameters() if n in per_param]
-    first = next((n for n in order if per_param[n] > limit), None)
+    first = next((n for n in order if per_param[n] > limits.get(n, limit)), None)
     per_kind = {k: per_kind[k] for k in KINDS if k in per_kind}
-    return Comparison(loss_rel=loss_rel, per_param=per_param, per_kind=per_kind, first_wrong=first, limit=limit)
+    return Comparison(loss_rel=loss_rel, per_param=per_param, per_kind=per_kind, first_wrong=first, limit=limit,
+                      limits=limits, loss_limit=loss_limit, kinds=kinds)

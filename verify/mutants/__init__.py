@@ -18,6 +18,10 @@ same code with one bug that CP systems are known to ship:
 | `kv_scale`         | K and V arrive scaled by 1 + 1e-4 (float64: 1 + 1e-9), at every CP size | fail             |
 | `refuse_rows`      | refuses B > 1 with a ValueError on every rank                           | error            |
 | `docs_by_id`       | a document is every token sharing an id (declared in its CONVENTIONS)   | fail             |
+| `late_layer`       | from a step's second attention call on, a query sees one future key     | pass (one call)  |
+| `sinks_ignored`    | the sinks never join the softmax denominator (``s_aux`` dropped)        | fail             |
+| `chunk_from_row`   | chunk boundaries counted from the row's start, not each document's      | fail             |
+| `softcap_after_softmax` | ``softcap * tanh(.)`` applied to the probabilities, not the scores | fail             |
 
 The mixers of hybrid models (``--layer conv`` / ``--layer gated_delta`` cases; ``verify.mutants._mixers``):
 blockdiag_dist itself with one mistake in its convolution or gated delta rule.
@@ -31,9 +35,11 @@ blockdiag_dist itself with one mistake in its convolution or gated delta rule.
 | `mixer_history_wrong_rank` | the history is the previous rank's last rows (right only for contiguous shards of long pieces) | fail |
 
 Classed by ``verify.classify`` (as third-party code is): ``off_by_one``, ``no_grad_reduce``,
-``leak_across_docs``, ``nonzero_padding``, ``short_straddle``, ``kv_scale`` are bugs, ``skip_collective`` a hang,
+``leak_across_docs``, ``nonzero_padding``, ``short_straddle``, ``kv_scale`` and the three variant bugs
+(``sinks_ignored``, ``chunk_from_row``, ``softcap_after_softmax``, on cases with the variant) are bugs, ``skip_collective`` a hang,
 ``raise_forward``, ``raise_backward``, ``kill_rank`` crashes, ``refuse_rows`` unsupported, ``docs_by_id`` a
-contract (a pass once re-checked with its declared document definition).
+contract (a pass once re-checked with its declared document definition). ``late_layer`` is wrong only in a model's
+later layers: the attention verifier (one call per step) passes it, ``python -m verify model`` names the layer.
 """
 
 from ._toy import BUGS

@@ -33,6 +33,10 @@ BUGS = (
     "kv_scale",  # K and V arrive scaled by 1 + 1e-4 (1 + 1e-9 in float64): the smallest error limits must catch
     "refuse_rows",  # refuses B > 1 with a ValueError on every rank (a declared limit, not a bug)
     "docs_by_id",  # a document is every token sharing an id (a convention, declared by its module)
+    "late_layer",  # from a step's second attention call on, each query sees one future key (a model's later layers)
+    "sinks_ignored",  # the sinks never join the softmax denominator (an attention function dropping s_aux)
+    "chunk_from_row",  # chunk boundaries counted from the row's first position instead of each document's start
+    "softcap_after_softmax",  # softcap * tanh(p / softcap) on the probabilities instead of on the scores
 )
 
 KV_SCALE = {torch.float64: 1e-9}  # relative perturbation of kv_scale per dtype; 1e-4 for every other dtype
@@ -84,8 +88,10 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
                 t = torch.cat([t, torch.full((B, pad, *t.shape[2:]), value, dtype=t.dtype, device=t.device)], 1)
                 batch[key] = t[:, rank * L : (rank + 1) * L]
         full_ids = F.pad(ids, (0, pad))
-        seg = full_ids if bug == "docs_by_id" else DocLayout.from_doc_ids(full_ids.cpu()).segment_ids.to(x.device)
-        state = {"group": group, "world": world, "rank": rank, "L": L, "seg": seg}
+        layout = DocLayout.from_doc_ids(full_ids.cpu())
+        seg = full_ids if bug == "docs_by_id" else layout.segment_ids.to(x.device)
+        state = {"group": group, "world": world, "rank": rank, "L": L, "seg": seg, "calls": 0,
+                 "start": layout.doc_starts.to(x.device)}
 
         @contextlib.contextmanager
         def ctx():
@@ -97,9 +103,12 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
 
         return ctx, batch
 
-    def cp_blockdiag_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, window_size=None):
+    def cp_blockdiag_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                          window_size=None, *, sinks=None, softcap=None, chunk_size=None):
         st = _state.get("active")
         if st is None:
+            if sinks is not None or softcap is not None or chunk_size is not None:
+                raise ValueError("toy: attention variants are computed under a step only")
             return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         rank, world, L = st["rank"], st["world"], st["L"]
         if bug == "raise_forward" and rank == 1:
@@ -126,18 +135,49 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
             same = (seg_q != 0) & (seg_k != 0)
         else:
             same = (seg_q == seg_k) & (seg_q != 0)
-        causal = kpos[None, :] <= qpos[:, None] + (1 if bug == "off_by_one" else 0)
+        st["calls"] += 1
+        late = bug == "late_layer" and st["calls"] > 1
+        causal = kpos[None, :] <= qpos[:, None] + (1 if bug == "off_by_one" or late else 0)
         mask = same & causal[None]
         if bug == "short_straddle" and rank > 0:
             mask &= (kpos != rank * L - 1)[None, None, :]  # the previous rank's last token never arrives
         if window_size is not None and window_size[0] >= 0:
             mask &= kpos[None, None, :] >= qpos[None, :, None] - window_size[0]
+        if chunk_size is not None:
+            if bug == "chunk_from_row":
+                cq, ck = (qpos // chunk_size)[None, :], (kpos // chunk_size)[None, :]
+            else:
+                start = st["start"]
+                cq, ck = (qpos - start[:, qpos]) // chunk_size, (kpos - start) // chunk_size
+            mask &= cq[:, :, None] == ck[:, None, :]
         pad_rows = seg_q[:, :, 0] == 0
         if bug == "nonzero_padding":
             mask = mask | (pad_rows[:, :, None] & (kpos[None, None, :] <= qpos[None, :, None]))
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=enable_gqa)
+        if sinks is not None or softcap is not None:
+            out = _explicit(query, k, v, mask[:, None], scale, sinks, softcap, bug)
+        else:
+            out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=enable_gqa)
         if bug != "nonzero_padding":
             out = torch.where(pad_rows[:, None, :, None], 0.0, out)
         return out
 
     return make_cp_blockdiag_batch_and_ctx, cp_blockdiag_sdpa
+
+
+def _explicit(q, k, v, mask, scale, sinks, softcap, bug):
+    """Attention with sinks / a soft-cap from explicit scores (rows with no key give 0)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if softcap is not None and bug != "softcap_after_softmax":
+        scores = softcap * torch.tanh(scores / softcap)
+    has_key = mask.any(-1, keepdim=True)
+    scores = scores.masked_fill(~mask, float("-inf")).masked_fill(~has_key, 0.0)
+    if sinks is not None and bug != "sinks_ignored":
+        sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    if softcap is not None and bug == "softcap_after_softmax":
+        probs = softcap * torch.tanh(probs / softcap)
+    return torch.where(has_key, probs, 0.0) @ v

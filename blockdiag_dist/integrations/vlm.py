@@ -1,0 +1,235 @@
+"""Vision-language models of transformers under block-diagonal CP.
+
+A vision-language model embeds its text, runs its vision tower on the images' patches and splices the vision
+features into the embedded row; only then does its language model (the decoder) run along the sequence. CP shards
+the decoder's rows; the vision tower's patches are never sharded. Two things follow:
+
+- **encoder attention runs locally.** An attention layer of a vision or audio encoder (its module's ``config`` is
+  a ``vision_config`` / ``audio_config`` sub-config) is bidirectional over tensors CP does not shard: under
+  ``register_transformers_attention()`` it runs stock SDPA on this rank's tensors, per segment of
+  ``cu_seq_lens_q`` when the layer passes them (one image each). Decided per module: a bidirectional layer of
+  the language model, whose rows CP shards, is still refused;
+- **the decoder's entry is where the row is sharded** (``make_cp_blockdiag_batch_and_ctx(...,
+  shard_primary=False)``): the model's own forward embeds ``input_ids`` and splices the vision features on the
+  full row, and a forward pre-hook on its language model (installed when a CP step first meets the model)
+  slices ``inputs_embeds``, ``position_ids`` (``[B, S]`` or ``[3, B, S]``), ``visual_pos_masks`` and the
+  deepstack embeddings with the step's plan, differentiably, so gradients reach the vision tower.
+
+The same scan hooks the model (the module holding the tower and the language model): under a step its image
+inputs are checked before anything computes (image tokens against ``image_grid_thw``'s features, each image
+within one document; pixel values with ``shard_primary=True`` are refused), and its tower, with
+``shard_vision=True``, runs on this rank's share of the images (:mod:`~blockdiag_dist.integrations.vision_shard`).
+The hooks are installed once per module and are inert outside a step.
+
+Shape legend: B batch rows, S the packed row's length, L rows held by this rank, H hidden size, Hq / Hkv heads,
+D / Dv head dims, T tokens of an encoder call, n_vis visual tokens of the batch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..guard import register_scan_visitor
+from ..sharding import shard_tensor, shard_visual_tokens
+from ..state import current_state
+
+__all__ = ["ENCODER_CONFIG_KEYS", "in_sharded_region", "unsharded_reason"]
+
+# ``base_config_key`` of the sub-configs whose modules run on tensors CP does not shard (images' patches, audio
+# frames): their attention layers are bidirectional over those tensors and run locally.
+ENCODER_CONFIG_KEYS = ("vision_config", "audio_config")
+
+# Modules of language models whose entry the integration shards: their rows are this rank's L rows of the step.
+_sharded_region: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _is_encoder(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return config is not None and getattr(type(config), "base_config_key", None) in ENCODER_CONFIG_KEYS
+
+
+def unsharded_reason(module: nn.Module) -> str | None:
+    """Why ``module`` runs on tensors CP does not shard (its config is an encoder's sub-config), or None.
+    A module inside a language model whose rows CP shards never does."""
+    if module in _sharded_region or not _is_encoder(module):
+        return None
+    return f"its config is a {type(module.config).base_config_key} ({type(module.config).__name__})"
+
+
+def in_sharded_region(module: nn.Module) -> bool:
+    """True for a module of a language model whose entry the integration shards (rows = this rank's L)."""
+    return module in _sharded_region
+
+
+# language model -> the handles of its decoder-entry hook and of its model's input check (installed once per
+# module, inert outside a step)
+_hooked: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _visit(module: nn.Module) -> None:
+    """A step's scan met ``module``: if it is a vision-language model (a ``language_model`` child next to an
+    encoder child), hook its language model's entry, its own inputs and its encoders, and mark the language
+    model's modules as sharded."""
+    lm = module._modules.get("language_model")
+    if lm is None or lm in _hooked:
+        return
+    if not any(_is_encoder(child) for name, child in module.named_children() if name != "language_model"):
+        return
+    from .vision_shard import gather_images, shard_images
+
+    encoders = [child for name, child in module.named_children() if name != "language_model" and _is_encoder(child)]
+    _hooked[lm] = (
+        lm.register_forward_pre_hook(_shard_decoder_entry, with_kwargs=True),
+        module.register_forward_pre_hook(_check_model_inputs, with_kwargs=True),
+        *[e.register_forward_pre_hook(shard_images, with_kwargs=True) for e in encoders],
+        *[e.register_forward_hook(gather_images, with_kwargs=True) for e in encoders],
+    )
+    for m in lm.modules():
+        _sharded_region.add(m)
+
+
+register_scan_visitor(_visit)
+
+# pad value of the known sequence-aligned inputs of a decoder (any other [B, S, ...] tensor is padded with 0)
+_PADS = {"inputs_embeds": 0.0, "visual_pos_masks": False}
+
+
+def _shard_decoder_entry(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of a vision-language model's language model: under a step built with
+    ``shard_primary=False``, the full-row inputs the model prepared -> this rank's rows (differentiable)."""
+    state = current_state()
+    if state is None or state.shard_primary:
+        return None
+    name = type(module).__name__
+    if args:
+        raise ValueError(
+            f"{name} (decoder entry under a CP step with shard_primary=False): expected keyword arguments, got "
+            f"{len(args)} positional ones"
+        )
+    B, S = state.batch_size, state.seq_len
+    new = dict(kwargs)
+    primary_key = "inputs_embeds" if new.get("inputs_embeds") is not None else "input_ids"
+    primary = new.get(primary_key)
+    if not isinstance(primary, Tensor) or tuple(primary.shape[:2]) != (B, S):
+        got = tuple(primary.shape) if isinstance(primary, Tensor) else None
+        raise ValueError(
+            f"{name} (decoder entry, shard_primary=False): expected {primary_key} of the full rows [B, S, ...] = "
+            f"[{B}, {S}, ...] the batch function was given, got {got}"
+        )
+    pos = new.get("position_ids")
+    if not isinstance(pos, Tensor) or not (
+        (pos.dim() == 2 and tuple(pos.shape) == (B, S)) or (pos.dim() == 3 and tuple(pos.shape[1:]) == (B, S))
+    ):
+        got = tuple(pos.shape) if isinstance(pos, Tensor) else pos
+        raise ValueError(
+            f"{name} (decoder entry, shard_primary=False): position_ids: expected per-document positions [B, S] or "
+            f"[n, B, S] (mRoPE) with [B, S] = [{B}, {S}], got {got}" + (
+                " (without them the language model would number this rank's rows from 0)" if pos is None else "")
+        )
+    if new.get("attention_mask") is not None:
+        raise ValueError(
+            f"{name} (decoder entry, shard_primary=False): attention_mask: expected None under a CP step (the "
+            "documents come from the step; the batch function drops the mask), got shape "
+            f"{tuple(new['attention_mask'].shape)}"
+        )
+    shards, rank = state.plan.shards, state.rank
+    deepstack, vpm = new.get("deepstack_visual_embeds"), new.get("visual_pos_masks")
+    if deepstack is not None:
+        if not isinstance(vpm, Tensor) or vpm.dtype != torch.bool or tuple(vpm.shape) != (B, S):
+            got = (vpm.dtype, tuple(vpm.shape)) if isinstance(vpm, Tensor) else vpm
+            raise ValueError(
+                f"{name} (decoder entry): visual_pos_masks: expected a bool [B, S] = [{B}, {S}] mask beside "
+                f"deepstack_visual_embeds, got {got}"
+            )
+        n_vis = int(vpm.sum())
+        for level, t in enumerate(deepstack):
+            if t.dim() != 2 or t.shape[0] != n_vis:
+                raise ValueError(
+                    f"{name} (decoder entry): deepstack_visual_embeds[{level}]: expected [n_vis, H] with n_vis = "
+                    f"{n_vis} (the visual tokens of visual_pos_masks), got shape {tuple(t.shape)}"
+                )
+        new["deepstack_visual_embeds"] = [shard_visual_tokens(t, vpm, shards, rank) for t in deepstack]
+    sharded = []
+    for key, value in kwargs.items():
+        if not isinstance(value, Tensor):
+            continue
+        if key == "position_ids" and value.dim() == 3:
+            new[key] = shard_tensor(value, 2, 0, shards, rank)
+        elif value.dim() >= 2 and tuple(value.shape[:2]) == (B, S):
+            pad = state.padding_token_id if key == "input_ids" else _PADS.get(key, 0)
+            new[key] = shard_tensor(value, 1, pad, shards, rank)
+        else:
+            continue
+        sharded.append(key)
+    if deepstack is not None:
+        sharded.append("deepstack_visual_embeds")
+    state.decoder_entries += 1
+    state.note(f"{name}: decoder entry sharded with the step's plan (shard_primary=False): {', '.join(sharded)}")
+    return args, new
+
+
+def _check_model_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook of a vision-language model (the module holding the vision tower and the language model):
+    under a step, before anything computes, the same on every rank (the rows are replicated): its image inputs
+    must be spliced on the full rows (``shard_primary=False``), and its image tokens must match the features
+    ``image_grid_thw`` gives, each image within one document."""
+    state = current_state()
+    pixels = kwargs.get("pixel_values")
+    if state is None or (pixels is None and kwargs.get("pixel_values_videos") is None):
+        return None
+    name = type(module).__name__
+    if state.shard_primary:
+        raise ValueError(
+            f"{name}: pixel values under a CP step built with shard_primary=True; expected shard_primary=False for "
+            "the model's own forward (it embeds input_ids and splices the vision features on the full rows; the "
+            "integration shards its decoder entry), got input_ids sharded to this rank's rows, into which the model "
+            "would splice every image's features. (Or splice on the full rows yourself and pass inputs_embeds.)"
+        )
+    ids, grids = kwargs.get("input_ids"), kwargs.get("image_grid_thw")
+    config = getattr(module, "config", None)
+    token = getattr(config, "image_token_id", None)
+    merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", None)
+    if pixels is None or not isinstance(ids, Tensor) or not isinstance(grids, Tensor) or token is None or not merge:
+        return None
+    patches = int(grids.prod(-1).sum())
+    if pixels.shape[0] != patches:
+        raise ValueError(
+            f"{name}: pixel_values: expected {patches} rows, one per patch of image_grid_thw {grids.tolist()}, got "
+            f"shape {tuple(pixels.shape)}"
+        )
+    doc_ids = state.plan.layout.segment_ids  # [B, S] (0 = padding), replicated
+    flat_docs = doc_ids.reshape(-1)[(ids == token).reshape(-1).cpu()]  # the document of each image token, in order
+    per_image = (grids.prod(-1) // merge**2).tolist()
+    if flat_docs.numel() != sum(per_image):
+        raise ValueError(
+            f"{name}: image tokens ({token}): expected {sum(per_image)}, one per vision feature of image_grid_thw "
+            f"{grids.tolist()} (spatial_merge_size {merge}), got {flat_docs.numel()} ({_tokens_per_document(ids == token, doc_ids)})"
+        )
+    start = 0
+    for j, n in enumerate(per_image):
+        held = torch.unique(flat_docs[start:start + n]).tolist()
+        if len(held) != 1 or held[0] == 0:
+            raise ValueError(
+                f"{name}: image {j} (grid {grids[j].tolist()}, {n} tokens): expected its tokens within one document, "
+                f"got them in documents {held} (0 = padding); the image tokens of the rows do not match the images "
+                "in order"
+            )
+        start += n
+    return None
+
+
+def _tokens_per_document(mask: Tensor, doc_ids: Tensor) -> str:
+    parts = []
+    for b in range(mask.shape[0]):
+        ids, counts = torch.unique_consecutive(doc_ids[b], return_counts=True)
+        start = 0
+        for d, n in zip(ids.tolist(), counts.tolist()):
+            k = int(mask[b, start:start + n].sum())
+            if k:
+                parts.append(f"row {b} {'padding' if d == 0 else f'document {d}'}: {k}")
+            start += n
+    return ", ".join(parts) or "none"

@@ -1,0 +1,118 @@
+"""Never silent on a model blockdiag_dist does not compute per document: one tiny model per architecture family
+of the pinned transformers, trained with the README's recipe (``attn_implementation=register_transformers_attention()``,
+``pack_documents``, ``make_cp_blockdiag_batch_and_ctx``, forward and backward in ``train_ctx()``), is refused on
+every rank at CP 1 and CP 2 with a message naming the layer or variant, before any gradient exists.
+
+Families computed per document instead (Gated DeltaNet, sinks, chunked attention, softcap, vision-language
+models) have parity tests of their own (test_hybrid*, test_attention_variants*, test_vlm)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
+
+import mp_checks  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+_DECODER = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+_MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, head_dim=8)
+_MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+
+# (model type, config fields, error class, what the message must name)
+FAMILIES = [
+    pytest.param("mamba", dict(vocab_size=128, hidden_size=64, time_step_rank=8, num_hidden_layers=2),
+                 "UnsupportedLayerError", r"'backbone.layers.0.mixer' \(MambaMixer\).*Mamba selective-scan", id="mamba"),
+    pytest.param("falcon_mamba", dict(vocab_size=128, hidden_size=64, time_step_rank=8, num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(FalconMambaMixer\).*Mamba selective-scan", id="falcon-mamba"),
+    pytest.param("mamba2", dict(num_heads=8, head_dim=16, vocab_size=128, hidden_size=64, state_size=16, n_groups=1,
+                                time_step_rank=8, num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(Mamba2Mixer\).*Mamba2 \(SSD\)", id="mamba2"),
+    pytest.param("jamba", dict(_DECODER, num_experts=4, mamba_dt_rank=8, num_hidden_layers=5),
+                 "UnsupportedLayerError", r"'model.layers.0.mamba' \(JambaMambaMixer\)", id="jamba-hybrid"),
+    pytest.param("bamba", dict(_DECODER, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(BambaMixer\).*Mamba2 \(SSD\)", id="bamba-hybrid"),
+    pytest.param("falcon_h1", dict(_DECODER, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                                   num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(FalconH1Mixer\)", id="falcon-h1-hybrid"),
+    pytest.param("granitemoehybrid", dict(_DECODER, num_key_value_heads=4, num_local_experts=4, shared_intermediate_size=64,
+                                          mamba_n_heads=8, mamba_d_state=16, mamba_d_head=16,
+                                          layer_types=["mamba", "attention"], num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(GraniteMoeHybridMambaLayer\)", id="granite4-hybrid"),
+    pytest.param("zamba2", dict(_DECODER, num_key_value_heads=4, mamba_d_state=16,
+                                layers_block_type=["mamba", "hybrid"], num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(Zamba2MambaMixer\)", id="zamba2-hybrid"),
+    pytest.param("lfm2", dict(_DECODER, layer_types=["conv", "full_attention"], num_hidden_layers=2),
+                 "UnsupportedLayerError", r"'model.layers.0.conv' \(Lfm2ShortConv\).*short causal convolution", id="lfm2-short-conv"),
+    pytest.param("lfm2_moe", dict(_DECODER, **_MOE, num_dense_layers=1, num_experts=4,
+                                  layer_types=["conv", "full_attention"], num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(Lfm2MoeShortConv\)", id="lfm2-moe-short-conv"),
+    pytest.param("kimi_linear", dict(_DECODER, num_key_value_heads=4, **_MLA, **_MOE, num_local_experts=4,
+                                     linear_head_dim=16, linear_num_heads=4, pad_token_id=127, bos_token_id=126,
+                                     eos_token_id=125, layer_types=["linear_attention", "full_attention"],
+                                     num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(KimiLinearDeltaAttention\).*delta-rule", id="kimi-linear-kda"),
+    pytest.param("bailing_hybrid", dict(_DECODER, num_key_value_heads=4, **_MLA, **_MOE, n_group=1, topk_group=1,
+                                        first_k_dense_replace=1, pad_token_id=127, eos_token_id=126, num_local_experts=4,
+                                        layer_types=["linear_attention", "full_attention"],
+                                        mlp_layer_types=["dense", "sparse"], num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(BailingHybridDeltaAttention\).*delta-rule", id="bailing-delta"),
+    pytest.param("minimax", dict(_DECODER, num_local_experts=4, block_size=8,
+                                 layer_types=["full_attention", "linear_attention"], num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(MiniMaxLightningAttention\).*lightning", id="minimax-lightning"),
+    pytest.param("recurrent_gemma", dict(_DECODER, num_key_value_heads=4, lru_width=64, attention_window_size=8,
+                                         num_hidden_layers=3),
+                 "UnsupportedLayerError", r"\(RecurrentGemmaRecurrentBlock\).*RG-LRU", id="recurrent-gemma-rglru"),
+    pytest.param("xlstm", dict(vocab_size=128, hidden_size=64, embedding_dim=64, num_heads=4, num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(xLSTMLayer\).*xLSTM", id="xlstm"),
+    pytest.param("rwkv", dict(vocab_size=128, hidden_size=64, attention_hidden_size=64, intermediate_size=64,
+                              num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(RwkvSelfAttention\).*RWKV", id="rwkv"),
+    pytest.param("bloom", dict(vocab_size=128, hidden_size=64, n_head=4, n_layer=2),
+                 "UnsupportedLayerError", r"\(BloomAttention\).*ALiBi", id="bloom-alibi"),
+    pytest.param("mpt", dict(d_model=64, n_heads=4, vocab_size=128, n_layers=2),
+                 "UnsupportedLayerError", r"\(MptAttention\).*ALiBi", id="mpt-alibi"),
+    pytest.param("falcon", dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=True),
+                 "UnsupportedAttentionError", r"got Falcon.*ALiBi", id="falcon-alibi"),
+    pytest.param("gpt_neo", dict(vocab_size=128, hidden_size=64, num_heads=4, num_layers=2, bos_token_id=127,
+                                 eos_token_id=127, attention_types=[[["global", "local"], 1]]),
+                 "UnsupportedAttentionError", r"got GPT-Neo", id="gpt-neo-own-attention"),
+    pytest.param("xglm", dict(vocab_size=128, d_model=64, ffn_dim=64, attention_heads=4, num_layers=2),
+                 "UnsupportedLayerError", r"\(XGLMAttention\).*computes itself", id="xglm-own-attention"),
+    pytest.param("bart", dict(vocab_size=128, d_model=64, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                              encoder_attention_heads=4, decoder_attention_heads=4, decoder_layers=2),
+                 "UnsupportedLayerError", r"\(BartDecoder\).*positional embedding computed from the row", id="bart-row-positions"),
+    pytest.param("deepseek_v32", dict(_DECODER, num_key_value_heads=4, **_MLA, **_MOE, q_lora_rank=32, n_routed_experts=4,
+                                      n_group=1, topk_group=1, index_topk=4, index_head_dim=16, index_n_heads=2,
+                                      first_k_dense_replace=1, num_hidden_layers=2),
+                 "UnsupportedLayerError", r"\(DeepseekV32Indexer\).*sparse attention", id="deepseek-v32-sparse"),
+    pytest.param("llama4_text", dict(_DECODER, head_dim=16, intermediate_size_mlp=64, num_local_experts=2,
+                                     num_hidden_layers=2, no_rope_layers=[1, 0], attention_chunk_size=None,
+                                     layer_types=["full_attention", "full_attention"], attn_temperature_tuning=True,
+                                     floor_scale=4),
+                 "UnsupportedAttentionError", r"NoPE attention temperature tuning.*torch.arange", id="llama4-nope-temperature"),
+]
+
+
+@pytest.mark.parametrize("model_type, config, error, match", FAMILIES)
+def test_refused_at_cp1(model_type, config, error, match):
+    got, message = mp_checks.transformers_step_refusal(model_type, config)
+    assert got == error, f"{model_type}: expected {error}, got {got or 'no error'}: {message[:300]}"
+    assert re.search(match, message), message
+    assert "expect_attention" not in message, "a refusal may not advise the opt-out"
+
+
+def test_refused_on_every_rank_at_cp2(pools):
+    """The same families in one 2-rank pool: every rank raises the same refusal (no rank left in a collective)."""
+    calls = [((p.values[0], p.values[1]), {}) for p in FAMILIES]
+    names = [p.id for p in FAMILIES]
+    outcomes = list(pools(2).run_many(mp_checks.transformers_step_refusal, calls, timeout=120, names=names))
+    assert len(outcomes) == len(FAMILIES), outcomes[-1]
+    for p, per_rank in zip(FAMILIES, outcomes):
+        _, _, error, match = p.values
+        assert isinstance(per_rank, list), f"{p.id}: {per_rank}"
+        assert [got for got, _ in per_rank] == [error, error], f"{p.id}: {[(g, m[:200]) for g, m in per_rank]}"
+        assert per_rank[0][1] == per_rank[1][1] and re.search(match, per_rank[0][1]), per_rank[0][1]

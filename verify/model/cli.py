@@ -1,0 +1,204 @@
+"""``python -m verify model``: judge a whole model's training step under CP.
+
+    python -m verify model --model llama --cp 1,2                      (a preset: always tiny)
+    python -m verify model --model qwen3_next --tiny --cp 1,2          (a transformers model type, shrunk)
+    python -m verify model --model path/to/config.json --tiny --layouts spans-every-rank
+    python -m verify model --presets --allow-unsupported --md MODELS.md --json results/models.json
+    python -m verify model --model llama --impl verify.mutants.off_by_one
+
+Exit status: 0 iff every case passed (with ``--allow-unsupported``: or was refused, or cannot run here);
+1 otherwise; 2 for a usage error (an unknown model, a config that does not build, ``--tiny`` on a config without
+the fields it shrinks, an unknown layout or implementation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import Counter
+from typing import Any
+
+__all__ = ["add_arguments", "main"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .layouts import DEFAULT_LAYOUTS, MODEL_LAYOUTS
+    from .zoo import PRESETS
+
+    p.add_argument("--model", default=None, help="a preset (" + ", ".join(PRESETS) + "), a transformers model type or a "
+                   "path to a config.json (comma-separated for several)")
+    p.add_argument("--presets", nargs="?", const="all", default=None,
+                   help="run the presets (all, or a comma-separated list)")
+    p.add_argument("--tiny", action="store_true", help="shrink widths and depth, keeping every layer type (presets are always tiny)")
+    p.add_argument("--cp", default="1,2", help="CP sizes (comma-separated)")
+    p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
+                   help="document layouts: " + ", ".join(MODEL_LAYOUTS) + " (or 'all')")
+    p.add_argument("--dtypes", default="float64,float32")
+    p.add_argument("--sharding", default=None, help="sharding layouts of the implementation: contiguous, balanced, auto "
+                   "(default: contiguous, where the implementation offers a choice)")
+    p.add_argument("--impl", default="blockdiag_dist", help="module under test, or an adapter name")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokens")
+    p.add_argument("--case-timeout", type=float, default=180.0, help="deadline of one case, seconds")
+    p.add_argument("--backend", default=None, help="gloo (default)")
+    p.add_argument("--allow-unsupported", action="store_true",
+                   help="exit 0 when every case passed, was refused or cannot run here (the preset list)")
+    p.add_argument("--json", metavar="PATH", help="write every case's result ('-' = stdout)")
+    p.add_argument("--md", metavar="PATH", help="write the Markdown table (MODELS.md)")
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _usage(console, message: str) -> int:
+    console.print(f"verify model: {message}", markup=False, soft_wrap=True)
+    return 2
+
+
+def main(args: argparse.Namespace, session=None) -> int:
+    """Run ``python -m verify model`` with parsed ``args``; ``session`` (a
+    :class:`~verify.model.run.ModelSession`) reuses its pools instead of spawning new ones."""
+    import torch
+
+    from ..report import _plain, make_console
+    from ..runner import impl_info
+    from .check import ModelCase
+    from .layouts import MODEL_LAYOUTS
+    from .run import ModelSession, model_info
+    from .zoo import PRESETS, resolve
+
+    console = make_console()
+    if bool(args.model) == bool(args.presets):
+        return _usage(console, "expected exactly one of --model NAME or --presets, got "
+                      + ("both" if args.model else "neither"))
+    names = _csv(args.model) if args.model else (list(PRESETS) if args.presets == "all" else _csv(args.presets))
+    if args.presets and args.presets != "all":
+        unknown = [n for n in names if n not in PRESETS]
+        if unknown:
+            return _usage(console, f"--presets: expected names among {', '.join(PRESETS)}, got {', '.join(unknown)}")
+    try:
+        cps = [int(c) for c in _csv(args.cp)]
+        if not cps or min(cps) < 1:
+            raise ValueError
+    except ValueError:
+        return _usage(console, f"--cp: expected CP sizes >= 1 like 1,2,4, got {args.cp!r}")
+    layouts = list(MODEL_LAYOUTS) if args.layouts == "all" else _csv(args.layouts)
+    bad = [x for x in layouts if x not in MODEL_LAYOUTS]
+    if bad or not layouts:
+        return _usage(console, f"--layouts: expected names among {', '.join(MODEL_LAYOUTS)}, got {', '.join(bad) or 'none'}")
+    dtypes = _csv(args.dtypes)
+    bad = [d for d in dtypes if d not in ("float64", "float32")]
+    if bad or not dtypes:
+        return _usage(console, f"--dtypes: expected float64 and/or float32 (CPU), got {', '.join(bad) or 'none'}")
+    try:
+        impl = impl_info(args.impl)
+    except (ImportError, ValueError) as exc:
+        return _usage(console, f"cannot use --impl {args.impl}: {exc}")
+    shardings: list[str | None] = [None]
+    if "layout" in impl.options:
+        shardings = _csv(args.sharding) if args.sharding else ["contiguous"]
+        from blockdiag_dist.options import resolve_layout
+
+        try:
+            for s in shardings:
+                resolve_layout(s)
+        except ValueError as exc:
+            return _usage(console, f"--sharding: {exc}")
+    elif args.sharding:
+        return _usage(console, f"--sharding: expected an implementation with a layout option, got {args.impl} without one")
+    torch.set_num_threads(1)  # the parent computes references beside busy workers
+    prepared = {}
+    for name in names:
+        try:
+            prepared[name] = resolve(name, tiny=args.tiny)
+        except ValueError as exc:  # ModelSpecError, TinyConfigError
+            return _usage(console, str(exc))
+    cases = [
+        ModelCase(model=name, args=tuple(prepared[name].args), cp=cp, layout=layout, dtype=dtype, sharding=s,
+                  impl=args.impl, seed=args.seed)
+        for name in names for cp in cps for layout in layouts
+        for dtype in dtypes for s in shardings
+    ]
+    console.print(f"verify model: {len(names)} model(s) x {len(cases) // max(1, len(names))} cases, --impl {args.impl}",
+                  markup=False)
+    t0 = time.perf_counter()
+    results = []
+
+    def on_result(r) -> None:
+        results.append(r)
+        if r.cls != "pass":
+            console.print(f"{r.cls.upper()} {r.case.label()}: {r.why}" + (f" -- {r.message}" if r.message else ""),
+                          markup=False, soft_wrap=True, highlight=False)
+            console.print(f"  reproduce: {r.case.command()}", markup=False, soft_wrap=True)
+
+    own = session is None
+    session = session or ModelSession(case_timeout=args.case_timeout, backend=args.backend or "gloo")
+    try:
+        session.run(cases, prepared, on_result=on_result)
+        infos = {name: model_info(session.reference(prepared[name], args.seed)) for name in names}
+    finally:
+        if own:
+            session.close()
+    wall = time.perf_counter() - t0
+    _summary(console, results, names, infos, wall)
+    data = {"impl": args.impl, "wall_seconds": round(wall, 1), "cps": cps, "layouts": layouts, "dtypes": dtypes,
+            "environment": _environment(), "models": {n: infos[n] for n in names},
+            "results": [r.to_dict() for r in results]}
+    if args.json:
+        text = json.dumps(_plain(data), indent=1, allow_nan=False)
+        if args.json == "-":
+            print(text)
+        else:
+            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.md:
+        from .report import write_markdown
+
+        write_markdown(args.md, _plain(data))
+    tolerated = ("pass", "unsupported", "unavailable") if args.allow_unsupported else ("pass",)
+    return 0 if all(r.cls in tolerated for r in results) else 1
+
+
+def _environment() -> dict[str, Any]:
+    import platform
+
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "device": "cpu", "backend": "gloo"}
+
+
+def _summary(console, results, names, infos, wall: float) -> None:
+    from rich.table import Table
+
+    table = Table(title="verify model: per model, CP size and dtype (worst over layouts)")
+    for col in ("model", "CP", "dtype", "cases", "class", "worst grad err", "first wrong / refusal"):
+        table.add_column(col)
+    groups: dict[tuple, list] = {}
+    for r in results:
+        groups.setdefault((r.case.model, r.case.cp, r.case.dtype), []).append(r)
+    order = {n: i for i, n in enumerate(names)}
+    for (model, cp, dtype), rs in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1], kv[0][2])):
+        counts = Counter(r.cls for r in rs)
+        worst = max((r.verdict.get("worst_grad", 0.0) for r in rs if r.verdict), default=None)
+        bad = next((r for r in rs if r.cls != "pass"), None)
+        what = ""
+        if bad is not None:
+            what = bad.message or bad.why
+        table.add_row(model, str(cp), dtype, str(len(rs)), ", ".join(f"{c} {n}" for c, n in counts.items()),
+                      "-" if worst is None else f"{worst:.2e}", what[:110])
+    console.print(table)
+    for n in names:
+        ops = infos[n].get("float32_ops") or []
+        if ops:
+            cost = infos[n].get("float32_cost")
+            console.print(f"{n}: computes below float64 in " + "; ".join(ops)
+                          + (f" (cost: worst gradient {cost:.1e} against the same model all in float64)" if cost is not None else ""),
+                          markup=False, soft_wrap=True, highlight=False)
+    counts = Counter(r.cls for r in results)
+    console.print(f"verify model: {len(results)} cases in {wall:.1f} s: " + ", ".join(f"{c} {k}" for c, k in counts.items()),
+                  markup=False)

@@ -1,0 +1,377 @@
+"""The truth and the baselines of a model-level case, computed once per model and layout in the parent.
+
+:class:`Reference` holds the stock models (one per dtype, the same weights), what the float64 model computes
+below float64 (:func:`~verify.model.precision.float32_ops`), and per document layout: the truth (each document
+alone in float64, as written or with its sequence mixers in float64), the baselines that set the limits, and the
+stock model on the packed rows on one device. See :mod:`verify.model.check` for how they judge a case.
+
+Shape legend: B rows, S packed length, N real positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .harness import _VISION, StepResult, _rel, compare, document_reference, packed_reference, param_grads, text_forward
+from .layouts import Packed, make_packed, model_rows
+from .multimodal import make_multimodal, multimodal_batched, multimodal_forward, multimodal_reference
+from .precision import LowPrecisionUse, Promote, float32_ops, float64_eager_attention, float64_modules
+from .record import Key, ModuleRecorder, Records, packed as packed_records
+from .zoo import Prepared, build
+
+__all__ = ["FLOAT32_BACKENDS", "Baseline", "Reference", "Truth", "checksum", "layer_masks", "recorder_of"]
+
+FLOAT32_BACKENDS = ("math", "flash_attention")  # CPU SDPA backends the float32 baseline runs on
+
+
+def checksum(model: nn.Module) -> float:
+    """Sum of every parameter in float64: equal iff (for practical purposes) the weights are."""
+    return float(sum(p.detach().to(torch.float64).sum() for p in model.parameters()))
+
+
+def recorder_of(model: nn.Module) -> ModuleRecorder:
+    """A recorder of every module but a vision tower's (its outputs are patches, not rows)."""
+    return ModuleRecorder(model, skip=lambda name: bool(_VISION.search(name)))
+
+
+def _vocab(prepared: Prepared) -> int:
+    text = getattr(prepared.config, "text_config", None) or prepared.config
+    return int(text.vocab_size)
+
+
+@dataclass
+class Truth:
+    step: StepResult
+    out: dict[Key, np.ndarray]  # [N, ...] at the packed batch's real positions
+    inp: dict[Key, np.ndarray]
+    order: list[Key]
+    cls: dict[str, str]
+
+
+@dataclass
+class Baseline:
+    """Errors of the baseline against the truth: per parameter, loss, per module output and input; what it is."""
+
+    what: str
+    params: dict[str, float]
+    loss: float
+    out: dict[Key, float]
+    inp: dict[Key, float]
+
+
+def _module_errors(got: dict[Key, np.ndarray], ref: dict[Key, np.ndarray]) -> dict[Key, float]:
+    return {k: _rel(got[k], ref[k]) for k in ref if k in got and got[k].shape == ref[k].shape}
+
+
+def _worst(a: dict, b: dict) -> dict:
+    return {k: max(a.get(k, 0.0), b.get(k, 0.0)) for k in set(a) | set(b)}
+
+
+class Reference:
+    """Everything about one model the parent computes: stock models per dtype, the float32 ops of the float64
+    model (and their cost), and per document layout the truth, the baselines and the packed stock run."""
+
+    def __init__(self, prepared: Prepared, seed: int = 0) -> None:
+        self.prepared = prepared
+        self.seed = seed
+        self._models: dict[str, tuple[nn.Module, ModuleRecorder]] = {}
+        self._truth: dict[Any, Truth] = {}
+        self._base: dict[Any, Baseline | None] = {}
+        self._packed: dict[Any, dict[str, Any]] = {}
+        self._batches: dict[Any, Packed] = {}
+        self._ops: list[LowPrecisionUse] | None = None
+        self.cost: float | None = None  # what the ops below float64 cost (stock vs all in float64), worst gradient
+        self._exact: dict[Any, dict[str, float]] = {}  # per layout: each parameter's error of stock vs all in float64
+        self.weights: float | None = None
+
+    # -- models --
+    def model(self, dtype: str) -> tuple[nn.Module, ModuleRecorder]:
+        if dtype not in self._models:
+            m = build(self.prepared, getattr(torch, dtype), self.prepared.reference_attention, self.seed)
+            self._models[dtype] = (m, recorder_of(m))
+            if self.weights is None:
+                self.weights = checksum(m)
+        return self._models[dtype]
+
+    def _stock(self, model: nn.Module, variant: str = "stock"):
+        """The reference's attention: stock SDPA, or eager attention computed in float64 (as CP computes it); with
+        ``variant="mixers64"`` the sequence mixers the guard knows (Gated DeltaNet, Mamba2, ...) run in float64 too."""
+        stack = contextlib.ExitStack()
+        if self.prepared.reference_attention == "eager":
+            stack.enter_context(float64_eager_attention(model))
+        if variant == "mixers64":
+            stack.enter_context(float64_modules(model, _is_mixer))
+        return stack
+
+    def variants(self) -> list[str]:
+        """The float64 truths a case may match: the model as written ("stock"), and, when a sequence mixer of the
+        model computes below float64 on its stock path, the model with its mixers in float64 ("mixers64"): an
+        implementation that replaces the mixer may compute it in the model's dtype or round as the stock path
+        does; either is judged with sharp limits against the truth it follows."""
+        mixers = {u.cls for u in self.float32_ops() if _is_mixer_class(u.cls)}
+        return ["stock", "mixers64"] if mixers else ["stock"]
+
+    def mixer_classes(self) -> list[str]:
+        return sorted({u.cls for u in self.float32_ops() if _is_mixer_class(u.cls)})
+
+    def packed(self, rows) -> Packed:
+        if rows not in self._batches:
+            if self.prepared.multimodal:
+                self._batches[rows] = make_multimodal(self.model("float64")[0], rows, _vocab(self.prepared), self.seed)
+            else:
+                self._batches[rows] = make_packed(rows, _vocab(self.prepared), self.seed)
+        return self._batches[rows]
+
+    def reference_step(self, model: nn.Module, p: Packed, recorder: ModuleRecorder | None = None) -> StepResult:
+        """Each document alone through ``model`` (see :func:`~verify.model.harness.document_reference`)."""
+        if self.prepared.multimodal:
+            return multimodal_reference(model, p, recorder=recorder)
+        return document_reference(model, p.docs, recorder=recorder)
+
+    # -- what the model computes below float64 --
+    def float32_ops(self) -> list[LowPrecisionUse]:
+        if self._ops is None:
+            model, _ = self.model("float64")
+            p = self.packed(model_rows("spans-every-rank", 2))
+            if self.prepared.multimodal:
+                i = next((j for j, px in enumerate(p.pixels) if px is not None), 0)
+                batch = p.doc_batch(i)
+            else:
+                doc = p.docs[0]
+                batch = {"input_ids": doc[None], "position_ids": torch.arange(doc.numel())[None]}
+            with self._stock(model):
+                self._ops = float32_ops(model, lambda: self.forward(model, batch))
+        return self._ops
+
+    def forward(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        return (multimodal_forward if self.prepared.multimodal else text_forward)(model, batch)
+
+    def _masked_forward(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        kwargs = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if batch.get(k) is not None}
+        if "pixel_values" in kwargs:
+            kwargs["pixel_values"] = kwargs["pixel_values"].to(next(model.parameters()).dtype)
+        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"],
+                     use_cache=False, **kwargs).logits
+
+    # -- the truth --
+    def truth(self, rows, variant: str = "stock") -> Truth:
+        key = (rows, variant)
+        if key not in self._truth:
+            model, rec = self.model("float64")
+            p = self.packed(rows)
+            with self._stock(model, variant):
+                step = self.reference_step(model, p, rec)
+            real = p.real
+            order: list[Key] = []
+            for r in step.records:
+                order += [k for k in r.order if k not in set(order)]
+            cls = {}
+            for r in step.records:
+                cls.update(r.cls)
+            self._truth[key] = Truth(step, packed_records(step.records, p.places, p.lengths, real, "out"),
+                                     packed_records(step.records, p.places, p.lengths, real, "inp"), order, cls)
+            if self.float32_ops() and (self.cost is None or self.cast_params()):
+                with Promote():
+                    exact = self.reference_step(model, p)
+                c = compare(exact, step, model, 0.0)
+                self.cost = max(self.cost or 0.0, c.worst)
+                self._exact[key] = c.per_param
+        return self._truth[key]
+
+    def cast_params(self) -> set[str]:
+        """Parameters the model casts below float64 in its forward: their gradients are summed below float64 by
+        the model itself (a norm's ``weight.float()``, a router's ``weight.type(torch.float32)``)."""
+        return {n for use in self.float32_ops() for n in use.params}
+
+    def cast_cost(self, rows, variant: str = "stock") -> dict[str, float]:
+        """Per cast parameter: its gradient's error, stock against the model all in float64."""
+        self.truth(rows, variant)
+        per = self._exact.get((rows, variant), {})
+        return {n: per[n] for n in self.cast_params() if n in per}
+
+    # -- baselines --
+    def baseline(self, rows, dtype: str, variant: str = "stock") -> Baseline | None:
+        """The baseline of ``dtype`` (None for float64 when the model computes nothing below float64); float32 is
+        judged against the stock truth."""
+        variant = variant if dtype == "float64" else "stock"
+        key = (rows, dtype, variant)
+        if key in self._base:
+            return self._base[key]
+        truth = self.truth(rows, variant)
+        p = self.packed(rows)
+        if dtype == "float64":
+            if not self.float32_ops():
+                self._base[key] = None
+                return None
+            model, rec = self.model("float64")
+            S = p.batch["labels"].shape[1]
+            worst = None
+            for order, pad in ((1, 3), (-1, 8)):  # two orders and paddings: one sample of rounding is not enough
+                idx = list(range(len(p.docs)))[::order]
+                with self._stock(model, variant):
+                    if self.prepared.multimodal:
+                        step, per_doc = multimodal_batched(model, rec, p, S + pad, idx)
+                    else:
+                        step, per_doc = _batched(model, rec, [p.docs[i] for i in idx], S + pad)
+                per_doc = [per_doc[idx.index(i)] for i in range(len(p.docs))]
+                b = self._errors(f"float64, documents right-padded together to S + {pad} tokens"
+                                 + (" in reverse order" if order < 0 else "") + " vs one by one", truth, step, per_doc, p, model)
+                worst = b if worst is None else Baseline(f"{worst.what}; {b.what}", _worst(worst.params, b.params),
+                                                         max(worst.loss, b.loss), _worst(worst.out, b.out), _worst(worst.inp, b.inp))
+            self._base[key] = worst
+            return self._base[key]
+        model, rec = self.model(dtype)
+        backends = FLOAT32_BACKENDS if self.prepared.reference_attention == "sdpa" else (None,)
+        worst: Baseline | None = None
+        refused = []
+        for backend in backends:
+            try:
+                with _sdpa_backend(backend):
+                    step = self.reference_step(model, p, rec)
+            except RuntimeError as exc:  # this backend refuses these inputs: it cannot be the one a user gets
+                refused.append(f"SDPA {backend} refuses: {_first_line(exc)}")
+                continue
+            b = self._errors(f"{dtype}, each document alone" + (f" (SDPA {backend})" if backend else ""), truth, step,
+                             step.records, p, model)
+            if worst is None:
+                worst = b
+            else:
+                worst = Baseline(f"{worst.what}; {b.what}", _worst(worst.params, b.params), max(worst.loss, b.loss),
+                                 _worst(worst.out, b.out), _worst(worst.inp, b.inp))
+        if worst is None:
+            raise RuntimeError("; ".join(refused))
+        if refused:
+            worst.what += " (" + "; ".join(refused) + ")"
+        self._base[key] = worst
+        return worst
+
+    def _errors(self, what: str, truth: Truth, step: StepResult, per_doc: list[Records], p: Packed, model) -> Baseline:
+        c = compare(truth.step, step, model, 0.0)
+        real = p.real
+        out = packed_records(per_doc, p.places, p.lengths, real, "out")
+        inp = packed_records(per_doc, p.places, p.lengths, real, "inp")
+        return Baseline(what, c.per_param, c.loss_rel, _module_errors(out, truth.out), _module_errors(inp, truth.inp))
+
+    # -- the packed rows on one device, stock model --
+    def packed_stock(self, rows) -> dict[str, Any]:
+        """Whether the stock model, given the packed rows on one device (text: transformers finds the documents from
+        the restarting ``position_ids``; vision-language: per-document masks per layer type), computes the truth: ``{"status": "ok" | "wrong" | "refused", "worst", "first_wrong", "message"}`` (judged
+        with the float64 limits). "wrong" means the model is not packing-safe by itself (a layer that mixes the
+        sequence without the mask, positions from the rows): wrong under CP whatever CP does."""
+        if rows in self._packed:
+            return self._packed[rows]
+        truth = self.truth(rows)
+        model, rec = self.model("float64")
+        p = self.packed(rows)
+        try:
+            with self._stock(model):
+                whole = {k: v for k, v in p.batch.items() if k != "_packed_seq_ids"}
+                forward = self.forward
+                if self.prepared.multimodal:  # transformers finds documents from 2-D positions only: give masks
+                    text = getattr(model.config, "text_config", model.config)
+                    doc_pos = torch.zeros_like(p.batch["input_ids"])
+                    for d, (b, s0) in zip(p.docs, p.places):
+                        doc_pos[b, s0 : s0 + d.numel()] = torch.arange(d.numel())
+                    whole["attention_mask"] = layer_masks(text, p.batch["_packed_seq_ids"], doc_pos,
+                                                          next(model.parameters()).dtype)
+                    forward = self._masked_forward
+                step = packed_reference(model, whole, forward, recorder=rec)
+        except Exception as exc:  # noqa: BLE001 - the model refuses packed rows: reported, not judged
+            self._packed[rows] = {"status": "refused", "message": f"{type(exc).__name__}: {_first_line(exc)}"}
+            return self._packed[rows]
+        real = p.real
+        got_out = {k: v[real[0], real[1]].numpy() for k, v in step.records[0].out.items()}
+        got_inp = {k: v[real[0], real[1]].numpy() for k, v in step.records[0].inp.items()}
+        from .check import _compare_all
+
+        verdict = _compare_all(self, rows, "float64", truth, step, got_out, got_inp, model)
+        self._packed[rows] = {"status": "ok" if verdict["ok"] else "wrong", "worst": verdict["worst_grad"],
+                              "first_wrong": verdict.get("first_wrong_module"), "loss": verdict["loss_rel"]}
+        return self._packed[rows]
+
+
+def layer_masks(text_config: Any, seq_ids: Tensor, doc_pos: Tensor, dtype: torch.dtype) -> Tensor | dict[str, Tensor]:
+    """Additive ``[B, 1, S, S]`` per-document masks (0 where query i may see key j: same document, j <= i, within
+    the layer's window or chunk; a padding row sees itself; the dtype's lowest value elsewhere), one per layer
+    type of ``text_config`` (transformers takes such a dict instead of building masks), else one mask."""
+    B, S = seq_ids.shape
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    base = (seq_ids[:, :, None] == seq_ids[:, None, :]) & (seq_ids[:, :, None] != 0) & (j <= i)
+
+    def additive(allowed: Tensor) -> Tensor:
+        allowed = allowed | torch.eye(S, dtype=torch.bool)
+        return torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+
+    window = getattr(text_config, "sliding_window", None)
+    chunk = getattr(text_config, "attention_chunk_size", None)
+    kinds = {
+        "sliding_attention": base & (i - j < window) if window else base,
+        "chunked_attention": base & (doc_pos[:, :, None] // chunk == doc_pos[:, None, :] // chunk) if chunk else base,
+    }
+    types = getattr(text_config, "layer_types", None)
+    if not types:
+        return additive(kinds["sliding_attention"] if window else base)
+    return {t: additive(kinds.get(t, base)) for t in set(types)}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+@contextlib.contextmanager
+def _sdpa_backend(name: str | None) -> Iterator[None]:
+    if name is None:
+        yield
+        return
+    from torch.nn.attention import sdpa_kernel
+
+    from ..tolerances import sdpa_backend
+
+    with sdpa_kernel([sdpa_backend(name)]):
+        yield
+
+
+def _batched(model: nn.Module, rec: ModuleRecorder, docs: Sequence[Tensor], length: int) -> tuple[StepResult, list[Records]]:
+    """The documents right-padded into one batch ``[k, length]`` (attention mask), one forward and backward: the
+    same sums as one by one, in another order and with padding rows among them, as in a packed row. Returns the
+    step and per-document Records."""
+    from blockdiag_dist.integrations import causal_lm_loss
+
+    model.zero_grad(set_to_none=True)
+    k, n = len(docs), max(length, max(int(d.numel()) for d in docs))
+    ids = torch.zeros(k, n, dtype=torch.int64)
+    labels = torch.full((k, n), -100, dtype=torch.int64)
+    mask = torch.zeros(k, n, dtype=torch.int64)
+    pos = torch.zeros(k, n, dtype=torch.int64)
+    for i, d in enumerate(docs):
+        m = d.numel()
+        ids[i, :m], labels[i, : m - 1], mask[i, :m], pos[i, :m] = d, d[1:], 1, torch.arange(m)
+    with rec.forward(k, n) as r:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    loss = causal_lm_loss(logits, labels, 1)
+    loss.backward()
+    step = StepResult(loss=float(loss.detach()), grads=param_grads(model), targets=int((labels != -100).sum()))
+    per_doc = []
+    for i, d in enumerate(docs):
+        m = int(d.numel())
+        per_doc.append(Records(order=r.order, out={key: t[i : i + 1, :m] for key, t in r.out.items()},
+                               inp={key: t[i : i + 1, :m] for key, t in r.inp.items()}, cls=r.cls))
+    return step, per_doc
+
+
+def _is_mixer_class(name: str) -> bool:
+    from blockdiag_dist.guard import KNOWN_MIXERS
+
+    return name in KNOWN_MIXERS
+
+
+def _is_mixer(module: nn.Module) -> bool:
+    return any(_is_mixer_class(c.__name__) for c in type(module).__mro__)

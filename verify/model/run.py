@@ -1,0 +1,194 @@
+"""Run model-level cases over persistent pools (one per CP size, spawned once, respawned only after a failure
+that strands a rank), the parent computing each model's truth and baselines while the ranks run.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..pool import TaskFailure, WorkerPool
+from .check import ModelCase, ModelResult, failure_result, judge, run_model_case
+from .reference import Reference
+from .zoo import Prepared
+
+__all__ = ["ModelSession", "warm_up"]
+
+
+def warm_up() -> None:
+    """Pool start-up: transformers and the integration imported once per worker, not in the first case."""
+    import transformers  # noqa: F401
+
+    import blockdiag_dist.integrations.hf  # noqa: F401
+    from verify.runner import warm_up as attention_warm_up
+
+    attention_warm_up()
+
+
+class ModelSession:
+    """Pools per CP size and a :class:`~verify.model.check.Reference` per model, reused across runs."""
+
+    def __init__(self, *, case_timeout: float = 180.0, backend: str = "gloo") -> None:
+        self.case_timeout = case_timeout
+        self.backend = backend
+        self.pools: dict[int, WorkerPool] = {}
+        self.references: dict[str, Reference] = {}
+        self._refused: set[tuple[str, int, str]] = set()  # (model, CP size) refused on every rank in an earlier case
+        self._packed_seen: set[tuple[str, int, str]] = set()  # (model, CP size) whose packed-rows verdict a failure has
+
+    def __enter__(self) -> ModelSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+    def pool(self, cp: int) -> WorkerPool:
+        if cp not in self.pools:
+            self.pools[cp] = WorkerPool(cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout),
+                                        init=warm_up, keep_after_uniform_error=True, start_timeout=180.0)
+        return self.pools[cp]
+
+    def reference(self, prepared: Prepared, seed: int = 0) -> Reference:
+        key = f"{prepared.name}|{seed}"
+        if key not in self.references:
+            self.references[key] = Reference(prepared, seed)
+        return self.references[key]
+
+    def run(self, cases: Sequence[ModelCase], prepared: dict[str, Prepared],
+            on_result: Callable[[ModelResult], None] | None = None) -> list[ModelResult]:
+        """Every case (grouped by CP size, order kept within a size); ``prepared[case.model]`` builds its model."""
+        by_cp: dict[int, list[ModelCase]] = {}
+        for c in cases:
+            by_cp.setdefault(c.cp, []).append(c)
+        out: list[ModelResult] = []
+        for cp in sorted(by_cp):
+            for r in self._run_cp(cp, by_cp[cp], prepared):
+                out.append(r)
+                if on_result:
+                    on_result(r)
+        return out
+
+    def _run_cp(self, cp: int, cases: list[ModelCase], prepared: dict[str, Prepared]):
+        pool = self.pool(cp)
+        pending = list(cases)
+        while pending:
+            submitted, ids, refs = [], [], []
+            for case in pending:  # weights first: the workers check theirs against the reference's
+                ref = self.reference(prepared[case.model], case.seed)
+                try:
+                    ref.model("float64")
+                except ValueError as exc:
+                    yield ModelResult(case, "unavailable", why="the model does not build here", message=str(exc))
+                    continue
+                submitted.append(case)
+                refs.append(ref)
+            if not submitted:
+                return
+            slim = {m: _slim(p) for m, p in prepared.items()}
+            try:
+                ids = pool.submit(run_model_case, [((c.to_dict(), slim[c.model], r.weights), {}) for c, r in zip(submitted, refs)])
+            except Exception as exc:  # noqa: BLE001 - the pool could not start: every case says so
+                for case in submitted:
+                    yield ModelResult(case, "crash", why="the pool could not start", message=f"{type(exc).__name__}: {exc}")
+                return
+            pending = []
+            for i, (case, ref, task) in enumerate(zip(submitted, refs, ids)):
+                t0 = time.perf_counter()
+                # the truth while the ranks compute; not for a model refused at this CP size already (refused again,
+                # most likely: its truth would only feed one packed-rows verdict, taken once per model and size)
+                refused = (case.model, cp, case.impl) in self._refused
+                unavailable = None if refused else _prepare(ref, case)
+                item = pool.collect(task, timeout=self.case_timeout, name=case.label())
+                seconds = time.perf_counter() - t0
+                if isinstance(item, TaskFailure):
+                    result = failure_result(case, item, cp)
+                    if result.cls == "unsupported":
+                        self._refused.add((case.model, cp, case.impl))
+                    if unavailable is None and (case.model, cp, case.impl) not in self._packed_seen:
+                        unavailable = _prepare(ref, case)
+                        if unavailable is None:
+                            self._packed_seen.add((case.model, cp, case.impl))
+                            result.packed = ref.packed_stock(case.rows)
+                    if result.packed.get("status") == "wrong":
+                        result.why += ("; the stock model on the packed rows on one device is wrong already (worst "
+                                       f"gradient {result.packed['worst']:.2e}): not packing-safe")
+                    if not pool.alive:  # the group was killed: the cases queued behind this one run again
+                        pending = submitted[i + 1:]
+                else:
+                    if unavailable is None:
+                        unavailable = _prepare(ref, case, baseline=True)
+                    if unavailable is not None:
+                        result = unavailable
+                    else:
+                        try:
+                            result = judge(case, ref, item)
+                        except Exception as exc:  # noqa: BLE001 - a judging error is the verifier's: a crash
+                            import traceback
+
+                            result = ModelResult(case, "crash", why="judging failed", message=f"{type(exc).__name__}: {exc}",
+                                                 details=traceback.format_exc())
+                result.seconds = seconds
+                if unavailable is not None and result.cls != "unsupported":
+                    result = unavailable
+                yield result
+                if pending:
+                    break
+
+
+def _slim(p: Prepared) -> Prepared:
+    """What a worker needs to build the model (not the shrinking record)."""
+    s = copy.copy(p)
+    s.tiny = None
+    return s
+
+
+def _prepare(ref: Reference, case: ModelCase, baseline: bool = False) -> ModelResult | None:
+    """Compute the case's truth and packed stock run (and with ``baseline``, its baseline) now (cached); a model
+    whose own reference does not run here is ``unavailable``, its reason quoted."""
+    try:
+        ref.truth(case.rows)
+        ref.packed_stock(case.rows)
+        if baseline:
+            ref.baseline(case.rows, case.dtype)
+    except Exception as exc:  # noqa: BLE001 - any failure of the model itself on one device
+        text = str(exc).strip().splitlines()
+        return ModelResult(case, "unavailable", why="the model's own per-document reference does not run here",
+                           message=f"{type(exc).__name__}: {text[0] if text else ''}")
+    return None
+
+
+def model_info(ref: Reference) -> dict[str, Any]:
+    """What the report says of a model as a whole: its reference attention, what it computes below float64 and
+    what that costs, and how it was shrunk."""
+    from .zoo import config_summary
+
+    p = ref.prepared
+    info: dict[str, Any] = {"reference_attention": p.reference_attention + (" (computed in float64)" if p.reference_attention == "eager" else ""),
+                            "config": config_summary(p)}
+    if p.preset:
+        info["what"] = p.preset.what
+        info["model_type"] = p.preset.model_type
+    if p.tiny:
+        info["tiny"] = p.tiny.describe()
+    try:
+        ops = ref.float32_ops()
+    except Exception as exc:  # noqa: BLE001
+        info["float32_ops"] = [f"(not measured: {type(exc).__name__}: {exc})"]
+        return info
+    by_class: dict[str, list] = {}
+    for use in ops:
+        by_class.setdefault(use.cls, []).append(use)
+    info["float32_ops"] = [
+        f"{cls} x{len(uses)} ({uses[0].module}{', ...' if len(uses) > 1 else ''}): "
+        + ", ".join(sorted({op for u in uses for op in u.ops}))
+        for cls, uses in by_class.items()
+    ]
+    info["float32_cost"] = ref.cost
+    return info

@@ -1,0 +1,230 @@
+"""Which model: a transformers model type or a ``config.json``, optionally shrunk (``--tiny``), and the presets
+of ``make verify-models``.
+
+:func:`resolve` turns a ``--model`` argument into a :class:`Prepared` model (its config, tiny or not, the
+transformers class that builds it, the stock attention of its reference); :func:`build` builds it with weights
+from one seed. Every problem with the argument is a :class:`ModelSpecError` (a ``ValueError``) naming what was
+expected, raised before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .tiny import Tiny, TinyConfigError, tiny_config
+
+__all__ = ["PRESETS", "ModelSpecError", "Prepared", "Preset", "build", "resolve"]
+
+SEED = 0
+
+
+class ModelSpecError(ValueError):
+    """The ``--model`` argument cannot be turned into a model: unknown type, unreadable or unbuildable config."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model of ``make verify-models``: a transformers model type, shrunk, with config overrides (dotted paths
+    into sub-configs) applied after shrinking, and what it exercises."""
+
+    model_type: str
+    what: str
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+
+PRESETS: dict[str, Preset] = {
+    "llama": Preset("llama", "dense decoder, GQA, RoPE", (("num_attention_heads", 8), ("num_key_value_heads", 2))),
+    "qwen3": Preset("qwen3", "q/k norms"),
+    "mistral": Preset("mistral", "sliding window on every layer"),
+    "gemma3": Preset("gemma3_text", "sliding and global layers, custom scaling"),
+    "qwen3_moe": Preset("qwen3_moe", "mixture of experts (router softmax)"),
+    "deepseek_v3": Preset("deepseek_v3", "MLA (Dv != Dqk), dense then MoE layers"),
+    "qwen3_next": Preset("qwen3_next", "Gated DeltaNet linear attention + short convolution + attention, MoE"),
+    "nemotron_h": Preset("nemotron_h", "Mamba2 + attention + MLP + MoE layers"),
+    "qwen2_5_vl": Preset("qwen2_5_vl", "vision-language: vision tower (windowed and full blocks), mRoPE"),
+    "qwen3_vl": Preset("qwen3_vl", "vision-language: vision tower with deepstack levels, mRoPE"),
+    "gpt_oss": Preset("gpt_oss", "attention sinks, sliding and full layers, MoE"),
+    "llama4": Preset("llama4_text", "chunked attention, NoPE layers (temperature tuning off), MoE",
+                     (("attn_temperature_tuning", False),)),
+    "llama4_nope_temperature": Preset(
+        "llama4_text", "NoPE temperature tuning on (no chunks): the model takes positions from its rows",
+        (("attn_temperature_tuning", True), ("attention_chunk_size", None),
+         ("layer_types", ["full_attention", "full_attention"]))),
+    "gemma2": Preset("gemma2", "logit soft-capping (attention and final), sliding and global layers"),
+    "bloom": Preset("bloom", "ALiBi position bias"),
+}
+
+
+@dataclass
+class Prepared:
+    """A model ready to build: its config (tiny when asked), its transformers auto class, whether it is a
+    vision-language model, and the stock attention of the reference (``sdpa`` where the class supports it,
+    else ``eager``)."""
+
+    name: str
+    config: Any
+    auto: str  # "AutoModelForCausalLM" | "AutoModelForImageTextToText"
+    multimodal: bool
+    reference_attention: str
+    tiny: Tiny | None = None
+    preset: Preset | None = None
+    args: list[str] = field(default_factory=list)  # the command-line arguments that name this model
+
+    @property
+    def model_class(self) -> type:
+        import transformers
+
+        mapping = getattr(transformers, self.auto)._model_mapping
+        return mapping[type(self.config)]
+
+
+def _load_config(source: str) -> Any:
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if source.endswith(".json") or os.sep in source or os.path.isdir(source):
+        path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ModelSpecError(f"--model: expected a readable config.json, got {path!r} ({exc.strerror})") from None
+        except json.JSONDecodeError as exc:
+            raise ModelSpecError(f"--model: expected a JSON config in {path!r}, got invalid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise ModelSpecError(f"--model: expected a config.json with a 'model_type' field, got none in {path!r}")
+        kind = data.pop("model_type")
+        if kind not in CONFIG_MAPPING:
+            raise ModelSpecError(f"--model: expected a model_type transformers knows, got {kind!r} in {path!r}")
+        try:
+            return AutoConfig.for_model(kind, **data)
+        except Exception as exc:  # noqa: BLE001 - the config class's own complaint, in one line
+            raise ModelSpecError(f"--model: expected a valid {kind} config in {path!r}, got {type(exc).__name__}: "
+                                 f"{_first_line(exc)}") from None
+    if source not in CONFIG_MAPPING:
+        close = sorted(k for k in CONFIG_MAPPING if source.replace("-", "_").lower() in k)[:5]
+        hint = f" (close: {', '.join(close)})" if close else ""
+        raise ModelSpecError(f"--model: expected a preset ({', '.join(PRESETS)}), a transformers model type or a "
+                             f"path to a config.json, got {source!r}{hint}")
+    return AutoConfig.for_model(source)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _set(config: Any, path: str, value: Any) -> None:
+    holder = config
+    *parents, leaf = path.split(".")
+    for p in parents:
+        holder = getattr(holder, p)
+    setattr(holder, leaf, value)
+
+
+def _no_dropout(config: Any) -> None:
+    """Every dropout probability of the config (and its sub-configs) to 0: a step is compared, not sampled."""
+    for name, value in list(vars(config).items()):
+        if "dropout" in name and isinstance(value, float) and value > 0:
+            setattr(config, name, 0.0)
+        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            _no_dropout(value)
+
+
+def _auto_class(config: Any) -> tuple[str, bool]:
+    import transformers
+
+    multimodal = hasattr(config, "vision_config") and getattr(config, "vision_config") is not None
+    order = ("AutoModelForImageTextToText", "AutoModelForCausalLM") if multimodal else ("AutoModelForCausalLM",)
+    for auto in order:
+        if type(config) in getattr(transformers, auto)._model_mapping:
+            return auto, multimodal
+    raise ModelSpecError(f"--model: expected a causal language model (or an image-text-to-text model), got "
+                         f"{type(config).__name__}, which transformers builds as neither")
+
+
+def meta_build(prepared_auto: str):
+    """A ``build(config)`` for :func:`~verify.model.tiny.tiny_config`: the model on the meta device."""
+
+    def build_on_meta(config: Any) -> nn.Module:
+        import transformers
+
+        cls = getattr(transformers, prepared_auto)._model_mapping[type(config)]
+        with torch.device("meta"):
+            return cls._from_config(config)
+
+    return build_on_meta
+
+
+def resolve(model: str, *, tiny: bool = False) -> Prepared:
+    """A preset name, a transformers model type or a path to a ``config.json`` -> :class:`Prepared`. A preset is
+    always tiny. Raises :class:`ModelSpecError` (and :class:`~verify.model.tiny.TinyConfigError`, a ValueError)."""
+    preset = PRESETS.get(model)
+    config = _load_config(preset.model_type if preset else model)
+    auto, multimodal = _auto_class(config)
+    shrunk = None
+    if preset is not None or tiny:
+        try:
+            shrunk = tiny_config(config, build=meta_build(auto))
+        except TinyConfigError:
+            raise
+        config = shrunk.config
+    for path, value in preset.overrides if preset else ():
+        _set(config, path, value)
+    _no_dropout(config)
+    try:
+        meta_build(auto)(config)  # a config that cannot build a model is a usage error, found before anything runs
+    except Exception as exc:  # noqa: BLE001 - the model class's own complaint, in one line
+        raise ModelSpecError(f"--model {model}: expected {type(config).__name__} to build a model, got "
+                             f"{type(exc).__name__}: {_first_line(exc)}") from None
+    cls = getattr(__import__("transformers"), auto)._model_mapping[type(config)]
+    attention = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    args = ["--model", model] + (["--tiny"] if tiny and preset is None else [])
+    return Prepared(name=model, config=config, auto=auto, multimodal=multimodal, reference_attention=attention,
+                    tiny=shrunk, preset=preset, args=args)
+
+
+def build(prepared: Prepared, dtype: torch.dtype, attn_implementation: str, seed: int = SEED) -> nn.Module:
+    """The model with weights drawn from ``seed`` (in float32, then cast: every dtype holds the same weights), in
+    training mode, every dropout off."""
+    import copy
+
+    config = copy.deepcopy(prepared.config)
+    torch.manual_seed(seed)
+    try:
+        # eager experts: grouped_mm (the default where available) takes float32 / bfloat16 only
+        model = prepared.model_class._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32,
+                                                  experts_implementation="eager")
+    except (ValueError, TypeError, KeyError, RuntimeError, AttributeError) as exc:
+        raise ModelSpecError(f"--model {prepared.name}: expected {type(config).__name__} to build a model, got "
+                             f"{type(exc).__name__}: {_first_line(exc)}") from None
+    model = model.to(dtype)
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model.train()
+
+
+def config_summary(prepared: Prepared) -> dict[str, Any]:
+    """A few fields that say what the (tiny) model is, for reports."""
+    c = prepared.config
+    text = getattr(c, "text_config", None) or c
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "sliding_window", "attention_chunk_size", "layer_types", "layers_block_type", "vocab_size")
+    out = {k: getattr(text, k) for k in keys if getattr(text, k, None) is not None}
+    if prepared.multimodal:
+        v = c.vision_config
+        out["vision"] = {k: getattr(v, k) for k in ("depth", "hidden_size", "num_heads", "fullatt_block_indexes",
+                                                     "deepstack_visual_indexes") if getattr(v, k, None) is not None}
+    return out
+
+
+def _dataclass_fields(config: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(type(config))] if dataclasses.is_dataclass(config) else list(vars(config))
