@@ -1,6 +1,7 @@
 """Hybrid transformers models (Gated DeltaNet + attention) train under CP with the same few lines as Llama:
 the loss and every parameter's gradient equal each document run alone on one device, at CP 1, 2, 4 and
-DP 2 x CP 2, on every layout, in float64 (the truth with the float64 kernel, see verify.model.hybrid), under
+DP 2 x CP 2, on every layout, in float64 (the truth with the Gated DeltaNet layers in float64, see
+verify.model.hybrid), under
 bf16 autocast (within the rule: twice the single-device bf16 error plus a floor) and with activation
 checkpointing, reentrant and not. Outside a step the layer is transformers' own."""
 
@@ -23,7 +24,7 @@ from verify.model.hybrid import (  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FLOAT64_LIMIT = 1e-10
-FLOAT32_REDUCED_LIMIT = 1e-6  # gradients the model itself sums over tokens in float32 (measured ~1e-7)
+FLOAT32_REDUCED_LIMIT = 1e-6  # its RMSNorm weights' gradients, which the model sums over tokens in float32 (~1e-7)
 BF16_FACTOR, BF16_FLOOR = 2.0, 1e-3
 BF16_GROSS = 0.1  # per parameter: bf16 rounding stays far below (measured <= 7e-2 on A_log / dt_bias)
 TIMEOUT = 240.0

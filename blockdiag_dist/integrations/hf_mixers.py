@@ -4,10 +4,12 @@ Registered with the guard (:func:`blockdiag_dist.guard.register_installer`) at i
 imported until then: the first time a step meets one of these classes, the guard installs a forward on the
 class that, **under a step**, computes the layer per document across CP ranks — its short convolution through
 :func:`blockdiag_dist.mixers.causal_conv`, its recurrence through :func:`blockdiag_dist.mixers.gated_delta_rule`
-— and **outside a step** calls the class's own forward, unchanged. Everything else in the layer is the stock
-code's: the projections, the gates ``beta = sigmoid(b)`` and ``g = -exp(A_log.float()) * softplus(a.float() +
-dt_bias)`` (float32 as the stock code computes them), the gated RMSNorm (the module's own, float32 inside) and the
-output projection.
+— and **outside a step** calls the class's own forward, unchanged. Everything else is the stock code's math: the
+projections, the gates ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``, the gated RMSNorm
+and the output projection. Precision: the stock layer computes its gates, its kernel and its gated norm in
+float32 whatever the model's dtype; here they are computed in the model's dtype, float32 at least — exactly the
+stock rounding for float32 and bfloat16 models, float64 for a float64 model (the truth ``verify.model`` calls
+"mixers64", the layer all in float64).
 
 | class | model types | projections |
 | --- | --- | --- |
@@ -81,10 +83,28 @@ def _per_document_forward(self: nn.Module, project, state, hidden_states: Tensor
     key = key.reshape(B, L, -1, self.head_k_dim)
     value = value.reshape(B, L, -1, self.head_v_dim)
     beta = b.sigmoid()
-    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # as the stock forward computes it
+    dt = torch.promote_types(a.dtype, torch.float32)  # the stock forward: .float() (fp16 would overflow exp)
+    g = -self.A_log.to(dt).exp() * F.softplus(a.to(dt) + self.dt_bias)
     core = gated_delta_rule(query, key, value, g, beta, use_qk_l2norm=True, state=state)
-    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    core = _gated_norm(self.norm, core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(B, L, -1))
+
+
+def _gated_norm(norm: nn.Module, x: Tensor, gate: Tensor) -> Tensor:
+    """The layer's gated RMSNorm (``Qwen3NextRMSNormGated.forward``: normalise, scale, times ``silu(gate)``) in
+    ``x``'s dtype, float32 at least (the stock module: float32 always)."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(dt)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    h = norm.weight * h.to(x.dtype)
+    act = F.silu if norm.activation in ("silu", "swish") else _act(norm.activation)
+    return (h * act(gate.to(dt))).to(x.dtype)
+
+
+def _act(name: str):
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 def install_gated_delta_net(cls: type) -> str:

@@ -4,14 +4,13 @@ the truth they are compared with, and the step every rank of a pool runs.
 - :func:`build_tiny_hybrid`: a tiny ``qwen3_next``, ``qwen3_5`` (text) or ``qwen3_5_moe`` (text) causal LM
   (hidden 32, layers linear-attention / full-attention / linear-attention, 2 key and 4 value heads of 8), random
   weights from a seed, blockdiag's attention registered;
-- :func:`float64_kernel`: the truth's one substitution. The stock Gated DeltaNet computes its chunked kernel in
-  float32 whatever the model's dtype (``torch_chunk_gated_delta_rule`` casts q, k, v, g, beta to float32);
-  inside this context the model's module calls the float64 reference recurrence instead
-  (:func:`blockdiag_ref.reference_gated_delta_rule`, checked against transformers' functions on single documents).
-  Everything else the model computes in float32 it still does (its RMSNorms' ``x.float()`` and
-  ``weight.float()``, the gated norm, ``A_log.float()``): those are elementwise roundings, identical in the truth
-  and under CP, except the gradients of the norm weights and ``A_log``, which the model reduces over tokens in
-  float32 (:data:`FLOAT32_REDUCED`);
+- :func:`float64_kernel`: the truth's one substitution. The stock Gated DeltaNet computes its gates, its chunked
+  kernel and its gated norm in float32 whatever the model's dtype; inside this context the Gated DeltaNet layers
+  run every op in float64 (``verify.model``'s "mixers64" truth: :func:`verify.model.precision.float64_modules`),
+  as blockdiag computes them in a float64 model. What the rest of the model computes in float32 it still does
+  (its RMSNorms' ``x.float()`` and ``weight.float()``): elementwise roundings, identical in the truth and under CP,
+  except the gradients of those norms' weights, which the model sums over tokens in float32
+  (:func:`float32_reduced`);
 - :func:`cp_parity_step`: the step under CP on this rank (optionally DP 2 x CP 2, bf16 autocast, activation
   checkpointing), the loss and every gradient summed over the mesh.
 
@@ -21,7 +20,6 @@ Shape legend: S packed length, L rows of one rank.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator
 
 import torch
@@ -29,8 +27,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from blockdiag_dist.integrations import pack_documents, register_transformers_attention
-from blockdiag_ref import reference_gated_delta_rule
-
 from .harness import StepResult, cp_step, document_reference, text_forward
 
 __all__ = [
@@ -57,13 +53,13 @@ LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention")
 SEQ_LEN = 64
 # two rows of 64: documents over 3 ranks at CP 4 (37 tokens from 0; 40 tokens from 11), short ones, padding
 DOC_LENGTHS = (37, 3, 19, 11, 40, 6)
-# parameters whose gradient the model itself sums over tokens in float32 (RMSNorm `weight.float()`, the gated
-# norm's float32 product, `A_log.float()`): their float64 parity is float32 rounding of a sum, not 1e-10
-FLOAT32_REDUCED = ("norm.weight", "layernorm.weight", "A_log")
+# parameters whose gradient the model itself sums over tokens in float32 (its RMSNorms' `weight.float()`, outside
+# the Gated DeltaNet layers): their float64 parity is float32 rounding of a sum, not 1e-10
+FLOAT32_REDUCED = ("norm.weight",)
 
 
 def float32_reduced(name: str) -> bool:
-    return name.endswith(FLOAT32_REDUCED)
+    return name.endswith(FLOAT32_REDUCED) and ".linear_attn." not in name
 
 
 def _config(family: str, layers: tuple[str, ...]):
@@ -112,25 +108,18 @@ def hybrid_batch(docs: list[Tensor]) -> dict[str, Tensor]:
     return pack_documents(docs, seq_len=SEQ_LEN)
 
 
-def _float64_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                   use_qk_l2norm_in_kernel=False, **kwargs):
-    if initial_state is not None or output_final_state:
-        raise ValueError("float64_kernel: the truth runs documents alone from zero state, without a cache")
-    ids = torch.ones(query.shape[:2], dtype=torch.int64)
-    out = reference_gated_delta_rule(query, key, value, g, beta, ids, use_qk_l2norm=use_qk_l2norm_in_kernel)
-    return out.to(query.dtype), None
-
-
 @contextlib.contextmanager
-def float64_kernel(family: str) -> Iterator[None]:
-    """Inside: the stock Gated DeltaNet of ``family`` calls the float64 reference recurrence for its chunked kernel."""
-    module = importlib.import_module(FAMILIES[family][2])
-    stock = module.torch_chunk_gated_delta_rule
-    module.torch_chunk_gated_delta_rule = _float64_chunk
-    try:
+def float64_kernel(model: nn.Module) -> Iterator[None]:
+    """Inside: the Gated DeltaNet layers of ``model`` (the sequence mixers the guard knows) run every op in float64."""
+    from blockdiag_dist.guard import KNOWN_MIXERS
+
+    from .precision import float64_modules
+
+    def is_mixer(m: nn.Module) -> bool:
+        return any(c.__name__ in KNOWN_MIXERS for c in type(m).__mro__)
+
+    with float64_modules(model, is_mixer):
         yield
-    finally:
-        module.torch_chunk_gated_delta_rule = stock
 
 
 def autocast_forward(model: nn.Module, batch) -> Tensor:
@@ -145,7 +134,7 @@ def truth(family: str, docs: list[Tensor], *, stock_kernel: bool = False, dtype:
     model exactly as transformers ships it (``stock_kernel``, e.g. for the bf16 baseline)."""
     model = build_tiny_hybrid(family, dtype, seed=seed)
     forward = autocast_forward if autocast else text_forward
-    with contextlib.nullcontext() if stock_kernel else float64_kernel(family):
+    with contextlib.nullcontext() if stock_kernel else float64_kernel(model):
         return document_reference(model, docs, forward)
 
 
