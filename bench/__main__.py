@@ -24,11 +24,11 @@ from verify.report import make_console
 
 from .dist import consensus_cost, peak_memory, timed_steps
 from .hybrid import bench_hybrid
-from .kernel import D, H, HKV, attention_step, bench_kernel, bench_scaling
+from .kernel import bench_kernel, bench_scaling
 from .peers import bench_peers
 from .vision import vision_steps
 from .variants import bench_softcap
-from .workloads import interleaved, layout_of, long_tail
+from verify.workloads import D, H, HKV, attention_step, interleaved, layout_of, long_tail
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = [{"name": m, "kv_exchange": m} for m in ("allgather", "halo", "a2a", "auto")]

@@ -12,8 +12,7 @@ import torch.distributed as dist
 from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 from verify.pool import worker_info
 
-from .kernel import D, H, HKV
-from .workloads import layout_of, long_tail
+from verify.workloads import D, H, HKV, layout_of, long_tail
 
 __all__ = ["consensus_cost", "peak_memory", "timed_steps"]
 

@@ -35,7 +35,7 @@ from blockdiag_dist.mixers import causal_conv, gated_delta_rule
 from blockdiag_dist.plan import plan_step
 from verify.pool import WorkerPool, worker_info
 
-from .workloads import layout_of, long_tail
+from verify.workloads import layout_of, long_tail
 
 __all__ = ["HK", "HV", "K", "V", "WIDTH", "bench_hybrid"]
 

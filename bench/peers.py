@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 from verify.pool import WorkerPool, worker_info
 
-from .kernel import D, H, HKV
-from .workloads import layout_of, long_tail
+from verify.workloads import D, H, HKV, layout_of, long_tail
 
 __all__ = ["PEERS", "bench_peers"]
 

@@ -17,12 +17,10 @@ import torch
 from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 from blockdiag_dist.kernels import varlen
 
-from .kernel import _qkv
-from .workloads import interleaved, layout_of, long_tail
+from verify.workloads import D, H, HKV, interleaved, layout_of, long_tail, make_qkv
 
 __all__ = ["bench_softcap"]
 
-H, HKV, D = 8, 2, 64
 SOFTCAP = 50.0  # Gemma 2's attention cap
 
 
@@ -32,7 +30,7 @@ def _step(lengths: list[int], kernel: str, window: int, *, softcap: float | None
     S = layout.seq_len
     ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(1, S, 1), "_packed_seq_ids": layout.doc_ids},
                                              kernel=kernel)
-    q, k, v, grad_out = _qkv(S, torch.float32, "cpu", 0, (H, HKV), D)
+    q, k, v, grad_out = make_qkv(S, torch.float32, "cpu", 0, (H, HKV), D)
     s = torch.zeros(H, requires_grad=True) if sinks else None
     window_size = None if window < 0 else (window, 0)
 

@@ -32,7 +32,7 @@ from .cases import (
 )
 from .launch import under_torchrun
 from .report import Reporter, make_console, write_json
-from .runner import impl_info
+from .runner import applicable, impl_info
 from .session import CaseResult, Session
 
 __all__ = ["main"]
@@ -149,21 +149,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "case":
         return _run_case(args, console)
     return _run_matrix(args, info, console)
-
-
-def applicable(info, case: Case) -> bool:
-    """Whether the implementation offers what the case asks for (halo only where every rank's needed set
-    lies on its left neighbour)."""
-    if not info.supports(case):
-        return False
-    if case.exchange == "halo":
-        import torch
-
-        from blockdiag_dist.plan import plan_step
-
-        plan = plan_step(torch.tensor(case.doc_ids()), case.cp, case.layout or "contiguous")
-        return plan.exchange(case.window).halo_ok
-    return True
 
 
 def _offered(info, option: str, values: tuple[str, ...]) -> tuple[str | None, ...]:

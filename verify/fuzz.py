@@ -107,7 +107,7 @@ def fuzz(
     """Run ``examples`` drawn cases; on a failure hypothesis shrinks it. Returns every result and the minimal
     failing one (None when all passed). Past ``budget`` seconds, no new draw is run (shrinking a failure found
     before still is)."""
-    from .cli import applicable
+    from .runner import applicable
 
     from .adapters import OURS
     from .classify import classify

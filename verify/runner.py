@@ -44,7 +44,7 @@ from blockdiag_ref import DocLayout, reference_attention
 from .cases import Case
 from .tolerances import BASELINE_BACKENDS, judge, sdpa_backend
 
-__all__ = ["ImplInfo", "check_case", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
+__all__ = ["ImplInfo", "applicable", "check_case", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
 
 VOCAB = 11
 VARIANT_KWARGS = {"sinks": "sinks", "softcap": "softcap", "chunk": "chunk_size"}  # Case variant -> sdpa keyword
@@ -85,6 +85,21 @@ class ImplInfo:
         if not set(case.variants) <= self.variants:
             return False
         return case.window < 0 or self.windows
+
+
+def applicable(info, case: Case) -> bool:
+    """Whether the implementation offers what the case asks for (halo only where every rank's needed set
+    lies on its left neighbour)."""
+    if not info.supports(case):
+        return False
+    if case.exchange == "halo":
+        import torch
+
+        from blockdiag_dist.plan import plan_step
+
+        plan = plan_step(torch.tensor(case.doc_ids()), case.cp, case.layout or "contiguous")
+        return plan.exchange(case.window).halo_ok
+    return True
 
 
 _impls: dict[str, ImplInfo] = {}

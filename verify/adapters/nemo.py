@@ -16,27 +16,25 @@ local batch size 1 (B > 1 raises ValueError); no attention windows.
 from __future__ import annotations
 
 import contextlib
-from importlib import metadata
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .conventions import Conventions
+from .peer import ActiveStep, import_peer
 
 __all__ = ["CONVENTIONS", "UNAVAILABLE", "VERSION", "cp_blockdiag_sdpa", "make_cp_blockdiag_batch_and_ctx"]
 
-PACKAGE = "nemo-automodel"
-try:
-    from nemo_automodel.components.distributed import blockdiag_cp as _nemo
-    from nemo_automodel.components.distributed.blockdiag_cp import batch as _nemo_batch
+def _load():
+    from nemo_automodel.components.distributed import blockdiag_cp
+    from nemo_automodel.components.distributed.blockdiag_cp import batch
 
-    VERSION: str | None = metadata.version(PACKAGE)
-    UNAVAILABLE: str | None = None
-except ImportError as exc:  # the verifier reports the adapter as skipped, with this reason
-    _nemo = _nemo_batch = None
-    VERSION = None
-    UNAVAILABLE = f"{PACKAGE} is not installed (make peers): {exc}"
+    return blockdiag_cp, batch
+
+
+_loaded, VERSION, UNAVAILABLE = import_peer(_load, "nemo-automodel")  # unavailable: reported as skipped
+_nemo, _nemo_batch = _loaded or (None, None)
 
 CONVENTIONS = Conventions(
     document="id",
@@ -63,7 +61,7 @@ class _OneLayer(nn.Module):
 
 
 _cp1_model: _OneLayer | None = None
-_cp1_active = False  # a plain module flag (not a ContextVar): checkpoint recompute runs on autograd's threads
+_cp1_active = ActiveStep()
 
 
 def _cp1_layer() -> _OneLayer:
@@ -90,16 +88,16 @@ def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], los
     batch["padding_mask"] = doc_ids.eq(0)
     backend = _nemo.cp1_packed_varlen_backend() or "flash"
 
+    active = _cp1_active.train_ctx(on=True)
+
     @contextlib.contextmanager
     def train_ctx():
-        global _cp1_active
         _cp1_layer()
         _nemo.enable_cp1_packed_varlen(doc_ids, backend)
-        _cp1_active = True
         try:
-            yield
+            with active():
+                yield
         finally:
-            _cp1_active = False
             _nemo.disable_cp1_packed_varlen()
 
     return train_ctx, batch

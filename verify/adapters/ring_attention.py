@@ -15,28 +15,24 @@ doc ids in any source are not read; B > 1 is native; GQA pairs query head j with
 
 from __future__ import annotations
 
-import contextlib
 import math
-from importlib import metadata
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .conventions import Conventions
+from .peer import ActiveStep, import_peer, start_batch
 
 __all__ = ["CONVENTIONS", "UNAVAILABLE", "VERSION", "cp_blockdiag_sdpa", "make_cp_blockdiag_batch_and_ctx"]
 
-PACKAGE = "ring-attention-pytorch"
-try:
-    from ring_attention_pytorch import ring_flash_attn as _ring_flash_attn
+def _load():
+    from ring_attention_pytorch import ring_flash_attn
 
-    VERSION: str | None = metadata.version(PACKAGE)
-    UNAVAILABLE: str | None = None
-except ImportError as exc:
-    _ring_flash_attn = None
-    VERSION = None
-    UNAVAILABLE = f"{PACKAGE} is not installed (make peers): {exc}"
+    return ring_flash_attn
+
+
+_ring_flash_attn, VERSION, UNAVAILABLE = import_peer(_load, "ring-attention-pytorch")
 
 CONVENTIONS = Conventions(
     document="row",
@@ -58,7 +54,7 @@ CONVENTIONS = Conventions(
 
 _SEQ_KEYS = {"inputs_embeds": 0, "input_ids": 0, "labels": -100, "position_ids": 0, "_packed_seq_ids": 0,
              "loss_mask": 0}
-_active: dict[str, Any] = {}
+_active = ActiveStep()
 
 
 def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], loss_mask: Tensor | None = None,
@@ -66,18 +62,10 @@ def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], los
     """Pad the sequence to a multiple of the CP size and keep this rank's contiguous shard."""
     if _ring_flash_attn is None:
         raise ImportError(UNAVAILABLE)
-    from blockdiag_ref import doc_ids_from_batch
-
     world, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    primary = batch.get("inputs_embeds", batch.get("input_ids"))
-    B, S = primary.shape[:2]
-    ids = doc_ids_from_batch(batch, S, B, primary.device)  # only to tell the verifier which rows are padding
-    batch.pop("attention_mask", None)
-    if loss_mask is not None:
-        batch["loss_mask"] = loss_mask
+    _, B, S, _ = start_batch(batch, loss_mask)
     L = math.ceil(S / world)
     pad = L * world - S
-    batch["padding_mask"] = ids == 0
     fills = {**_SEQ_KEYS, "input_ids": padding_token_id, "padding_mask": True}
     for key, fill in fills.items():
         t = batch.get(key)
@@ -86,16 +74,7 @@ def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], los
         if pad:
             t = torch.cat([t, torch.full((B, pad, *t.shape[2:]), fill, dtype=t.dtype, device=t.device)], dim=1)
         batch[key] = t[:, rank * L:(rank + 1) * L]
-
-    @contextlib.contextmanager
-    def train_ctx():
-        _active["world"] = world
-        try:
-            yield
-        finally:
-            _active.clear()
-
-    return train_ctx, batch
+    return _active.train_ctx(world=world), batch
 
 
 def cp_blockdiag_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,

@@ -12,28 +12,24 @@ S / CP tokens (S must divide); fp16 / bf16 (flash-attn's dtypes).
 
 from __future__ import annotations
 
-import contextlib
-from importlib import metadata
+import importlib
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .conventions import Conventions, Unsupported
+from .peer import ActiveStep, import_peer, start_batch
 
 __all__ = ["CONVENTIONS", "UNAVAILABLE", "VERSION", "cp_blockdiag_sdpa", "make_cp_blockdiag_batch_and_ctx"]
 
 PACKAGE = "ring-flash-attn"
-try:
-    import ring_flash_attn as _rfa
-
-    VERSION: str | None = metadata.version(PACKAGE)
-    UNAVAILABLE: str | None = None if torch.cuda.is_available() else "CUDA only: flash-attn kernels, no CUDA device here"
-except ImportError as exc:
-    _rfa = None
-    VERSION = None
-    UNAVAILABLE = (f"CUDA only: {PACKAGE} imports flash_attn, a CUDA build, at import time; not installed here "
-                   f"({type(exc).__name__}: {exc})")
+_rfa, VERSION, UNAVAILABLE = import_peer(
+    lambda: importlib.import_module("ring_flash_attn"), PACKAGE,
+    missing=f"CUDA only: {PACKAGE} imports flash_attn, a CUDA build, at import time; not installed here",
+)
+if UNAVAILABLE is None and not torch.cuda.is_available():
+    UNAVAILABLE = "CUDA only: flash-attn kernels, no CUDA device here"
 
 CONVENTIONS = Conventions(
     document="run",
@@ -47,7 +43,7 @@ CONVENTIONS = Conventions(
     windows="none in this adapter",
 )
 
-_active: dict[str, Any] = {}
+_active = ActiveStep()
 
 
 def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], loss_mask: Tensor | None = None,
@@ -55,18 +51,12 @@ def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], los
     """Contiguous shards and this rank's varlen metadata."""
     if UNAVAILABLE:
         raise Unsupported(UNAVAILABLE)
-    from blockdiag_ref import doc_ids_from_batch
-
     world, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     primary = batch.get("inputs_embeds", batch.get("input_ids"))
     B, S = primary.shape[:2]
     if B != 1 or S % world:
         raise Unsupported(f"ring-flash-attn varlen: expected B = 1 and S a multiple of CP {world}, got B={B}, S={S}")
-    ids = doc_ids_from_batch(batch, S, B, primary.device)
-    batch.pop("attention_mask", None)
-    if loss_mask is not None:
-        batch["loss_mask"] = loss_mask
-    batch["padding_mask"] = ids == 0
+    _, B, S, ids = start_batch(batch, loss_mask)
     starts = torch.nonzero(torch.nn.functional.pad(ids[0, 1:] != ids[0, :-1], (1, 0), value=True)).flatten()
     cu = torch.cat([starts, torch.tensor([S], device=starts.device)]).to(torch.int32)
     cu_q, cu_k, max_q, max_k, k_slice = _rfa.llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, world)
@@ -77,16 +67,7 @@ def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], los
             batch[key] = t[:, rank * L:(rank + 1) * L]
     meta = {"cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k, "k_slice": k_slice,
             "group": cp_mesh.get_group()}
-
-    @contextlib.contextmanager
-    def train_ctx():
-        _active.update(meta)
-        try:
-            yield
-        finally:
-            _active.clear()
-
-    return train_ctx, batch
+    return _active.train_ctx(**meta), batch
 
 
 def cp_blockdiag_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,

@@ -22,18 +22,19 @@ import torch
 from torch import Tensor
 
 from .conventions import Conventions
+from .peer import ActiveStep, import_peer, start_batch
 
 __all__ = ["CONVENTIONS", "UNAVAILABLE", "VERSION", "cp_blockdiag_sdpa", "make_cp_blockdiag_batch_and_ctx"]
 
-try:
-    from torch.distributed.tensor.experimental import context_parallel as _context_parallel
+def _load():
+    from torch.distributed.tensor.experimental import context_parallel
 
-    VERSION: str | None = f"torch {torch.__version__}"
-    UNAVAILABLE: str | None = None
-except ImportError as exc:
-    _context_parallel = None
-    VERSION = None
-    UNAVAILABLE = f"torch {torch.__version__} has no context_parallel: {exc}"
+    return context_parallel
+
+
+_context_parallel, VERSION, UNAVAILABLE = import_peer(
+    _load, "torch", version=lambda: f"torch {torch.__version__}", missing=f"torch {torch.__version__} has no context_parallel"
+)
 
 CONVENTIONS = Conventions(
     document="row",
@@ -49,23 +50,15 @@ CONVENTIONS = Conventions(
 
 _FILLS = {"inputs_embeds": 0, "input_ids": 0, "labels": -100, "_packed_seq_ids": 0, "loss_mask": 0,
           "padding_mask": True}
-_active: dict[str, Any] = {}
+_active = ActiveStep()
 
 
 def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], loss_mask: Tensor | None = None,
                                     padding_token_id: int = 0):
     """Shard ``position_ids`` with ``context_parallel`` and gather the batch at this rank's positions."""
-    from blockdiag_ref import doc_ids_from_batch
-
     world = cp_mesh.size()
-    primary = batch.get("inputs_embeds", batch.get("input_ids"))
-    B, S = primary.shape[:2]
+    primary, B, S, _ = start_batch(batch, loss_mask)
     device = primary.device
-    ids = doc_ids_from_batch(batch, S, B, device)
-    batch.pop("attention_mask", None)
-    if loss_mask is not None:
-        batch["loss_mask"] = loss_mask
-    batch["padding_mask"] = ids == 0
     S_full = -(-S // (2 * world)) * (2 * world)
     positions = torch.arange(S_full, device=device).expand(B, S_full).contiguous()
     with _context_parallel(cp_mesh, buffers=[positions], buffer_seq_dims=[1], no_restore_buffers={positions}):
@@ -80,15 +73,13 @@ def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], los
             batch[key] = t.index_select(1, pos)
     batch["position_ids"] = positions
 
+    active = _active.train_ctx(on=True)
+
     @contextlib.contextmanager
     def train_ctx():
         dummy = torch.zeros(1, S_full, device=device)  # same length: the same load balancer as above
-        with _context_parallel(cp_mesh, buffers=[dummy], buffer_seq_dims=[1], no_restore_buffers={dummy}):
-            _active["on"] = True
-            try:
-                yield
-            finally:
-                _active.clear()
+        with _context_parallel(cp_mesh, buffers=[dummy], buffer_seq_dims=[1], no_restore_buffers={dummy}), active():
+            yield
 
     return train_ctx, batch
 

@@ -1,6 +1,6 @@
 """Step ``kernels``: the local attention kernels at CP 1, forward + backward, bfloat16.
 
-For each S, long-tail documents (``bench.workloads.long_tail``): blockdiag's varlen kernel, its dense-mask
+For each S, long-tail documents (``verify.workloads.long_tail``): blockdiag's varlen kernel, its dense-mask
 kernel, and torch's SDPA called once per document on exact-size tensors. Each is timed on its own (median
 of a few repeats after a warm-up, synchronised with the device), with its useful FLOP rate (causal pairs
 inside documents, 4 D forward + 8 D backward per pair and head) next to the bfloat16 matmul rate measured
@@ -42,7 +42,7 @@ def _synced(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
 
 def matmul_tflops(n: int, device: torch.device, reps: int = 10) -> float:
     """bfloat16 ``n x n @ n x n`` rate, TFLOP/s (median)."""
-    from bench.workloads import interleaved
+    from ..workloads import interleaved
 
     a, b = (torch.randn(n, n, dtype=DTYPE, device=device) for _ in range(2))
     t = interleaved({"mm": _synced(lambda: a @ b, device)}, reps, warmup=2)["mm"]
@@ -51,7 +51,7 @@ def matmul_tflops(n: int, device: torch.device, reps: int = 10) -> float:
 
 def _measure(make: Callable[[], Callable[[], None]], device: torch.device, reps: int) -> dict:
     """Build one kernel's step, time it, and read its peak memory; the error instead if anything fails."""
-    from bench.workloads import interleaved
+    from ..workloads import interleaved
 
     cuda = device.type == "cuda"
     fn = None
@@ -76,8 +76,8 @@ def _measure(make: Callable[[], Callable[[], None]], device: torch.device, reps:
 
 
 def run(ctx: StepContext) -> str:
-    from bench.kernel import attention_step, per_document_sdpa_step
-    from bench.workloads import long_tail, useful_pairs
+    from ..workloads import attention_step, per_document_sdpa_step
+    from ..workloads import long_tail, useful_pairs
 
     cfg = CONFIG["quick" if ctx.quick else "full"]
     device = torch.device(ctx.device)
