@@ -23,6 +23,7 @@ from verify.pool import WorkerPool
 from verify.report import make_console
 
 from .dist import consensus_cost, peak_memory, timed_steps
+from .hybrid import bench_hybrid
 from .kernel import bench_kernel, bench_scaling
 from .peers import bench_peers
 from .vision import vision_steps
@@ -152,7 +153,7 @@ def bench_vision(size: str, reps: int, timeout=1800) -> dict:
     return r
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, only: list[str] | None = None) -> dict:
     console = make_console()
     t0 = time.perf_counter()
     res: dict = {"quick": quick, "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}}
@@ -170,6 +171,13 @@ def run(quick: bool) -> dict:
     ]
     if not quick:
         sections.append(("memory", lambda: bench_memory(131072, 4)))
+    sections.append(("hybrid", lambda: bench_hybrid((4096,) if quick else (8192, 32768), reps=1,
+                                                    mem_S=8192 if quick else 32768, rounds=1 if quick else 2, console=console)))
+    if only:
+        unknown = sorted(set(only) - {n for n, _ in sections})
+        if unknown:
+            raise SystemExit(f"python -m bench --only: expected sections among {[n for n, _ in sections]}, got {unknown}")
+        sections = [(n, fn) for n, fn in sections if n in only]
     for name, fn in sections:
         t = time.perf_counter()
         console.print(f"bench: {name} ...", markup=False)
@@ -184,10 +192,20 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     p.add_argument("--out", default=str(ROOT / "results"), help="folder for bench.json and bench.png")
     p.add_argument("--write-md", action="store_true", help="also write BENCHMARKS.md and docs/benchmarks.png")
+    p.add_argument("--only", default=None, help="comma-separated sections to run (e.g. hybrid); writes bench_<names>.json")
     args = p.parse_args(argv)
     from .report import plot, print_tables, write_markdown
 
-    res = run(args.quick)
+    only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only else None
+    res = run(args.quick, only)
+    if only:  # a partial run: its own file, no plot or BENCHMARKS.md (they describe the whole run)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"bench_{'_'.join(only)}{'_quick' if args.quick else ''}.json"
+        path.write_text(json.dumps(res, indent=1) + "\n")
+        print_tables(res, make_console())
+        print(f"wrote {path} in {res['wall_seconds']:.0f} s")
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(res, indent=1) + "\n")

@@ -194,7 +194,40 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows = [[str(m["S"]), str(m["cp"]), m["mode"], ", ".join(_gib(x) for x in m["peak_rss_bytes_per_rank"]), _gib(sum(m["peak_rss_bytes_per_rank"])),
                  _gib(m["dense_mask_bytes_per_rank"]), _gib(m["dense_scores_bytes_per_rank"]), f"{m['step_seconds']:.1f}"]]
         out.append(("Memory at scale: varlen + needed-only, float32", ["S", "CP", "exchange", "peak RSS per rank", "sum", "dense mask/rank", "dense scores/rank", "step s"], rows))
+    if "hybrid" in res:
+        out += hybrid_tables(res["hybrid"])
     return out
+
+
+def hybrid_tables(h: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The Gated DeltaNet layer's figures (bench/hybrid.py): bytes per rank, CP 2 against single device and the
+    two baselines, peak memory at CP 4."""
+    lay = h["layer"]
+    goal = h["goals"]["cp2_over_single"]
+    rows = []
+    for r in h["rows"]:
+        over = r["over_single"]
+        rows.append([str(r["S"]), str(r["docs"]), f"{r['single_seconds']:.2f} (1 thread: {r['single_1thread_seconds']:.2f}; "
+                     f"CP 2 / its half {r['over_half_single_1thread']:.2f}x)",
+                     f"{r['seconds']['blockdiag']:.2f} ({over['blockdiag']:.2f}x, goal <= {goal:.2f}x: "
+                     f"{'met' if over['blockdiag'] <= goal else 'NOT met'})",
+                     f"{r['seconds']['allgather']:.2f} ({over['allgather']:.2f}x)", f"{r['seconds']['a2a_heads']:.2f} ({over['a2a_heads']:.2f}x)",
+                     " / ".join(str(b) for b in r["recv_bytes_per_rank"]["blockdiag"]),
+                     " / ".join(str(b) for b in (s + hh for s, hh in zip(r["summary_bytes_per_rank"], r["history_bytes_per_rank"]))),
+                     " / ".join(_mib(b) for b in r["recv_bytes_per_rank"]["allgather"]),
+                     " / ".join(_mib(b) for b in r["recv_bytes_per_rank"]["a2a_heads"])])
+    m = h["memory"]
+    mem_goal = h["goals"]["memory_over_quarter_single"]
+    return [
+        (f"Gated DeltaNet layer (conv width {lay['width']} + gated delta rule, Hk={lay['Hk']}, Hv={lay['Hv']}, K=V={lay['K']}, "
+         f"float32, {h['docs']}), CP 2 (2 processes x 1 thread) against one process with 2 threads, forward + backward",
+         ["S", "docs", "single s", "blockdiag CP 2 s", "all-gather s", "head a2a s", "blockdiag bytes recv/rank",
+          "plan: summaries + history", "all-gather MiB recv/rank", "head a2a MiB recv/rank"], rows),
+        (f"Gated DeltaNet layer: peak memory per rank at CP {m['cp']}, S={m['S']} (peak RSS increase of one step, fresh processes)",
+         ["per rank", "single device", "max / (single / CP)"],
+         [[", ".join(_mib(b) + " MiB" for b in m["peak_increase_bytes_per_rank"]), _mib(m["single_peak_increase_bytes"]) + " MiB",
+           f"{m['max_over_quarter_single']:.2f} (goal <= {mem_goal:.2f}: {'met' if m['max_over_quarter_single'] <= mem_goal else 'NOT met'})"]]),
+    ]
 
 
 def print_tables(res: dict, console) -> None:

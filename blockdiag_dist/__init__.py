@@ -2,10 +2,13 @@
 
 Main entry: :func:`make_cp_blockdiag_batch_and_ctx` shards a packed batch over a CP mesh and returns
 ``(train_ctx, batch)``; inside ``with train_ctx():`` route attention through :func:`cp_blockdiag_sdpa`
-(or wrap an unmodified model in :func:`sdpa_routing`). Same code on CPU/gloo and CUDA/NCCL.
+(or wrap an unmodified model in :func:`sdpa_routing`). Same code on CPU/gloo and CUDA/NCCL. Any other
+sequence mixer reads the step's documents from ``current_state().docs`` (:class:`RankDocs`).
 """
 
 from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
+from .docs import DocPlan, Piece, RankDocs, plan_documents
+from .mixers import causal_conv, gated_delta_rule
 from .options import configure_cp_varlen
 from .plan import ExchangePlan, ShardPlan, StepPlan, choose_layout, plan_exchange, plan_shards, plan_step
 from .runtime import cp_blockdiag_sdpa, sdpa_routing
@@ -14,18 +17,24 @@ from .state import AttentionNotRoutedError, PlanMismatchError, StepState, curren
 
 __all__ = [
     "AttentionNotRoutedError",
+    "DocPlan",
     "ExchangePlan",
     "PlanMismatchError",
+    "Piece",
+    "RankDocs",
     "ShardPlan",
     "StepPlan",
     "StepState",
     "_cp_blockdiag_doc_ids",
     "choose_layout",
     "configure_cp_varlen",
+    "causal_conv",
     "cp_blockdiag_sdpa",
     "current_state",
+    "gated_delta_rule",
     "gather_sequence",
     "make_cp_blockdiag_batch_and_ctx",
+    "plan_documents",
     "plan_exchange",
     "plan_shards",
     "plan_step",
@@ -33,3 +42,5 @@ __all__ = [
     "shard_tensor",
     "unshard",
 ]
+
+from .integrations import hf_mixers as _hf_mixers  # noqa: E402,F401 - registers the Gated DeltaNet installers

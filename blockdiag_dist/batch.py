@@ -175,6 +175,7 @@ def make_cp_blockdiag_batch_and_ctx(
     expect_attention: bool = True,
     shard_primary: bool = True,
     shard_vision: bool = False,
+    conv_widths: Sequence[int] | None = None,
 ) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
     """Shard a packed batch for block-diagonal CP and build the step state.
 
@@ -221,6 +222,9 @@ def make_cp_blockdiag_batch_and_ctx(
         shard_vision: with ``shard_primary=False``, a vision-language model's vision tower runs on this rank's
             share of the images (balanced by a modelled cost) instead of all of them, and a differentiable gather
             gives every rank the whole output (:mod:`blockdiag_dist.integrations.vision_shard`).
+        conv_widths: the widths of the model's causal convolutions (:func:`blockdiag_dist.mixers.causal_conv`):
+            their history exchanges are planned here, and a convolution wider than the widest is refused
+            (default: any width, planned on its first use in the step).
 
     Returns:
         ``(train_ctx, batch)``: ``train_ctx()`` is a context manager activating the step state (run forward
@@ -250,6 +254,11 @@ def make_cp_blockdiag_batch_and_ctx(
         )
     if not shard_primary:
         from .integrations import vlm  # noqa: F401  (registers the scan visitor that hooks decoder entries)
+    if conv_widths is not None and (
+        isinstance(conv_widths, (str, bytes)) or not isinstance(conv_widths, Sequence) or not conv_widths
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in conv_widths)
+    ):
+        raise ValueError(f"conv_widths: expected None or a non-empty sequence of convolution widths >= 1, got {conv_widths!r}")
     group, world, rank = _mesh_info(cp_mesh)
     key, B, S, device = _validate_batch(batch, loss_mask)
     doc_ids = _cp_blockdiag_doc_ids(batch, S, device, B)
@@ -268,6 +277,13 @@ def make_cp_blockdiag_batch_and_ctx(
         state.note(f"kernel {kernel_requested!r}: {substitution}")
     for left in lefts:
         state.agreed_window_plan(left)
+    state.docs  # noqa: B018 - the documents' plan, built here once per step (pure, no communication)
+    if conv_widths is not None:
+        from .mixers.conv import plan_conv
+
+        state.mixer_widths = frozenset(conv_widths)
+        for w in state.mixer_widths:
+            state.mixer_plan(("conv", w), lambda w=w: plan_conv(plan, rank, w, device))
 
     # ---- mutation starts here: everything above may raise, nothing below does ---------------------------
     shards = plan.shards

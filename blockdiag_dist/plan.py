@@ -245,6 +245,13 @@ class StepPlan:
         return padded_segments(self.layout, self.shards).flatten()
 
     @cached_property
+    def documents(self):
+        """The step's documents and every rank's pieces of them (:class:`blockdiag_dist.docs.DocPlan`)."""
+        from .docs import plan_documents
+
+        return plan_documents(self.layout, self.shards)
+
+    @cached_property
     def doc_starts(self) -> Tensor:
         """int64 ``[B * Sp]`` start position of the document of each flat id (-1 = padding)."""
         return padded_doc_starts(self.layout, self.shards).flatten()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import guard as _guard
+from .docs import RankDocs
 from .exchange import TrafficLog, a2a_kv, allgather_kv, halo_kv
 from .exchange.allgather import all_gather_tensor
 from .kernels.dense import DenseMeta, plan_dense
@@ -101,9 +102,13 @@ class StepState:
         self.shard_vision = shard_vision  # vision towers run on this rank's share of the images (integrations)
         self.decoder_entries = 0  # decoder entries sharded in this step (shard_primary=False)
         self.traffic = TrafficLog()
+        self.mixer_traffic = TrafficLog()  # what the mixers' exchanges moved: convolution histories, state summaries
+        self.mixer_widths: frozenset[int] | None = None  # convolution widths planned in the batch function (None: any)
         self.notes: list[str] = []  # fallbacks and substitutions that happened, with their reasons
         self._windows: dict[tuple[int, int], WindowPlan] = {}  # by (window left, chunk)
         self._agreed: set[tuple[int, int]] = set()  # windows whose plan the CP group compared (check_consensus)
+        self._mixer_plans: dict = {}  # plans of the sequence mixers (blockdiag_dist.mixers), built on first use
+        self._mixers_agreed: set[str] = set()  # mixer call signatures the CP group compared (check_consensus)
         self._lock = threading.RLock()
         self.guard = _guard.StepGuard(plan.shards.local_len, self.note)  # refuses layers not computed per document
 
@@ -125,6 +130,12 @@ class StepState:
     def positions(self) -> Tensor:
         """int64 ``[L]``: global positions of this rank's rows (``>= seq_len`` = CP padding)."""
         return self.plan.shards.positions[self.rank]
+
+    @property
+    def docs(self) -> RankDocs:
+        """The step's documents as this rank sees them, for any sequence mixer: global boundaries, this rank's
+        pieces and where each continues from and into (:class:`blockdiag_dist.docs.RankDocs`)."""
+        return self.plan.documents.for_rank(self.rank, self.device)
 
     # ---- notes ----------------------------------------------------------------------------------------
     def note(self, message: str) -> None:
@@ -221,12 +232,44 @@ class StepState:
             kernel_meta=meta.to(self.device),
         )
 
+    # ---- mixers' plans ----------------------------------------------------------------------------------
+    def mixer_plan(self, key: tuple, build):
+        """The plan of a sequence mixer under ``key``, built by ``build()`` on first use in the step (then cached;
+        thread-safe). Like :meth:`window_plan`, a pure function of the replicated plan: never communicates."""
+        plan = self._mixer_plans.get(key)
+        if plan is None:
+            with self._lock:
+                plan = self._mixer_plans.get(key)
+                if plan is None:
+                    plan = self._mixer_plans[key] = build()
+        return plan
+
+    def agree_mixer(self, signature: str) -> None:
+        """On the first call of a mixer with this ``signature`` (its kind, shapes, dtypes, options) in the step,
+        compare it across the CP group when ``check_consensus`` (one small all-gather; every rank calls it at the
+        same point): ranks that disagree would size their exchanges differently. Raises
+        :class:`PlanMismatchError` on every rank, naming each rank's signature."""
+        if not self.check_consensus or signature in self._mixers_agreed:
+            return
+        with self._lock:
+            if signature in self._mixers_agreed:
+                return
+            self._compare_fingerprints(f"mixer {signature}", lambda: signature)
+            self._mixers_agreed.add(signature)
+
     def _check_consensus(self, window_left: int, mode: str, chunk: int = -1) -> None:
         """All-gather a fingerprint of the plan; raise naming the ranks that disagree (instead of hanging)."""
+        self._compare_fingerprints(f"window left={window_left}{_chunk_text(chunk)}", None,
+                                   f"|{window_left}|{chunk}|{mode}|{self.kernel}")
+
+    def _compare_fingerprints(self, what: str, readable, extra: str = "") -> None:
+        """All-gather a fingerprint of the plan and ``what`` (+ ``extra``); on a mismatch raise on every rank,
+        naming the disagreeing ranks and, when ``readable`` is given, what each has (a second all-gather that
+        every rank enters, since every rank sees the mismatch)."""
         if self.group is None or self.world == 1:
             return
         h = hashlib.sha256(self.plan.fingerprint())
-        h.update(f"|{window_left}|{chunk}|{mode}|{self.kernel}".encode())
+        h.update(f"|{what}{extra}".encode())
         mine = int.from_bytes(h.digest()[:8], "little", signed=True)
         tensor = torch.tensor([mine], dtype=torch.int64, device=self.device)
         gathered = torch.empty(self.world, dtype=torch.int64, device=self.device)
@@ -237,9 +280,14 @@ class StepState:
             for r, v in enumerate(values):
                 by_value.setdefault(v, []).append(r)
             groups = "; ".join(f"ranks {ranks} have {v & 0xFFFFFFFF:08x}" for v, ranks in by_value.items())
+            if readable is not None:
+                texts: list = [None] * self.world
+                dist.all_gather_object(texts, readable(), group=self.group)
+                groups += " (" + "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts)) + ")"
             raise PlanMismatchError(
-                f"CP plan consensus failed (window left={window_left}{_chunk_text(chunk)}): expected one plan fingerprint on all "
-                f"{self.world} ranks, got {groups}. The ranks were given different doc ids, sizes or options."
+                f"CP plan consensus failed ({what.split(' ', 1)[0] if readable else what}): expected one plan "
+                f"fingerprint on all {self.world} ranks, got {groups}. The ranks were given different doc ids, "
+                "sizes or options."
             )
 
     # ---- the exchange ---------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """blockdiag_ref — the single-device truth for block-diagonal (per-document causal) attention.
 
 Main entries: :class:`DocLayout` (documents of packed rows), :func:`doc_ids_from_batch` (doc ids from a
-training batch) and :func:`reference_attention` (float64 per-document causal attention).
+training batch) and :func:`reference_attention` (float64 per-document causal attention); for hybrid models
+:func:`reference_causal_conv` and :func:`reference_gated_delta_rule` (float64, token by token per document).
 """
 
 from .attention import reference_attention
 from .batch import doc_ids_from_4d_mask, doc_ids_from_batch, doc_ids_from_position_ids
 from .layout import DocLayout, normalize_chunk, normalize_window
+from .recurrence import reference_causal_conv, reference_gated_delta_rule
 
 __all__ = [
     "DocLayout",
@@ -16,4 +18,6 @@ __all__ = [
     "normalize_chunk",
     "normalize_window",
     "reference_attention",
+    "reference_causal_conv",
+    "reference_gated_delta_rule",
 ]

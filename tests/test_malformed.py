@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockdiag_dist import configure_cp_varlen, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+from blockdiag_dist import causal_conv, configure_cp_varlen, cp_blockdiag_sdpa, gated_delta_rule, make_cp_blockdiag_batch_and_ctx
 from blockdiag_ref import DocLayout, reference_attention
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -63,6 +63,7 @@ BATCH_ROWS = [
     ("window-right", "a window with right > 0 under causal attention", lambda b: None, {"window_sizes": [(4, 2)]}, r"right must be <= 0 \(0 or -1\); got right=2"),
     ("mesh-type", "a mesh that is not a mesh", lambda b: None, {"cp_mesh": "cp"}, "cp_mesh: expected a 1-D DeviceMesh, a ProcessGroup or None, got str"),
     ("batch-type", "a batch that is not a dict", None, {}, "batch: expected a dict of tensors, got list"),
+    ("conv-widths", "`conv_widths` that are not widths >= 1", lambda b: None, {"conv_widths": [4, 0]}, r"conv_widths: expected None or a non-empty sequence of convolution widths >= 1, got \[4, 0\]"),
 ]
 
 
@@ -117,10 +118,27 @@ SDPA_ROWS = [
     ("dropout-range", "`dropout_p` outside [0, 1]", qkv(OK), {"enable_gqa": True, "dropout_p": 1.5}, "expected 0 <= dropout_p <= 1, got 1.5"),
 ]
 
+def gdr_inputs(L=7, Hk=2, Hv=4, K=3, V=2, dtype=torch.float64):
+    return [torch.zeros(2, L, Hk, K, dtype=dtype), torch.zeros(2, L, Hk, K, dtype=dtype), torch.zeros(2, L, Hv, V, dtype=dtype),
+            torch.zeros(2, L, Hv, dtype=dtype), torch.zeros(2, L, Hv, dtype=dtype)]
+
+
+# id, what is malformed, the call under an active step (CP 1, B = 2, L = 7, conv_widths=[4]), expected message
+MIXER_ROWS = [
+    ("conv-shard", "a convolution given a tensor that is not this rank's shard", lambda: causal_conv(torch.zeros(2, 6, 5), torch.zeros(5, 4)), r"causal_conv: x expected this rank's shard \[B=2, L=7, ...\] of the active step, got \(2, 6, 5\)"),
+    ("conv-weight", "a convolution weight that is not depthwise", lambda: causal_conv(torch.zeros(2, 7, 5), torch.zeros(5, 2, 4)), r"expected a depthwise weight \[C, W\] or \[C, 1, W\] with C = 5 channels of x, got \(5, 2, 4\)"),
+    ("conv-too-wide", "a convolution wider than the history the step planned", lambda: causal_conv(torch.zeros(2, 7, 5), torch.zeros(5, 6)), r"expected a width of at most 4, the history the step planned \(W - 1 = 3 tokens: conv_widths=\[4\].*got width 6"),
+    ("gdr-shard", "gated delta rule inputs that are not this rank's shard", lambda: gated_delta_rule(*gdr_inputs(L=5)), r"gated_delta_rule: q expected this rank's shard \[B=2, L=7, ...\] of the active step, got \(2, 5, 2, 3\)"),
+    ("gdr-heads", "value heads not a multiple of the key heads", lambda: gated_delta_rule(*gdr_inputs(Hv=3)), "expected the value heads a multiple of the key heads, got Hv=3, Hk=2"),
+    ("gdr-state-dtype", "a recurrent state (summary) dtype below float32", lambda: gated_delta_rule(*gdr_inputs(), state_dtype=torch.bfloat16), r"state_dtype expected one of \['torch.float32', 'torch.float64'\].*got torch.bfloat16"),
+    ("gdr-integer", "integer inputs to the gated delta rule", lambda: gated_delta_rule(*gdr_inputs(dtype=torch.int64)), "q expected a floating dtype, got torch.int64"),
+]
+
 OTHER_ROWS = [
     ("configure-name", "an unknown name given to `configure_cp_varlen`", lambda: configure_cp_varlen(attn_backend="xformers"), "attn_backend: expected one of 'auto', 'varlen', 'flash'.*got 'xformers'"),
     ("reference-gqa", "`reference_attention` with Hq != Hkv and no `enable_gqa`", lambda: reference_attention(*qkv(OK), torch.ones(2, 7, dtype=torch.long)), "needs enable_gqa=True"),
     ("layout-lengths", "a document of length 0 in `DocLayout.from_seqlens`", lambda: DocLayout.from_seqlens([3, 0]), r"expected document lengths >= 1 \(ints\), got row 0 = \[3, 0\]"),
+    ("mixer-no-step", "a mixer called outside a CP step", lambda: causal_conv(torch.zeros(2, 7, 5), torch.zeros(5, 4)), r"causal_conv: expected an active CP step .*got none"),
 ]
 
 
@@ -156,6 +174,13 @@ def test_attention_rejects_malformed_inputs(tensors, kwargs, match):
         cp_blockdiag_sdpa(*tensors, **{"is_causal": True, **kwargs})
 
 
+@pytest.mark.parametrize("call, match", [pytest.param(c, m, id=i) for i, _, c, m in MIXER_ROWS])
+def test_mixers_reject_malformed_inputs(call, match):
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, good_batch(), conv_widths=[4], expect_attention=False)
+    with ctx(), pytest.raises(ValueError, match=match):
+        call()
+
+
 @pytest.mark.parametrize("call, match", [pytest.param(c, m, id=i) for i, _, c, m in OTHER_ROWS])
 def test_other_entry_points_reject_malformed_inputs(call, match):
     try:
@@ -170,7 +195,7 @@ def test_readme_table_lists_every_case():
     text = README.read_text()
     section = text.split("## Malformed input", 1)[1].split("\n## ", 1)[0]
     readme_ids = re.findall(r"^\| `([a-z0-9-]+)` \|", section, re.M)
-    test_ids = [r[0] for r in BATCH_ROWS + SDPA_ROWS + OTHER_ROWS]
+    test_ids = [r[0] for r in BATCH_ROWS + SDPA_ROWS + MIXER_ROWS + OTHER_ROWS]
     assert len(test_ids) >= 15 and len(set(test_ids)) == len(test_ids)
     assert sorted(readme_ids) == sorted(test_ids)
 

@@ -12,13 +12,15 @@ import shlex
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Case", "LONG_LAYOUTS", "NAMED_LAYOUTS", "default_matrix", "format_rows", "long_cases", "parse_rows"]
+__all__ = ["Case", "LAYERS", "LONG_LAYOUTS", "NAMED_LAYOUTS", "default_matrix", "format_rows", "long_cases", "mixer_matrix",
+           "parse_rows"]
 
 Rows = tuple[tuple[tuple[int, int], ...], ...]  # rows of (doc id, run length)
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 SOURCES = ("packed", "mask4d", "mask2d")
 CHECKPOINTS = ("none", "reentrant", "nonreentrant")
+LAYERS = ("attention", "conv", "gated_delta")  # the layer a case judges (verify.runner; verify.mixers for the others)
 
 
 def parse_rows(text: str) -> Rows:
@@ -82,11 +84,17 @@ class Case:
     checkpoint: str = "none"  # activation checkpointing around the attention call: none | reentrant | nonreentrant
     backend: str | None = None  # SDPA backend forced on the implementation (e.g. "math"); None = torch's choice
     gain: float = 2.0  # gain of the q and k projections: scores have a standard deviation of about gain ** 2
+    layer: str = "attention"  # attention | conv (causal depthwise convolution) | gated_delta (Gated DeltaNet)
+    width: int = 4  # the convolution's width (layer conv)
     sinks: bool = False  # attention sinks: one learned logit per query head (drawn ~ N(0, 2^2)), its gradient checked
     softcap: float = 0.0  # logit soft-capping softcap * tanh(scores / softcap); 0 = none
     chunk: int = -1  # chunked local attention: chunks of this many positions from each document's start; -1 = none
 
     def __post_init__(self) -> None:
+        if self.layer not in LAYERS:
+            raise ValueError(f"layer: expected one of {LAYERS}, got {self.layer!r}")
+        if self.width < 1:
+            raise ValueError(f"width: expected a convolution width >= 1, got {self.width}")
         if self.cp < 1:
             raise ValueError(f"cp: expected >= 1, got {self.cp}")
         if self.hq % self.hkv:
@@ -130,6 +138,9 @@ class Case:
         ckpt = f" ckpt-{self.checkpoint}" if self.checkpoint != "none" else ""
         sdpa = f" sdpa-{self.backend}" if self.backend else ""
         gain = f" gain{self.gain:g}" if self.gain != 2.0 else ""
+        if self.layer != "attention":
+            kind = f"conv w{self.width} C{self.hq * self.dim}" if self.layer == "conv" else f"gdr {self.hq}:{self.hkv}x{self.dim}"
+            return f"{kind} {self.name} cp{self.cp} {self.layout or ''} {self.dtype}{ckpt}".replace("  ", " ")
         var = ("" if not self.sinks else " sinks") + (f" cap{self.softcap:g}" if self.softcap > 0 else "") + (
             f" chunk{self.chunk}" if self.chunk > 0 else "")
         return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win}{var} {opts} {self.dtype} {self.source}{ckpt}{sdpa}{gain}".replace("  ", " ")
@@ -153,6 +164,8 @@ class Case:
             a += ["--softcap", repr(self.softcap)]
         if self.chunk > 0:
             a += ["--chunk", str(self.chunk)]
+        if self.layer != "attention":
+            a += ["--layer", self.layer] + (["--width", str(self.width)] if self.layer == "conv" else [])
         for flag, value in (("--kernel", self.kernel), ("--exchange", self.exchange), ("--layout", self.layout)):
             if value:
                 a += [flag, value]
@@ -187,6 +200,8 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default="none", choices=CHECKPOINTS)
     p.add_argument("--gain", type=float, default=2.0, help="q/k projection gain; scores have std ~ gain**2 (peaked softmax from ~4)")
     p.add_argument("--sdpa-backend", default=None, help="force the implementation onto one SDPA backend (math, flash_attention, ...)")
+    p.add_argument("--layer", default="attention", choices=LAYERS, help="the layer judged: attention, or a mixer of hybrid models")
+    p.add_argument("--width", type=int, default=4, help="the convolution's width (--layer conv)")
     p.add_argument("--sinks", action="store_true", help="attention sinks: one learned logit per query head")
     p.add_argument("--softcap", type=float, default=0.0, help="logit soft-capping softcap * tanh(scores / softcap)")
     p.add_argument("--chunk", type=int, default=-1, help="chunked local attention: chunk length from each document's start")
@@ -198,6 +213,7 @@ def case_from_args(ns: argparse.Namespace) -> Case:
         rows=parse_rows(ns.rows), cp=ns.cp, name=ns.name, hq=int(hq), hkv=int(hkv or hq), dim=ns.dim,
         window=ns.window, kernel=ns.kernel, exchange=ns.exchange, layout=ns.layout, dtype=ns.dtype, seed=ns.seed,
         source=ns.source, hidden=ns.hidden, checkpoint=ns.checkpoint, backend=ns.sdpa_backend, gain=ns.gain,
+        layer=ns.layer, width=ns.width,
         sinks=ns.sinks, softcap=ns.softcap, chunk=ns.chunk,
     )
 
@@ -315,6 +331,34 @@ def default_matrix(
                             k += 1
                             if applicable is None or applicable(case):
                                 yield case
+
+
+MIXER_HEADS = ((2, 2), (4, 2), (3, 1))  # gated delta rule: (value heads, key heads)
+MIXER_WIDTHS = (4, 2, 4, 3)  # convolution widths, rotating (4 is Qwen3-Next's)
+
+
+def mixer_matrix(
+    cps: Sequence[int] = (1, 2, 3, 4, 8),
+    dtypes: Sequence[str] = ("float64", "float32"),
+    layouts: Sequence[str | None] = (None,),
+    layers: Sequence[str] = ("conv", "gated_delta"),
+) -> Iterator[Case]:
+    """Every named layout at every CP size once per mixer layer; layout, dtype, heads, widths and activation
+    checkpointing rotate across the cases (a mixer's plan depends on the layout and CP size, not on an exchange
+    or a kernel option: one case per layout and CP size covers it)."""
+    k = 0
+    for cp in cps:
+        for name, make in NAMED_LAYOUTS.items():
+            if name == "s-lt-cp" and cp == 1:
+                continue
+            rows = make(cp)
+            for layer in layers:
+                hq, hkv = MIXER_HEADS[k % len(MIXER_HEADS)]
+                yield Case(rows=rows, cp=cp, name=name, hq=hq, hkv=hkv, dim=DIMS[(k // 3) % len(DIMS)],
+                           layout=layouts[k % len(layouts)], dtype=dtypes[(k // len(layers)) % len(dtypes)], seed=k,
+                           checkpoint=CHECKPOINT_CYCLE[(k // 5) % len(CHECKPOINT_CYCLE)], layer=layer,
+                           width=MIXER_WIDTHS[(k // 2) % len(MIXER_WIDTHS)])
+                k += 1
 
 
 # Long layouts: pieces in every varlen size-class regime (exact up to 16, multiples of 16 up to 128, then

@@ -29,6 +29,7 @@ from rich.console import Console
 
 from .cases import (
     GROWTH_LIMIT, Case, add_case_arguments, case_from_args, default_matrix, error_growth, growth_cases, long_cases,
+    mixer_matrix,
 )
 from .launch import under_torchrun
 from .report import Reporter, make_console, write_json
@@ -174,6 +175,10 @@ def build_matrix(info, args) -> list[Case]:
     cases += [c for c in long_cases(cps=cps, dtypes=dtypes, layouts=layouts, kernel=long_kernel) if applicable(info, c)]
     if "float32" in dtypes and 1 in cps and max(cps) > 1:  # float32 error must not grow with the CP size
         cases += [c for c in growth_cases(cps=sorted({1, *cps})) if applicable(info, c)]
+    if info.mixers:  # the sequence mixers of hybrid models: each named layout once per CP size and mixer
+        mixer_dtypes = tuple(d for d in dtypes if d in ("float64", "float32")) or ("float32",)
+        cases += [c for c in mixer_matrix(cps=cps, dtypes=mixer_dtypes, layouts=layouts, layers=sorted(info.mixers))
+                  if applicable(info, c)]
     if args.filter:
         cases = [c for c in cases if args.filter in c.label()]
     return cases

@@ -51,7 +51,7 @@ def exchange_metrics(case: Case, per_rank: Sequence[dict[str, Any]]) -> dict[str
     for r, info in enumerate(per_rank):
         rows = torch.tensor(info["real_positions"], dtype=torch.int64).view(-1, 2)
         owner[rows[:, 0], rows[:, 1]] = r
-    needed = needed_from_reference(ids, owner, world, case.window, case.chunk)
+    needed = needed_from_reference(ids, owner, world, per_rank[0].get("window", case.window), case.chunk)  # a convolution's window: W - 1
     bad, worst = [], 0
     for r, info in enumerate(per_rank):
         mode = info.get("mode")

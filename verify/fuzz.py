@@ -6,7 +6,9 @@ Drawn: CP size, batch rows, sequence length, document runs (ids 0-4, so padding 
 heads (MHA / GQA / MQA), head dim, window, and every kernel / exchange / layout the implementation offers,
 dtype, doc-id source, activation checkpointing, seed, the q/k projection gain (scores' standard deviation
 is about gain squared: up to 25, where the softmax is peaked and float32 kernels differ most), and the attention
-variants the implementation offers (sinks, soft-capping, chunks).
+variants the implementation offers (sinks, soft-capping, chunks). A third of the cases judge a mixer of hybrid
+models instead of attention (the convolution, of width 1-5, or the gated delta rule), when the implementation
+offers them.
 
 ``--long`` draws long rows instead (documents up to 1,100 tokens, so every varlen size class and the exact
 path above 1,024 tokens), at small heads; ``--budget`` bounds the wall time of either.
@@ -78,6 +80,13 @@ def case_strategy(info, max_cp: int = 8, max_len: int = 40, applicable=None, lon
         )
         if applicable is not None and not applicable(info, case):
             case = Case(**{**case.__dict__, "exchange": "auto"})  # halo is offered only where it applies
+        mixers = sorted(getattr(info, "mixers", ()))
+        if mixers and not long and draw(st.integers(0, 2)) == 0:  # a third of the cases judge a mixer instead
+            layer = draw(st.sampled_from(mixers))
+            hkv = case.hkv
+            case = Case(**{**case.__dict__, "layer": layer, "width": draw(st.integers(1, 5)), "window": -1,
+                           "kernel": None, "exchange": None, "hq": hkv * draw(st.sampled_from([1, 2])),
+                           "gain": 2.0, "source": "packed", "sinks": False, "softcap": 0.0, "chunk": -1})
         return case
 
     return draw_case()

@@ -72,8 +72,13 @@ class ImplInfo:
         sdpa_params = set(inspect.signature(self.sdpa).parameters)
         self.windows = "window_size" in sdpa_params
         self.variants = {v for v, kw in VARIANT_KWARGS.items() if kw in sdpa_params}
+        from .mixers import MIXER_LAYERS
+
+        self.mixers = {layer for layer, fn in MIXER_LAYERS.items() if callable(getattr(self.module, fn, None))}
 
     def supports(self, case: Case) -> bool:
+        if case.layer != "attention":
+            return case.layer in self.mixers and (case.layout is None or "layout" in self.options)
         wanted = {"kernel": case.kernel, "kv_exchange": case.exchange, "layout": case.layout}
         if any(v is not None and k not in self.options for k, v in wanted.items()):
             return False
@@ -369,7 +374,12 @@ def expected_results(
     """The reference (float64) and, below float64, the single-device baseline of a case on every SDPA backend
     of the device: ``{"ref": results, "base": {backend: results} | None, "default_backend": name | None,
     "refused": {backend: message}}``. ``inputs`` replaces the case's own (e.g. reordered tokens) and
-    ``restore`` maps each result back (both for re-checks under another convention, ``verify.classify``)."""
+    ``restore`` maps each result back (both for re-checks under another convention, ``verify.classify``).
+    A mixer case's are :func:`verify.mixers.mixer_expected`'s."""
+    if case.layer != "attention":
+        from .mixers import mixer_expected
+
+        return mixer_expected(case, device, inputs, restore)
     device = torch.device(device)
     inputs = make_inputs(case) if inputs is None else inputs
     restore = restore or (lambda res: res)
@@ -429,9 +439,13 @@ def check_case(
     case: Case, impl: ImplInfo, cp_mesh, rank: int, world: int, device: torch.device, expected: dict | None = None
 ) -> dict:
     """Run the implementation on this rank and compare with ``expected`` (computed here when not given)."""
+    expected = unpack_expected(pack_expected(expected_results(case, device)) if expected is None else expected)
+    if case.layer != "attention":
+        from .mixers import check_mixer_case
+
+        return check_mixer_case(case, impl, cp_mesh, rank, world, device, expected)
     dtype = getattr(torch, case.dtype)
     inputs = make_inputs(case)
-    expected = unpack_expected(pack_expected(expected_results(case, device)) if expected is None else expected)
     ref, base = expected["ref"], expected["base"]  # host tensors: every comparison runs on the host
     used = case.backend or expected["default_backend"]
     run = _run_impl(case, impl, inputs, dtype, device, cp_mesh)
@@ -499,6 +513,10 @@ def summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> dict[str
     """Check the quantities summed over ranks (grads of inputs_embeds and of the weights, the loss): the sum
     of every rank's contribution, in float64 and rank order, against the reference. A rank whose part never
     received a gradient contributes nothing; no gradient on any rank fails."""
+    if case.layer != "attention":
+        from .mixers import mixer_summed_metrics
+
+        return mixer_summed_metrics(case, per_rank, expected)
     ref, base = expected["ref"], expected["base"]
     used = case.backend or expected.get("default_backend")
     m = _Metrics(case.dtype)

@@ -354,7 +354,8 @@ def judge(case: ModelCase, ref: Reference, per_rank: list[dict[str, Any]]) -> Mo
     v["truth"] = variant
     if got.targets != truth.step.targets:
         v["ok"] = False
-    if not v["ok"] and case.dtype == "float64" and not case.exact and "mixers64" in ref.variants():
+    if not v["ok"] and not case.exact and "mixers64" in ref.variants():  # below float64 too: the stock truth
+        # carries the mixer's own float32 rounding, which an implementation computing it in its own order cannot reproduce
         other = _compare_all(ref, rows, case.dtype, ref.truth(rows, "mixers64"), got, got_out, got_inp, model, "mixers64")
         if other["ok"] and got.targets == truth.step.targets:
             other["targets"], other["truth"] = v["targets"], "mixers64"

@@ -216,9 +216,9 @@ class Reference:
 
     # -- baselines --
     def baseline(self, rows, dtype: str, variant: str = "stock") -> Baseline | None:
-        """The baseline of ``dtype`` (None for float64 when the model computes nothing below float64); float32 is
-        judged against the stock truth."""
-        variant = variant if dtype == "float64" else "stock"
+        """The baseline of ``dtype`` (None for float64 when the model computes nothing below float64). Below
+        float64 it is the model as shipped, in ``dtype``, against the truth of ``variant`` (with ``"mixers64"``
+        its error includes what the stock mixer's float32 path itself costs)."""
         key = (rows, dtype, variant)
         if key in self._base:
             return self._base[key]

@@ -23,6 +23,17 @@ same code with one bug that CP systems are known to ship:
 | `chunk_from_row`   | chunk boundaries counted from the row's start, not each document's      | fail             |
 | `softcap_after_softmax` | ``softcap * tanh(.)`` applied to the probabilities, not the scores | fail             |
 
+The mixers of hybrid models (``--layer conv`` / ``--layer gated_delta`` cases; ``verify.mutants._mixers``):
+blockdiag_dist itself with one mistake in its convolution or gated delta rule.
+
+| module                     | bug                                                                  | verifier reports |
+| -------------------------- | -------------------------------------------------------------------- | ---------------- |
+| `mixer_state_leak`         | the recurrence runs over each row's real tokens: state leaks across documents | fail     |
+| `mixer_reset_late`         | a document's state is reset one token late                            | fail             |
+| `mixer_summary_bf16`       | continuing documents' summaries exchanged and folded in bfloat16      | fail (float32)   |
+| `mixer_conv_unmasked`      | the convolution's history is not masked by document                   | fail             |
+| `mixer_history_wrong_rank` | the history is the previous rank's last rows (right only for contiguous shards of long pieces) | fail |
+
 Classed by ``verify.classify`` (as third-party code is): ``off_by_one``, ``no_grad_reduce``,
 ``leak_across_docs``, ``nonzero_padding``, ``short_straddle``, ``kv_scale`` and the three variant bugs
 (``sinks_ignored``, ``chunk_from_row``, ``softcap_after_softmax``, on cases with the variant) are bugs, ``skip_collective`` a hang,

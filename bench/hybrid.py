@@ -1,0 +1,251 @@
+"""Benchmark of a Gated DeltaNet layer under CP (``python -m bench --only hybrid``): its short convolution and
+its gated delta rule, from the convolution's input ``mixed [1, L, C]`` and the gates ``g, beta [1, L, Hv]`` to
+the recurrence's output ``[1, L, Hv, V]``, forward and backward, over long-tail packed documents.
+
+Three ways to run the layer on a CP group (each rank holds its contiguous ``L = S / W`` rows):
+
+- ``blockdiag``: :func:`blockdiag_dist.mixers.causal_conv` and :func:`~blockdiag_dist.mixers.gated_delta_rule`
+  (the convolution's history and the summaries of continuing documents, needed-only);
+- ``allgather``: every rank all-gathers the layer's inputs (what NeMo Automodel's load-balanced path does with
+  the hidden states), runs the layer per document over the whole sequence and keeps its rows; backward
+  reduce-scatters the gradients;
+- ``a2a_heads``: head-parallel (Megatron's): an all-to-all turns sequence shards into head shards (each rank the
+  whole sequence for ``Hv / W`` value heads and ``Hk / W`` key heads), the layer runs per document, a second
+  all-to-all brings the outputs back; needs the heads divisible by ``W``.
+
+Figures: bytes each rank receives per forward (blockdiag's: histories and summaries, flat in S), the CP 2 step
+against the single-device layer on the same cores (one process with both threads), and each rank's peak memory
+at CP 4 against a quarter of the single-device layer's (each in a fresh process: peak RSS minus RSS before).
+
+Shape legend: S sequence, W CP size, L = S / W, C = 2 Hk K + Hv V channels, Hk / Hv key / value heads.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from blockdiag_dist import make_cp_blockdiag_batch_and_ctx
+from blockdiag_dist.exchange import TrafficLog, a2a_kv, allgather_kv
+from blockdiag_dist.mixers import causal_conv, gated_delta_rule
+from blockdiag_dist.plan import plan_step
+from verify.pool import WorkerPool, worker_info
+
+from verify.workloads import layout_of, long_tail
+
+__all__ = ["HK", "HV", "K", "V", "WIDTH", "bench_hybrid"]
+
+HK, HV, K, V, WIDTH = 4, 8, 32, 32, 4
+C = 2 * HK * K + HV * V
+METHODS = ("blockdiag", "allgather", "a2a_heads")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _ids(S: int, seed: int) -> torch.Tensor:
+    return layout_of(long_tail(S, seed)).doc_ids
+
+
+def _layer(mixed, g, beta, weight, state):
+    """The layer on one state's rows: ``mixed [B, L, C]``, ``g, beta [B, L, Hv]`` -> ``[B, L, Hv, V]``."""
+    B, L, _ = mixed.shape
+    hk = (mixed.shape[-1] - g.shape[-1] * V) // (2 * K)
+    x = causal_conv(mixed, weight, None, "silu", state=state)
+    q, k, v = torch.split(x, [hk * K, hk * K, g.shape[-1] * V], dim=-1)
+    return gated_delta_rule(q.reshape(B, L, hk, K), k.reshape(B, L, hk, K), v.reshape(B, L, -1, V), g, beta, state=state)
+
+
+def _single_state(ids: torch.Tensor):
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(*ids.shape, 1), "_packed_seq_ids": ids},
+                                             expect_attention=False, conv_widths=[WIDTH])
+    return ctx.state
+
+
+def _head_channels(rank: int, world: int) -> torch.Tensor:
+    """The channels of ``mixed`` that rank ``rank``'s heads read: its q, k and v heads."""
+    hk, hv = HK // world, HV // world
+    q = torch.arange(rank * hk * K, (rank + 1) * hk * K)
+    return torch.cat([q, q + HK * K, 2 * HK * K + torch.arange(rank * hv * V, (rank + 1) * hv * V)])
+
+
+class _Step:
+    """One method's forward + backward on this rank's rows (inputs built once, grads recomputed every call)."""
+
+    def __init__(self, method: str, S: int, seed: int, mesh, dtype: torch.dtype = torch.float32) -> None:
+        self.method = method
+        ids = _ids(S, seed)
+        group = None if mesh is None else mesh.get_group()
+        world = 1 if group is None else dist.get_world_size(group)
+        rank = 0 if group is None else dist.get_rank(group)
+        ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": torch.zeros(1, S, 1), "_packed_seq_ids": ids},
+                                                 expect_attention=False, conv_widths=[WIDTH])
+        self.state, self.group, self.world, self.rank = ctx.state, group, world, rank
+        L = ctx.state.local_len
+        gen = torch.Generator().manual_seed(seed * 100 + rank)
+        self.mixed = torch.randn(1, L, C, generator=gen, dtype=dtype).requires_grad_()
+        self.g = (-torch.rand(1, L, HV, generator=gen, dtype=dtype)).requires_grad_()
+        self.beta = torch.rand(1, L, HV, generator=gen, dtype=dtype).requires_grad_()
+        self.grad_out = torch.randn(1, L, HV, V, generator=gen, dtype=dtype)
+        shared = torch.Generator().manual_seed(seed)  # a parameter: the same on every rank
+        self.weight = (torch.randn(C, WIDTH, generator=shared, dtype=dtype) / WIDTH).requires_grad_()
+        self.traffic = TrafficLog()
+        if method != "blockdiag":  # the whole (padded) sequence, on one rank
+            self.full = _single_state(torch.nn.functional.pad(ids, (0, world * L - S)))
+
+    def forward(self):
+        if self.method == "blockdiag":
+            return _layer(self.mixed, self.g, self.beta, self.weight, self.state)
+        L, W = self.mixed.shape[1], self.world
+        if self.method == "allgather":
+            tok = torch.cat([self.mixed[0], self.g[0], self.beta[0]], dim=1)  # [L, C + 2 Hv]
+            full = tok if W == 1 else allgather_kv(tok, self.group, W, self.traffic)  # [W * L, F], global order
+            mixed, g, beta = torch.split(full[None], [C, HV, HV], dim=-1)
+            out = _layer(mixed, g, beta, self.weight, self.full)
+            return out[:, self.rank * L:(self.rank + 1) * L]
+        # a2a_heads: sequence shards -> head shards -> sequence shards
+        hv = HV // W
+        chans = [_head_channels(d, W) for d in range(W)]
+        tok = torch.cat([torch.cat([self.mixed[0][:, chans[d]], self.g[0][:, d * hv:(d + 1) * hv],
+                                    self.beta[0][:, d * hv:(d + 1) * hv]], 1) for d in range(W)])  # [W * L, F_d]
+        rows = torch.arange(W * L)
+        mine = a2a_kv(tok, rows, [L] * W, [L] * W, self.group, self.traffic) if W > 1 else tok  # [S, F_d]
+        c = chans[self.rank].numel()
+        mixed, g, beta = torch.split(mine[None], [c, hv, hv], dim=-1)
+        out = _layer(mixed, g, beta, self.weight[chans[self.rank]], self.full)  # [1, S, hv, V]
+        back = a2a_kv(out[0].reshape(W * L, hv * V), rows, [L] * W, [L] * W, self.group, self.traffic) if W > 1 else out[0].reshape(W * L, -1)
+        return back.view(W, L, hv, V).permute(1, 0, 2, 3).reshape(1, L, HV, V)
+
+    def __call__(self) -> None:
+        out = self.forward()
+        torch.autograd.grad(out, (self.mixed, self.g, self.beta, self.weight), self.grad_out)
+
+    def recv_bytes(self) -> int:
+        """Bytes this rank received in its last forward."""
+        log = self.state.mixer_traffic if self.method == "blockdiag" else self.traffic
+        return sum(e.recv_bytes for e in log.entries if e.phase == "forward")
+
+
+def _timed(steps: dict[str, _Step], reps: int, barrier: bool) -> dict[str, float]:
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    for rep in range(reps + 1):
+        for name, step in steps.items():
+            if barrier:
+                dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            if barrier:
+                dist.barrier()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def cp_times(S: int, seed: int, methods: tuple[str, ...], reps: int) -> dict:
+    """On every rank of a pool: each method's median step (between barriers: the slowest rank's), and the bytes
+    this rank received in one forward."""
+    mesh = worker_info()["cp_mesh"]
+    torch.set_num_threads(1)
+    steps = {m: _Step(m, S, seed, mesh) for m in methods}
+    for step in steps.values():  # one step each, alone, to count the bytes of one forward
+        step.state.mixer_traffic.clear()
+        step.traffic.clear()
+        step()
+    bytes_ = {m: s.recv_bytes() for m, s in steps.items()}
+    return {"seconds": _timed(steps, reps, barrier=True), "recv_bytes": bytes_, "local_len": steps[methods[0]].state.local_len}
+
+
+def single_times(S: int, seed: int, reps: int, threads: int) -> float:
+    torch.set_num_threads(threads)
+    return _timed({"single": _Step("blockdiag", S, seed, None)}, reps, barrier=False)["single"]
+
+
+def peak_memory(S: int, seed: int, method: str = "blockdiag") -> dict:
+    """Peak RSS increase of one step in a fresh process (a pool rank, or the single device with no pool): from the
+    RSS once the step's plans and inputs exist to the process's peak after forward and backward (the plans'
+    own transient peak, if higher, is reported as ``setup_peak_bytes``)."""
+    env = worker_info()
+    torch.set_num_threads(1)
+    start = _rss_bytes()
+    step = _Step(method, S, seed, env.get("cp_mesh") if env else None)
+    before = _rss_bytes()
+    setup_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
+    step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_increase_bytes": peak - before, "setup_bytes": before - start, "setup_peak_bytes": setup_peak - start,
+            "step_above_setup_peak": peak > setup_peak, "seconds": time.perf_counter() - t0}
+
+
+def _single_memory(S: int, seed: int, timeout: float) -> dict:
+    with WorkerPool(1, collective_timeout=timeout) as pool:  # a fresh process, as the ranks are
+        return pool.run(peak_memory, args=(S, seed), timeout=timeout, name=f"single memory S{S}")[0]
+
+
+def summary_bytes(plan, rank: int) -> int:
+    """The summaries' bytes rank ``rank`` receives per forward by the step plan ``plan`` (float32)."""
+    from blockdiag_dist.mixers import plan_recurrence
+
+    rec = plan_recurrence(plan.documents, rank)
+    return 4 * sum(rec.recv_splits(HV * K * V, HV * K * K)) if rec.any_traffic else 0
+
+
+def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_cp: int = 4, seed: int = 0,
+                 rounds: int = 2, timeout: float = 3000.0, console=None) -> dict:
+    """Every figure of the hybrid section (see the module docstring)."""
+    say = console.print if console is not None else print
+    rows = []
+    with WorkerPool(2, collective_timeout=timeout) as pool:
+        for S in sizes:
+            t0 = time.perf_counter()
+            cp, single, single1 = [], [], []
+            for _ in range(rounds):  # alternate CP 2 and single device, so that the machine's drift hits both
+                cp.append(pool.run(cp_times, args=(S, seed, METHODS, reps), timeout=timeout, name=f"hybrid cp2 S{S}"))
+                single.append(single_times(S, seed, reps, threads=2))
+                single1.append(single_times(S, seed, reps, threads=1))
+            seconds = {m: statistics.median(r[0]["seconds"][m] for r in cp) for m in METHODS}
+            one, one1 = statistics.median(single), statistics.median(single1)
+            plan = plan_step(_ids(S, seed), 2, "contiguous")
+            row = {
+                "S": S, "cp": 2, "docs": len(long_tail(S, seed)), "single_seconds": one, "single_1thread_seconds": one1,
+                "over_half_single_1thread": seconds["blockdiag"] / (one1 / 2),
+                "seconds": seconds, "over_single": {m: seconds[m] / one for m in METHODS},
+                "recv_bytes_per_rank": {m: [rk["recv_bytes"][m] for rk in cp[0]] for m in METHODS},
+                "summary_bytes_per_rank": [summary_bytes(plan, r) for r in range(2)],
+                "history_bytes_per_rank": [plan.exchange(WIDTH - 1).needed_tokens()[r] * C * 4 for r in range(2)],
+                "section_seconds": time.perf_counter() - t0,
+            }
+            rows.append(row)
+            say(f"bench hybrid: S={S}: CP 2 / single = {row['over_single']['blockdiag']:.3f} "
+                f"(single {one:.2f} s), bytes per rank {row['recv_bytes_per_rank']['blockdiag']}")
+    with WorkerPool(mem_cp, collective_timeout=timeout) as pool:
+        per_rank = pool.run(peak_memory, args=(mem_S, seed), timeout=timeout, name=f"hybrid memory cp{mem_cp}")
+    single = _single_memory(mem_S, seed, timeout)
+    memory = {
+        "S": mem_S, "cp": mem_cp, "peak_increase_bytes_per_rank": [r["peak_increase_bytes"] for r in per_rank],
+        "single_peak_increase_bytes": single["peak_increase_bytes"],
+        "max_over_quarter_single": max(r["peak_increase_bytes"] for r in per_rank) / (single["peak_increase_bytes"] / mem_cp),
+        "single_seconds": single["seconds"], "cp_seconds": max(r["seconds"] for r in per_rank),
+    }
+    return {"layer": {"Hk": HK, "Hv": HV, "K": K, "V": V, "width": WIDTH, "channels": C, "dtype": "float32"},
+            "docs": "long-tail, <= 2048 tokens", "rows": rows, "memory": memory,
+            "goals": {"cp2_over_single": 1.10, "memory_over_quarter_single": 1.2}}
+
+
+def baseline_agreement(S: int, seed: int, dtype: str = "float32") -> dict:
+    """On every rank: the largest difference between the baselines' outputs and blockdiag's (the same layer
+    computed three ways), and the bytes each received in one forward."""
+    mesh = worker_info()["cp_mesh"]
+    outs, received = {}, {}
+    for m in METHODS:
+        step = _Step(m, S, seed, mesh, getattr(torch, dtype))
+        step.state.mixer_traffic.clear()
+        outs[m] = step.forward().detach()
+        received[m] = step.recv_bytes()
+    return {"max_diff": {m: (outs[m] - outs["blockdiag"]).abs().max().item() for m in METHODS}, "recv_bytes": received}

@@ -1,0 +1,138 @@
+"""Hugging Face transformers' Gated DeltaNet layers per document under CP.
+
+Registered with the guard (:func:`blockdiag_dist.guard.register_installer`) at import, nothing of transformers
+imported until then: the first time a step meets one of these classes, the guard installs a forward on the
+class that, **under a step**, computes the layer per document across CP ranks — its short convolution through
+:func:`blockdiag_dist.mixers.causal_conv`, its recurrence through :func:`blockdiag_dist.mixers.gated_delta_rule`
+— and **outside a step** calls the class's own forward, unchanged. Everything else is the stock code's math: the
+projections, the gates ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``, the gated RMSNorm
+and the output projection. Precision: the stock layer computes its gates, its kernel and its gated norm in
+float32 whatever the model's dtype; here they are computed in the model's dtype, float32 at least — exactly the
+stock rounding for float32 and bfloat16 models, float64 for a float64 model (the truth ``verify.model`` calls
+"mixers64", the layer all in float64).
+
+| class | model types | projections |
+| --- | --- | --- |
+| ``Qwen3NextGatedDeltaNet`` | ``qwen3_next`` | ``in_proj_qkvz`` + ``in_proj_ba``, grouped per key head |
+| ``Qwen3_5GatedDeltaNet`` | ``qwen3_5`` (text) | ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` |
+| ``Qwen3_5MoeGatedDeltaNet`` | ``qwen3_5_moe`` (text) | as ``qwen3_5`` |
+
+Under a step the layer takes no cache (``use_cache=False`` in training) and no ``attention_mask`` (the
+documents and the padding come from the step); either raises ``ValueError`` on every rank before any collective.
+
+Shape legend: B rows, L rows of this rank, Hk key heads, Hv value heads, K / V head dims.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import guard
+from ..mixers import causal_conv, gated_delta_rule
+
+__all__ = ["GATED_DELTA_NET_CLASSES", "install_gated_delta_net"]
+
+CONV_ACTIVATIONS = ("silu", "swish")  # computed inside causal_conv; any other is applied after it, as ACT2FN does
+
+
+def _project_qwen3_next(self: nn.Module, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(mixed_qkv [B, L, 2 Hk K + Hv V], z [B, L, Hv, V], b, a [B, L, Hv])`` as Qwen3NextGatedDeltaNet.forward."""
+    query, key, value, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(h), self.in_proj_ba(h))
+    query, key, value = (x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value))
+    return torch.cat((query, key, value), dim=-1), z, b, a
+
+
+def _project_qwen3_5(self: nn.Module, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The same for Qwen3_5GatedDeltaNet / Qwen3_5MoeGatedDeltaNet (separate projections)."""
+    B, L, _ = h.shape
+    return self.in_proj_qkv(h), self.in_proj_z(h).reshape(B, L, -1, self.head_v_dim), self.in_proj_b(h), self.in_proj_a(h)
+
+
+GATED_DELTA_NET_CLASSES = {
+    "Qwen3NextGatedDeltaNet": _project_qwen3_next,
+    "Qwen3_5GatedDeltaNet": _project_qwen3_5,
+    "Qwen3_5MoeGatedDeltaNet": _project_qwen3_5,
+}
+
+
+def _per_document_forward(self: nn.Module, project, state, hidden_states: Tensor, cache: Any, attention_mask: Any) -> Tensor:
+    """The layer's forward under ``state``: the stock forward with the convolution and the recurrence per document."""
+    what = f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')})"
+    if cache is not None:
+        raise ValueError(f"{what}: expected no cache under a CP step (use_cache=False in training), got {type(cache).__name__}")
+    if attention_mask is not None:
+        raise ValueError(
+            f"{what}: expected no attention_mask under a CP step (documents and padding come from the step), got "
+            f"{'a tensor of shape ' + str(tuple(attention_mask.shape)) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__}"
+        )
+    B, L, _ = hidden_states.shape
+    mixed_qkv, z, b, a = project(self, hidden_states)
+    act = self.activation if self.activation in CONV_ACTIVATIONS else None
+    mixed_qkv = causal_conv(mixed_qkv, self.conv1d.weight, self.conv1d.bias, act, state=state)
+    if act is None and self.activation is not None:
+        from transformers.activations import ACT2FN
+
+        mixed_qkv = ACT2FN[self.activation](mixed_qkv)
+    query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    query = query.reshape(B, L, -1, self.head_k_dim)
+    key = key.reshape(B, L, -1, self.head_k_dim)
+    value = value.reshape(B, L, -1, self.head_v_dim)
+    beta = b.sigmoid()
+    dt = torch.promote_types(a.dtype, torch.float32)  # the stock forward: .float() (fp16 would overflow exp)
+    g = -self.A_log.to(dt).exp() * F.softplus(a.to(dt) + self.dt_bias)
+    core = gated_delta_rule(query, key, value, g, beta, use_qk_l2norm=True, state=state)
+    core = _gated_norm(self.norm, core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(core.reshape(B, L, -1))
+
+
+def _gated_norm(norm: nn.Module, x: Tensor, gate: Tensor) -> Tensor:
+    """The layer's gated RMSNorm (``Qwen3NextRMSNormGated.forward``: normalise, scale, times ``silu(gate)``) in
+    ``x``'s dtype, float32 at least (the stock module: float32 always)."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(dt)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    h = norm.weight * h.to(x.dtype)
+    act = F.silu if norm.activation in ("silu", "swish") else _act(norm.activation)
+    return (h * act(gate.to(dt))).to(x.dtype)
+
+
+def _act(name: str):
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def install_gated_delta_net(cls: type) -> str:
+    """Give ``cls`` (a Gated DeltaNet class of :data:`GATED_DELTA_NET_CLASSES`, or a subclass) a forward that is
+    per document under a CP step and the class's own outside one; returns how (for the guard's notes)."""
+    project = next((GATED_DELTA_NET_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in GATED_DELTA_NET_CLASSES), None)
+    if project is None:
+        raise ValueError(f"install_gated_delta_net: expected one of {sorted(GATED_DELTA_NET_CLASSES)}, got {cls.__name__}")
+    stock = cls.forward
+    if getattr(stock, "_blockdiag_stock", None) is not None:
+        return stock._blockdiag_how
+
+    @functools.wraps(stock)
+    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        from ..runtime import _step_of_call
+
+        state = _step_of_call(hidden_states) if torch.is_tensor(hidden_states) else None
+        if state is None:
+            return stock(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        return _per_document_forward(self, project, state, hidden_states, kwargs.get("cache_params", cache), attention_mask)
+
+    how = ("convolution with the history of documents continuing from other ranks and the gated delta rule with "
+           "their states (blockdiag_dist.mixers: causal_conv, gated_delta_rule)")
+    forward._blockdiag_stock = stock
+    forward._blockdiag_how = how
+    cls.forward = forward
+    return how
+
+
+for _name in GATED_DELTA_NET_CLASSES:
+    guard.register_installer(_name, "gated_delta_net", install_gated_delta_net)

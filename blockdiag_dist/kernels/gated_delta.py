@@ -1,0 +1,161 @@
+"""The gated delta rule over pieces, chunked, each piece entering with its own state (plain torch, autograd).
+
+Per head a state ``S [K, V]``; per token ``S = exp(g) (I - beta k k^T) S + beta k v^T`` and ``o = S^T q``
+(q, k already normalised and q scaled: the caller prepares them as transformers does). The math of a chunk is
+the one of transformers' ``torch_chunk_gated_delta_rule`` (the WY/UT form: a unit lower-triangular solve
+condenses a chunk's delta updates into matmuls); what differs is the layout: the tokens of many pieces,
+packed one piece after another with boundaries ``cu``, each piece padded to whole chunks on its own (padded
+tokens have ``k = v = q = 0``, ``beta = 0``, ``g = 0``: they leave the state unchanged), so that
+
+- the intra-chunk work of every chunk of every piece is one batched computation, and
+- the scan over chunks runs ``max(chunks per piece)`` steps, each over every piece still running: the pieces are
+  sorted by chunk count and their chunks stored step-major (step ``i`` holds chunk ``i`` of every piece that has
+  one), so each step works on contiguous slices.
+
+On CUDA, with flash-linear-attention installed, :func:`chunk_gated_delta` calls its varlen kernel instead
+(``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` with ``cu_seqlens`` and per-piece initial states): same
+inputs, same outputs. Not exercised by this project's CPU tests.
+
+Shape legend: T packed tokens, P pieces, H heads, K key dim, V value dim, NC chunks of all pieces, C chunk length.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["CHUNK", "ChunkMeta", "chunk_gated_delta", "fla_kernel", "plan_chunks"]
+
+CHUNK = 64  # transformers' and flash-linear-attention's chunk length
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkMeta:
+    """Where every packed token goes in the step-major chunk buffer, for pieces with boundaries ``cu``."""
+
+    cu: tuple[int, ...]
+    chunk: int
+    dest: Tensor  # int64 [T]: slot * chunk + offset in the chunk of each packed token
+    active: tuple[int, ...]  # pieces still running at each scan step (non-increasing)
+    step_offset: tuple[int, ...]  # first slot of each step
+    order: Tensor  # int64 [P]: piece of each sorted position (most chunks first)
+    inverse: Tensor  # int64 [P]: sorted position of each piece
+    cu_device: Tensor  # int64 [P + 1] on the device (for the fla kernel)
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.cu) - 1
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(self.active)
+
+    def to(self, device: torch.device | str) -> ChunkMeta:
+        return ChunkMeta(self.cu, self.chunk, self.dest.to(device), self.active, self.step_offset, self.order.to(device),
+                         self.inverse.to(device), self.cu_device.to(device))
+
+
+def plan_chunks(cu: Sequence[int], chunk: int = CHUNK, device: torch.device | str = "cpu") -> ChunkMeta:
+    """The chunk layout of pieces ``cu`` (boundaries ``[0, ..., T]``, every piece non-empty).
+
+    >>> meta = plan_chunks([0, 3, 4], chunk=2)  # pieces of 3 and 1 tokens: chunks (2, 1)
+    >>> meta.active, meta.step_offset, meta.dest.tolist()
+    ((2, 1), (0, 2), [0, 1, 4, 2])
+    """
+    cu_t = torch.as_tensor(list(cu), dtype=torch.int64)
+    lens = cu_t.diff()
+    if lens.numel() and int(lens.min()) < 1:
+        raise ValueError(f"plan_chunks: expected non-empty pieces, got lengths {lens.tolist()}")
+    nch = (lens + chunk - 1) // chunk
+    order = torch.sort(-nch, stable=True).indices
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    steps = int(nch.max()) if nch.numel() else 0
+    active = [int((nch > i).sum()) for i in range(steps)]
+    step_offset = [0]
+    for n in active[:-1]:
+        step_offset.append(step_offset[-1] + n)
+    piece = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    offset = torch.arange(int(cu_t[-1])) - cu_t[:-1][piece]
+    slot = torch.tensor(step_offset, dtype=torch.int64)[offset // chunk] + inverse[piece] if steps else offset
+    dest = slot * chunk + offset % chunk
+    return ChunkMeta(tuple(int(c) for c in cu_t), chunk, dest.to(device), tuple(active), tuple(step_offset),
+                     order.to(device), inverse.to(device), cu_t.to(device))
+
+
+def _to_chunks(x: Tensor, meta: ChunkMeta) -> Tensor:
+    """``[T, H, ...]`` -> ``[NC, H, C, ...]`` (zeros where a piece's last chunk is not full)."""
+    C = meta.chunk
+    buf = x.new_zeros((meta.num_chunks * C, *x.shape[1:])).index_copy(0, meta.dest, x)
+    return buf.view(meta.num_chunks, C, *x.shape[1:]).transpose(1, 2)
+
+
+def _torch_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, meta: ChunkMeta,
+                   initial: Tensor | None, want_final: bool) -> tuple[Tensor, Tensor | None]:
+    P, C = meta.num_pieces, meta.chunk
+    H, K, V = q.shape[1], q.shape[2], v.shape[2]
+    if meta.num_chunks == 0:
+        final = None if not want_final else (q.new_zeros(P, H, K, V) if initial is None else initial)
+        return v.new_zeros(0, H, V), final
+    qc, kc, vc = (_to_chunks(t, meta) for t in (q, k, v))  # [NC, H, C, D]
+    gc, bc = (_to_chunks(t, meta) for t in (g, beta))  # [NC, H, C]
+    v_beta, k_beta = vc * bc[..., None], kc * bc[..., None]
+    cum = gc.cumsum(-1)
+    upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
+    pairwise = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ kc.transpose(-1, -2)) * pairwise
+    intra = (qc @ kc.transpose(-1, -2)) * pairwise
+    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    q_dec = qc * cum.exp()[..., None]
+    k_dec = kc * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [NC, H, 1, 1]
+
+    S = q.new_zeros(P, H, K, V) if initial is None else initial.index_select(0, meta.order)
+    outs = []
+    for n, off in zip(meta.active, meta.step_offset):
+        sl = slice(off, off + n)
+        S_run = S[:n]
+        v_new = new_values[sl] - k_cumdecay[sl] @ S_run
+        outs.append(q_dec[sl] @ S_run + intra[sl] @ v_new)
+        S_next = S_run * chunk_decay[sl] + k_dec[sl].transpose(-1, -2) @ v_new
+        S = S_next if n == P else torch.cat([S_next, S[n:]])
+    out = torch.cat(outs).transpose(1, 2).reshape(meta.num_chunks * C, H, V).index_select(0, meta.dest)
+    return out, (S.index_select(0, meta.inverse) if want_final else None)
+
+
+@functools.lru_cache(maxsize=1)
+def fla_kernel():
+    """flash-linear-attention's varlen chunked gated delta rule, or None when it is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # noqa: BLE001 - any import failure means: not usable here
+        return None
+    return chunk_gated_delta_rule
+
+
+def chunk_gated_delta(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    meta: ChunkMeta,
+    initial: Tensor | None = None,
+    *,
+    want_final: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """The gated delta rule over packed pieces: ``q, k [T, H, K]`` (normalised, q scaled), ``v [T, H, V]``,
+    ``g, beta [T, H]``, ``initial [P, H, K, V]`` (None: zero) -> ``(out [T, H, V], final [P, H, K, V] | None)``.
+    Every tensor in one dtype, the one computed in (float32 or float64; the caller casts). Differentiable in
+    every input, ``initial`` included."""
+    fla = fla_kernel() if q.is_cuda and q.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+    if fla is not None and meta.num_pieces:
+        out, final = fla(q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=initial,
+                         output_final_state=want_final, cu_seqlens=meta.cu_device, use_qk_l2norm_in_kernel=False)
+        return out[0], final
+    return _torch_chunked(q, k, v, g, beta, meta, initial, want_final)

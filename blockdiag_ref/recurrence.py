@@ -1,0 +1,146 @@
+"""The truth for the recurrent mixers of hybrid models: float64, token by token, one document at a time.
+
+Slow and obvious on purpose (float64 unless told otherwise), and differentiable (plain torch ops: the gradients of the float64 reference are
+the truth for gradients too). A document's state (its convolution window, its recurrent state) starts at zero
+at the document's first token and never sees another document; padding rows output exactly 0 and their inputs
+get exactly 0 gradient (they take part in no document).
+
+- :func:`reference_causal_conv`: the short causal depthwise convolution of width ``W`` (with the activation
+  transformers applies after it, ``silu`` in Qwen3-Next / Qwen3.5), as transformers' ``causal_conv1d_fn``
+  computes it on one document;
+- :func:`reference_gated_delta_rule`: the gated delta rule as transformers' Qwen3-Next / Qwen3.5 compute it
+  (``torch_recurrent_gated_delta_rule`` with ``use_qk_l2norm_in_kernel=True``): per head a state
+  ``S [K, V]``, and per token ``S = exp(g) S``, ``S = S + k (beta (v - k^T S))^T``, ``o = S^T q``, with q and
+  k l2-normalised (``x / sqrt(sum(x^2) + 1e-6)``) and q scaled by ``K ** -0.5``.
+
+Shape legend: B rows, S positions, C channels, W convolution width, Hk query/key heads, Hv value heads,
+K key head dim, V value head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .layout import DocLayout
+
+__all__ = ["ACTIVATIONS", "reference_causal_conv", "reference_gated_delta_rule"]
+
+ACTIVATIONS = {None: lambda t: t, "silu": torch.nn.functional.silu, "swish": torch.nn.functional.silu}
+
+
+def _segments(doc_ids: Tensor, shape: tuple[int, int], what: str) -> Tensor:
+    if not isinstance(doc_ids, Tensor) or tuple(doc_ids.shape) != shape:
+        got = tuple(doc_ids.shape) if isinstance(doc_ids, Tensor) else type(doc_ids).__name__
+        raise ValueError(f"{what}: expected doc_ids of shape [B, S] = {list(shape)}, got {got}")
+    return DocLayout.from_doc_ids(doc_ids.cpu()).segment_ids
+
+
+def reference_causal_conv(
+    x: Tensor, doc_ids: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None,
+    *, dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """Per-document causal depthwise convolution, float64: ``x [B, S, C]``, ``weight [C, W]``, ``bias [C]``
+    -> ``[B, S, C]``.
+
+    ``out[b, t, c] = act(bias[c] + sum_i weight[c, i] * x[b, t - (W - 1) + i, c])``, the sum over taps ``i``
+    whose position lies in ``t``'s document (the others are zero: history of another document is never read);
+    0 on padding. ``activation``: None or ``"silu"``. ``dtype``: what it computes in (the same computation in
+    float32 is the verifier's single-device baseline).
+
+    >>> x = torch.tensor([[[1.0], [2.0], [3.0], [4.0]]])
+    >>> reference_causal_conv(x, torch.tensor([[1, 1, 2, 2]]), torch.tensor([[10.0, 1.0]])).flatten().tolist()
+    [1.0, 12.0, 3.0, 34.0]
+    """
+    if x.dim() != 3:
+        raise ValueError(f"reference_causal_conv: expected x [B, S, C], got shape {tuple(x.shape)}")
+    B, S, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C:
+        raise ValueError(f"reference_causal_conv: expected weight [C, W] with C = {C}, got {tuple(weight.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"reference_causal_conv: activation expected one of {sorted(map(str, ACTIVATIONS))}, got {activation!r}")
+    seg = _segments(doc_ids, (B, S), "reference_causal_conv")
+    x64, w64 = x.to(dtype), weight.to(dtype)
+    b64 = None if bias is None else bias.to(dtype)
+    act = ACTIVATIONS[activation]
+    W = w64.shape[1]
+    zero = x64.new_zeros(C)
+    rows = []
+    for b in range(B):
+        row = []
+        for t in range(S):
+            if seg[b, t] == 0:
+                row.append(zero)
+                continue
+            acc = zero if b64 is None else b64
+            for i in range(W):
+                p = t - (W - 1) + i
+                if p >= 0 and seg[b, p] == seg[b, t]:
+                    acc = acc + w64[:, i] * x64[b, p]
+            row.append(act(acc))
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def _l2norm(t: Tensor, eps: float) -> Tensor:
+    return t / torch.sqrt((t * t).sum(-1, keepdim=True) + eps)
+
+
+def reference_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    doc_ids: Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    eps: float = 1e-6,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """The gated delta rule per document, float64: ``q, k [B, S, Hk, K]``, ``v [B, S, Hv, V]``, ``g, beta
+    [B, S, Hv]`` -> ``[B, S, Hv, V]``; 0 on padding.
+
+    Each query/key head serves ``Hv / Hk`` consecutive value heads (transformers' grouped value attention).
+    ``g`` is the log decay (``exp(g)`` multiplies the state), ``beta`` the write strength. ``scale`` defaults
+    to ``K ** -0.5``. The state of each head, ``S [K, V]``, is zero at a document's first token. ``dtype``: what
+    it computes in (float64; float32 for the verifier's single-device baseline).
+    """
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"reference_gated_delta_rule: expected q, k [B, S, Hk, K] and v [B, S, Hv, V] with the same B, S; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    B, S, Hk, K = q.shape
+    Hv = v.shape[2]
+    if Hv % Hk:
+        raise ValueError(f"reference_gated_delta_rule: expected Hv a multiple of Hk, got Hv={Hv}, Hk={Hk}")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (B, S, Hv):
+            raise ValueError(f"reference_gated_delta_rule: {name} expected [B, S, Hv] = {[B, S, Hv]}, got {tuple(t.shape)}")
+    seg = _segments(doc_ids, (B, S), "reference_gated_delta_rule")
+    q64, k64, v64, g64, b64 = (t.to(dtype) for t in (q, k, v, g, beta))
+    q64, k64 = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q64, k64))
+    if use_qk_l2norm:
+        q64, k64 = _l2norm(q64, eps), _l2norm(k64, eps)
+    q64 = q64 * (K ** -0.5 if scale is None else scale)
+    Vd = v.shape[-1]
+    zero = v64.new_zeros(Hv, Vd)
+    rows = []
+    for b in range(B):
+        row, state = [], None
+        for t in range(S):
+            if seg[b, t] == 0:
+                row.append(zero)
+                continue
+            if t == 0 or seg[b, t] != seg[b, t - 1]:
+                state = v64.new_zeros(Hv, K, Vd)  # a document starts: its state starts at zero
+            state = state * torch.exp(g64[b, t])[:, None, None]
+            kt = k64[b, t]  # [Hv, K]
+            read = torch.einsum("hk,hkv->hv", kt, state)
+            delta = (v64[b, t] - read) * b64[b, t][:, None]
+            state = state + kt[:, :, None] * delta[:, None, :]
+            row.append(torch.einsum("hk,hkv->hv", q64[b, t], state))
+        rows.append(torch.stack(row))
+    return torch.stack(rows)

@@ -1,0 +1,23 @@
+"""The hybrid benchmark's three ways of running a Gated DeltaNet layer compute the same layer (float64, CP 2),
+and blockdiag's bytes are exactly its plan's: the summaries and the convolution's history."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.hybrid import C, HK, HV, K, METHODS, V, WIDTH, _ids, baseline_agreement, summary_bytes
+from blockdiag_dist.plan import plan_step
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_baselines_compute_the_same_layer_and_blockdiag_moves_its_plan(pools):
+    S = 1024
+    per_rank = pools(2).run(baseline_agreement, args=(S, 0, "float64"), timeout=240, name="hybrid bench baselines")
+    plan = plan_step(_ids(S, 0), 2, "contiguous")
+    for r, res in enumerate(per_rank):
+        assert all(res["max_diff"][m] < 1e-12 for m in METHODS), res["max_diff"]
+        history = plan.exchange(WIDTH - 1).needed_tokens()[r] * C * 8
+        assert res["recv_bytes"]["blockdiag"] == 2 * summary_bytes(plan, r) + history  # float64: 8 bytes
+    assert per_rank[1]["recv_bytes"]["blockdiag"] > 0 and HV * K * V * 8 <= per_rank[1]["recv_bytes"]["blockdiag"]
+    assert per_rank[0]["recv_bytes"]["allgather"] == (S // 2) * (C + 2 * HV) * 8 and HK % 2 == 0

@@ -1,0 +1,140 @@
+"""The mixers of blockdiag_dist.mixers on real process groups against the float64 references: outputs of real
+rows, padding rows exactly 0, and every input's gradient (summed over ranks), for contiguous, balanced and auto
+layouts, B > 1, padding anywhere (a rank holding only padding too), documents over 3+ ranks or coming back to
+a rank, many documents per rank, pieces shorter than the convolution's history; the exchanged elements equal
+the plan's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixer_checks
+from blockdiag_dist.mixers import plan_conv, plan_recurrence
+from blockdiag_dist.plan import plan_step
+from blockdiag_ref import DocLayout
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROWS = {
+    "over-all-ranks": [[1] * 3 + [2] * 30 + [3] * 3],
+    "many-short": [[1, 2, 2, 3, 4, 4, 4, 5, 6, 6, 7, 7, 7, 7, 8, 9, 9, 10, 11, 11, 12, 12, 12, 13]],
+    "two-rows-padding": [[1] * 9 + [0] * 2 + [2] * 7 + [0] * 2 + [3] * 4, [0] * 3 + [4] * 13 + [5] * 8],
+    "padding-rank": [[1] * 11 + [2] * 7 + [0] * 8],
+    "single-tokens": [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]],
+}
+
+
+def cases_for(cp: int) -> list[dict]:
+    out, seed = [], 0
+    for name, ids in ROWS.items():
+        for layout in ("contiguous", "balanced", "auto"):
+            for kind in ("conv", "gdr"):
+                out.append({"name": f"{name} {layout} {kind}", "kind": kind, "ids": ids, "layout": layout, "seed": seed})
+                seed += 1
+    return out
+
+
+def check(case: dict, per_rank: list[dict], cp: int) -> list[str]:
+    ids = torch.tensor(case["ids"])
+    B, S = ids.shape
+    inputs = {n: t.requires_grad_() for n, t in mixer_checks.mixer_inputs(case["kind"], B, S, case["seed"]).items()}
+    ref = mixer_checks.mixer_reference(case["kind"], ids, inputs)
+    full_w = torch.zeros_like(ref)
+    problems = []
+    for r, res in enumerate(per_rank):
+        pos = torch.tensor(res["positions"])
+        keep = pos < S
+        out = torch.from_numpy(res["out"])
+        full_w[:, pos[keep]] = torch.from_numpy(res["weights"])[:, keep]
+        err = (out[:, keep] - ref.detach()[:, pos[keep]]).abs().max().item()
+        if err > 1e-12:
+            problems.append(f"{case['name']}: rank {r} output error {err:.2e}")
+        pad = (ids[:, pos[keep]] == 0)
+        if out[:, keep][pad].abs().sum() != 0 or out[:, ~keep].abs().sum() != 0:
+            problems.append(f"{case['name']}: rank {r} padding rows are not 0")
+    (ref * full_w).sum().backward()
+    for n, t in inputs.items():
+        got = sum(torch.from_numpy(res["grads"][n]) for res in per_rank if res["grads"][n] is not None)
+        err = (got - t.grad).abs().max().item()
+        if err > 1e-11 * max(1.0, t.grad.abs().max().item()):
+            problems.append(f"{case['name']}: grad of {n} error {err:.2e}")
+    return problems
+
+
+def expected_elements(case: dict, cp: int) -> list[tuple[str, int, int]]:
+    """Per rank: (mode, sent, received) elements of the forward exchange the plan prescribes (None: none)."""
+    plan = plan_step(torch.tensor(case["ids"]), cp, case["layout"])
+    out = []
+    for r in range(cp):
+        if case["kind"] == "conv":
+            cp_ = plan_conv(plan, r, 4)
+            C = 5
+            out.append(None if cp_.mode == "local" else (cp_.mode, cp_.sent_tokens[r] * C, cp_.recv_tokens[r] * C))
+        else:
+            rp = plan_recurrence(plan.documents, r)
+            Hv, K, V = 4, 3, 2
+            cn, mn = Hv * K * V, Hv * K * K
+            out.append(None if not rp.any_traffic else ("summary", sum(rp.send_splits(cn, mn)), sum(rp.recv_splits(cn, mn))))
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_mixers_match_the_reference_on_every_layout(session, cp):
+    cases = cases_for(cp)
+    per_case = session.pool(cp).run(mixer_checks.run_mixer_cases, args=(cases,), timeout=240, name=f"mixers cp{cp}")
+    problems = []
+    for i, case in enumerate(cases):
+        per_rank = [per_case[r][i] for r in range(cp)]
+        problems += check(case, per_rank, cp)
+        for r, expected in enumerate(expected_elements(case, cp)):
+            fwd = [t for t in per_rank[r]["traffic"] if t[1] == "forward"]
+            got = None if not fwd else (fwd[0][0], fwd[0][2], fwd[0][3])
+            if len(fwd) > 1 or got != expected:
+                problems.append(f"{case['name']}: rank {r} moved {fwd}, the plan says {expected}")
+    assert not problems, "\n".join(problems)
+
+
+def test_cp1_runs_the_same_code_with_no_exchange():
+    cases = cases_for(1)
+    per_case = mixer_checks.run_mixer_cases(cases)
+    problems = []
+    for case, res in zip(cases, per_case):
+        problems += check(case, [res], 1)
+        if res["traffic"]:
+            problems.append(f"{case['name']}: CP 1 moved {res['traffic']}")
+    assert not problems, "\n".join(problems)
+
+
+def test_ranks_calling_a_mixer_with_different_sizes_fail_alike(session):
+    messages = session.pool(3).run(mixer_checks.disagreeing_mixer, timeout=60, name="mixer consensus")
+    assert len(set(messages)) == 1, messages
+    assert "CP plan consensus failed (mixer)" in messages[0]
+    assert "rank 0: gated_delta_rule q(2, 3) v(4, 2)" in messages[0] and "rank 1: gated_delta_rule q(2, 3) v(2, 2)" in messages[0]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+def test_the_extension_example_recurrence_at_cp3(session, layout):
+    """docs/hybrid.md's DecayedOuterProduct (a scalar transition, written only against the Recurrence interface)
+    across 3 ranks: outputs and every input's gradient equal each document run alone."""
+    ids = torch.tensor([[1] * 14 + [2] * 3 + [0] * 2 + [3] * 5])
+    per_rank = session.pool(3).run(mixer_checks.extension_example_step, args=(ids.tolist(), layout), timeout=120,
+                                   name="extension example")
+    rec = mixer_checks.docs_example("DecayedOuterProduct")["DecayedOuterProduct"]()
+    inputs = mixer_checks.extension_inputs(*ids.shape)
+    seg = DocLayout.from_doc_ids(ids)
+    S = ids.shape[1]
+    truth = torch.zeros(1, S, 2, 2, dtype=torch.float64)
+    for row, start, end in seg.segments.tolist():
+        piece = tuple(inputs[n][row, start:end] for n in ("q", "k", "v", "a"))
+        truth = truth.index_put((torch.tensor([row]), torch.arange(start, end)), rec.scan(piece, (0, end - start), None, False)[0])
+    w = torch.zeros_like(truth)
+    for r in per_rank:
+        pos = torch.tensor(r["positions"])
+        keep = pos < S
+        torch.testing.assert_close(torch.from_numpy(r["out"])[:, keep], truth.detach()[:, pos[keep]], rtol=1e-12, atol=1e-12)
+        w[:, pos[keep]] = torch.from_numpy(r["w"])[:, keep]
+    (truth * w).sum().backward()
+    for n, t in inputs.items():
+        got = sum(torch.from_numpy(r["grads"][n]) for r in per_rank)
+        torch.testing.assert_close(got, t.grad, rtol=1e-11, atol=1e-12)

@@ -1,0 +1,95 @@
+"""The verifier judges the mixers of hybrid models as it judges attention: our convolution and gated delta rule
+pass hard cases (a rank holding only padding under non-reentrant checkpointing, documents over every rank,
+balanced layouts, B > 1), every planted mixer bug is reported as a numerical failure, the replay command
+rebuilds a mixer case, and fuzzing draws mixer layers."""
+
+from __future__ import annotations
+
+import pytest
+
+from verify.cases import NAMED_LAYOUTS, Case, case_from_args, mixer_matrix, parse_rows
+from verify.cli import _parser
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def case(name: str, cp: int, layer: str, **kw) -> Case:
+    kw.setdefault("hq", 4)
+    kw.setdefault("hkv", 2)
+    return Case(rows=NAMED_LAYOUTS[name](cp), cp=cp, name=name, layer=layer, **kw)
+
+
+# L = 2 at CP 4: document 2 covers ranks 0-2, and rank 2's first token reads history from ranks 0 and 1
+SHORT_PIECES = Case(rows=parse_rows("1x1,2x5,0x2"), cp=4, hq=4, hkv=2, name="short-pieces", layer="conv", width=4)
+
+HARD = [
+    case("padding-rank", 4, "gated_delta", checkpoint="nonreentrant", dtype="float32"),
+    case("padding-rank", 4, "conv", checkpoint="nonreentrant", dtype="float32"),
+    case("spans-every-rank", 4, "gated_delta", layout="balanced", checkpoint="reentrant"),
+    case("two-rows", 3, "gated_delta", layout="auto", dtype="float32"),
+    SHORT_PIECES,
+    case("spans-every-rank", 3, "conv", layout="balanced", width=3),
+]
+
+
+def test_our_mixers_pass_hard_cases(session):
+    results = session.run(HARD)
+    bad = [f"{r.case.label()}: {r.status}: {r.details}" for r in results if not r.ok]
+    assert not bad, "\n".join(bad)
+    assert {r.mode for r in results} <= {"summary", "history"}, [r.mode for r in results]
+
+
+# bug -> cases where it shows (the numbers, not only the exchange's byte count)
+MUTANT_CASES = {
+    "mixer_state_leak": [case("many-short", 2, "gated_delta")],
+    "mixer_reset_late": [case("many-short", 2, "gated_delta"), case("two-rows", 3, "gated_delta", layout="balanced")],
+    "mixer_summary_bf16": [case("spans-every-rank", 4, "gated_delta", dtype="float32")],
+    "mixer_conv_unmasked": [case("many-short", 2, "conv")],
+    "mixer_history_wrong_rank": [case("two-rows", 3, "conv", layout="balanced", dtype="float32"),
+                                 SHORT_PIECES],
+}
+
+
+@pytest.mark.parametrize("bug", sorted(MUTANT_CASES))
+def test_every_planted_mixer_bug_is_reported(session, bug):
+    results = session.run(MUTANT_CASES[bug], impl=f"verify.mutants.{bug}")
+    for r in results:
+        assert r.status == "fail", f"{bug}: {r.case.label()}: {r.status} {r.details}"
+        numeric = [m for m in r.failed_metrics if m in ("out", "dinputs_embeds") or m.startswith("d")]
+        assert numeric, f"{bug}: {r.case.label()} failed only on {r.failed_metrics}"
+        assert r.case.command(r.impl).endswith(f"--impl verify.mutants.{bug}")
+    # and our implementation passes the same cases
+    assert all(r.ok for r in session.run(MUTANT_CASES[bug])), bug
+
+
+def test_mixer_case_replay_command_round_trips():
+    c = Case(rows=parse_rows("1x3,0x2/2x5"), cp=3, hq=4, hkv=1, dim=5, layout="balanced", dtype="float32", seed=7,
+             checkpoint="reentrant", layer="conv", width=3, name="x")
+    argv = c.command().split()[4:]
+    assert case_from_args(_parser().parse_args(["case", *argv])) == c
+
+
+def test_mixer_matrix_covers_every_named_layout_and_cp_size_once_per_layer():
+    cases = list(mixer_matrix(cps=(1, 2, 8), layouts=("contiguous", "balanced", "auto")))
+    for layer in ("conv", "gated_delta"):
+        mine = [(c.name, c.cp) for c in cases if c.layer == layer]
+        assert len(mine) == len(set(mine)) == 3 * len(NAMED_LAYOUTS) - 1  # s-lt-cp needs CP >= 2
+    assert {c.layout for c in cases} == {"contiguous", "balanced", "auto"}
+    assert {c.dtype for c in cases} == {"float64", "float32"} and {c.checkpoint for c in cases} == {"none", "reentrant", "nonreentrant"}
+
+
+def test_fuzzing_draws_mixer_layers():
+    from hypothesis import HealthCheck, given, settings
+
+    from verify.fuzz import case_strategy
+    from verify.runner import impl_info
+
+    seen = set()
+
+    @settings(max_examples=40, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case_strategy(impl_info("blockdiag_dist")))
+    def draw(c):
+        seen.add(c.layer)
+
+    draw()
+    assert seen == {"attention", "conv", "gated_delta"}

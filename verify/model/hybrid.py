@@ -1,0 +1,175 @@
+"""Hybrid models (Gated DeltaNet + attention) judged as whole models: tiny transformers models from their configs,
+the truth they are compared with, and the step every rank of a pool runs.
+
+- :func:`build_tiny_hybrid`: a tiny ``qwen3_next``, ``qwen3_5`` (text) or ``qwen3_5_moe`` (text) causal LM
+  (hidden 32, layers linear-attention / full-attention / linear-attention, 2 key and 4 value heads of 8), random
+  weights from a seed, blockdiag's attention registered;
+- :func:`float64_kernel`: the truth's one substitution. The stock Gated DeltaNet computes its gates, its chunked
+  kernel and its gated norm in float32 whatever the model's dtype; inside this context the Gated DeltaNet layers
+  run every op in float64 (``verify.model``'s "mixers64" truth: :func:`verify.model.precision.float64_modules`),
+  as blockdiag computes them in a float64 model. What the rest of the model computes in float32 it still does
+  (its RMSNorms' ``x.float()`` and ``weight.float()``): elementwise roundings, identical in the truth and under CP,
+  except the gradients of those norms' weights, which the model sums over tokens in float32
+  (:func:`float32_reduced`);
+- :func:`cp_parity_step`: the step under CP on this rank (optionally DP 2 x CP 2, bf16 autocast, activation
+  checkpointing), the loss and every gradient summed over the mesh.
+
+Shape legend: S packed length, L rows of one rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from blockdiag_dist.integrations import pack_documents, register_transformers_attention
+from .harness import StepResult, cp_step, document_reference, text_forward
+
+__all__ = [
+    "DOC_LENGTHS",
+    "FAMILIES",
+    "FLOAT32_REDUCED",
+    "SEQ_LEN",
+    "build_tiny_hybrid",
+    "cp_parity_step",
+    "float32_reduced",
+    "float64_kernel",
+    "hybrid_batch",
+    "hybrid_docs",
+    "truth",
+]
+
+# family -> (config class, model class, modeling module)
+FAMILIES = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", "transformers.models.qwen3_next.modeling_qwen3_next"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "transformers.models.qwen3_5.modeling_qwen3_5"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"),
+}
+LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention")
+SEQ_LEN = 64
+# two rows of 64: documents over 3 ranks at CP 4 (37 tokens from 0; 40 tokens from 11), short ones, padding
+DOC_LENGTHS = (37, 3, 19, 11, 40, 6)
+# parameters whose gradient the model itself sums over tokens in float32 (its RMSNorms' `weight.float()`, outside
+# the Gated DeltaNet layers): their float64 parity is float32 rounding of a sum, not 1e-10
+FLOAT32_REDUCED = ("norm.weight",)
+
+
+def float32_reduced(name: str) -> bool:
+    return name.endswith(FLOAT32_REDUCED) and ".linear_attn." not in name
+
+
+def _config(family: str, layers: tuple[str, ...]):
+    import transformers
+
+    cfg_cls = getattr(transformers, FAMILIES[family][0])
+    kw = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=len(layers), num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=list(layers), tie_word_embeddings=False,
+        max_position_embeddings=4 * SEQ_LEN,
+    )
+    if family == "qwen3_next":
+        kw.update(num_experts=0, mlp_only_layers=list(range(len(layers))))
+    if family == "qwen3_5_moe":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    return cfg_cls(**kw)
+
+
+def build_tiny_hybrid(family: str, dtype: torch.dtype = torch.float64, *, seed: int = 0, checkpointing: str | None = None,
+                      layers: tuple[str, ...] = LAYER_TYPES) -> nn.Module:
+    """A tiny hybrid causal LM of ``family`` in ``dtype`` (initialised in float32 from ``seed``, then cast: the same
+    weights in every dtype), blockdiag's attention registered, ``checkpointing`` None | "reentrant" |
+    "non_reentrant"."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
+    torch.manual_seed(seed)
+    model_cls = getattr(transformers, FAMILIES[family][1])
+    extra = {"experts_implementation": "eager"} if family == "qwen3_5_moe" else {}  # grouped_mm has no float64
+    model = model_cls._from_config(_config(family, layers), attn_implementation=register_transformers_attention(),
+                                   **extra).to(dtype)
+    if checkpointing is not None:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": checkpointing == "reentrant"})
+    return model.train()
+
+
+def hybrid_docs(seed: int = 1, lengths: tuple[int, ...] = DOC_LENGTHS) -> list[Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 64, (n,), generator=g) for n in lengths]
+
+
+def hybrid_batch(docs: list[Tensor]) -> dict[str, Tensor]:
+    return pack_documents(docs, seq_len=SEQ_LEN)
+
+
+@contextlib.contextmanager
+def float64_kernel(model: nn.Module) -> Iterator[None]:
+    """Inside: the Gated DeltaNet layers of ``model`` (the sequence mixers the guard knows) run every op in float64."""
+    from blockdiag_dist.guard import KNOWN_MIXERS
+
+    from .precision import float64_modules
+
+    def is_mixer(m: nn.Module) -> bool:
+        return any(c.__name__ in KNOWN_MIXERS for c in type(m).__mro__)
+
+    with float64_modules(model, is_mixer):
+        yield
+
+
+def autocast_forward(model: nn.Module, batch) -> Tensor:
+    """:func:`verify.model.harness.text_forward` under bf16 autocast (CPU)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return text_forward(model, batch)
+
+
+def truth(family: str, docs: list[Tensor], *, stock_kernel: bool = False, dtype: torch.dtype = torch.float64,
+          autocast: bool = False, seed: int = 0) -> StepResult:
+    """Each document alone through the tiny model on one device: with the float64 kernel (the truth), or the
+    model exactly as transformers ships it (``stock_kernel``, e.g. for the bf16 baseline)."""
+    model = build_tiny_hybrid(family, dtype, seed=seed)
+    forward = autocast_forward if autocast else text_forward
+    with contextlib.nullcontext() if stock_kernel else float64_kernel(model):
+        return document_reference(model, docs, forward)
+
+
+_meshes: dict = {}
+
+
+def _dp_cp_mesh():
+    if "dp_cp" not in _meshes:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _meshes["dp_cp"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "cp"))
+    return _meshes["dp_cp"]
+
+
+def cp_parity_step(family: str, *, dtype: str = "float64", layout: str = "contiguous", checkpointing: str | None = None,
+                   autocast: bool = False, dp: int = 1, doc_seed: int = 1, seed: int = 0) -> StepResult:
+    """One step of the tiny model under CP on this rank (a pool worker; CP 1 with no pool), loss and gradients
+    summed over the CP group, and over DP for ``dp=2`` (replica ``r`` takes every other document), so that every
+    rank returns the step's total."""
+    from verify.pool import worker_info
+
+    env = worker_info()
+    model = build_tiny_hybrid(family, getattr(torch, dtype), seed=seed, checkpointing=checkpointing)
+    docs = hybrid_docs(doc_seed)
+    forward = autocast_forward if autocast else text_forward
+    if dp == 1:
+        return cp_step(model, hybrid_batch(docs), env.get("cp_mesh"), forward, layout=layout)
+    mesh = _dp_cp_mesh()
+    replica = mesh.get_local_rank("dp")
+    result = cp_step(model, hybrid_batch(docs[replica::2]), mesh["cp"], forward, layout=layout)
+    names = sorted(result.grads)
+    flat = torch.cat([torch.from_numpy(result.grads[n]).reshape(-1) for n in names]
+                     + [torch.tensor([result.loss, float(result.targets)], dtype=torch.float64)])
+    dist.all_reduce(flat, group=mesh["dp"].get_group())
+    sizes = [result.grads[n].size for n in names]
+    parts = flat[: sum(sizes)].split(sizes)
+    grads = {n: p.numpy().reshape(result.grads[n].shape).copy() for n, p in zip(names, parts)}
+    return StepResult(loss=float(flat[-2]), grads=grads, targets=int(flat[-1]), notes=result.notes)
