@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .harness import _VISION, StepResult, _rel, compare, document_reference, packed_reference, param_grads, text_forward
+from .harness import _VISION, StepResult, compare, document_reference, packed_reference, param_grads, text_forward
+from .judge import Baseline, Truth, compare_all, module_errors
 from .layouts import Packed, make_packed, model_rows
 from .multimodal import make_multimodal, multimodal_batched, multimodal_forward, multimodal_reference
 from .precision import LowPrecisionUse, Promote, float32_ops, float64_eager_attention, float64_modules
@@ -46,30 +46,6 @@ def recorder_of(model: nn.Module) -> ModuleRecorder:
 def _vocab(prepared: Prepared) -> int:
     text = getattr(prepared.config, "text_config", None) or prepared.config
     return int(text.vocab_size)
-
-
-@dataclass
-class Truth:
-    step: StepResult
-    out: dict[Key, np.ndarray]  # [N, ...] at the packed batch's real positions
-    inp: dict[Key, np.ndarray]
-    order: list[Key]
-    cls: dict[str, str]
-
-
-@dataclass
-class Baseline:
-    """Errors of the baseline against the truth: per parameter, loss, per module output and input; what it is."""
-
-    what: str
-    params: dict[str, float]
-    loss: float
-    out: dict[Key, float]
-    inp: dict[Key, float]
-
-
-def _module_errors(got: dict[Key, np.ndarray], ref: dict[Key, np.ndarray]) -> dict[Key, float]:
-    return {k: _rel(got[k], ref[k]) for k in ref if k in got and got[k].shape == ref[k].shape}
 
 
 def _worst(a: dict, b: dict) -> dict:
@@ -275,7 +251,7 @@ class Reference:
         real = p.real
         out = packed_records(per_doc, p.places, p.lengths, real, "out")
         inp = packed_records(per_doc, p.places, p.lengths, real, "inp")
-        return Baseline(what, c.per_param, c.loss_rel, _module_errors(out, truth.out), _module_errors(inp, truth.inp))
+        return Baseline(what, c.per_param, c.loss_rel, module_errors(out, truth.out), module_errors(inp, truth.inp))
 
     # -- the packed rows on one device, stock model --
     def packed_stock(self, rows) -> dict[str, Any]:
@@ -307,9 +283,7 @@ class Reference:
         real = p.real
         got_out = {k: v[real[0], real[1]].numpy() for k, v in step.records[0].out.items()}
         got_inp = {k: v[real[0], real[1]].numpy() for k, v in step.records[0].inp.items()}
-        from .check import _compare_all
-
-        verdict = _compare_all(self, rows, "float64", truth, step, got_out, got_inp, model)
+        verdict = compare_all(self, rows, "float64", truth, step, got_out, got_inp, model)
         self._packed[rows] = {"status": "ok" if verdict["ok"] else "wrong", "worst": verdict["worst_grad"],
                               "first_wrong": verdict.get("first_wrong_module"), "loss": verdict["loss_rel"]}
         return self._packed[rows]
