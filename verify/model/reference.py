@@ -11,14 +11,14 @@ Shape legend: B rows, S packed length, N real positions.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .harness import _VISION, StepResult, compare, document_reference, packed_reference, param_grads, text_forward
+from .harness import _VISION, StepResult, compare, document_reference, packed_reference, padded_batch_step, text_forward
 from .judge import Baseline, Truth, compare_all, module_errors
 from .layouts import Packed, make_packed, model_rows
 from .multimodal import make_multimodal, multimodal_batched, multimodal_forward, multimodal_reference
@@ -213,7 +213,7 @@ class Reference:
                     if self.prepared.multimodal:
                         step, per_doc = multimodal_batched(model, rec, p, S + pad, idx)
                     else:
-                        step, per_doc = _batched(model, rec, [p.docs[i] for i in idx], S + pad)
+                        step, per_doc = padded_batch_step(model, rec, [p.docs[i] for i in idx], S + pad)
                 per_doc = [per_doc[idx.index(i)] for i in range(len(p.docs))]
                 b = self._errors(f"float64, documents right-padded together to S + {pad} tokens"
                                  + (" in reverse order" if order < 0 else "") + " vs one by one", truth, step, per_doc, p, model)
@@ -329,34 +329,6 @@ def _sdpa_backend(name: str | None) -> Iterator[None]:
 
     with sdpa_kernel([sdpa_backend(name)]):
         yield
-
-
-def _batched(model: nn.Module, rec: ModuleRecorder, docs: Sequence[Tensor], length: int) -> tuple[StepResult, list[Records]]:
-    """The documents right-padded into one batch ``[k, length]`` (attention mask), one forward and backward: the
-    same sums as one by one, in another order and with padding rows among them, as in a packed row. Returns the
-    step and per-document Records."""
-    from blockdiag_dist.integrations import causal_lm_loss
-
-    model.zero_grad(set_to_none=True)
-    k, n = len(docs), max(length, max(int(d.numel()) for d in docs))
-    ids = torch.zeros(k, n, dtype=torch.int64)
-    labels = torch.full((k, n), -100, dtype=torch.int64)
-    mask = torch.zeros(k, n, dtype=torch.int64)
-    pos = torch.zeros(k, n, dtype=torch.int64)
-    for i, d in enumerate(docs):
-        m = d.numel()
-        ids[i, :m], labels[i, : m - 1], mask[i, :m], pos[i, :m] = d, d[1:], 1, torch.arange(m)
-    with rec.forward(k, n) as r:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-    loss = causal_lm_loss(logits, labels, 1)
-    loss.backward()
-    step = StepResult(loss=float(loss.detach()), grads=param_grads(model), targets=int((labels != -100).sum()))
-    per_doc = []
-    for i, d in enumerate(docs):
-        m = int(d.numel())
-        per_doc.append(Records(order=r.order, out={key: t[i : i + 1, :m] for key, t in r.out.items()},
-                               inp={key: t[i : i + 1, :m] for key, t in r.inp.items()}, cls=r.cls))
-    return step, per_doc
 
 
 def _is_mixer_class(name: str) -> bool:
