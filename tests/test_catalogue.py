@@ -106,6 +106,35 @@ def test_sweep_classes_pass_refused_and_cannot_build(tmp_path):
     assert "# Which models (edited by hand)" in page.read_text()  # the hand-written part survives
 
 
+def test_update_merges_a_rerun_into_an_earlier_sweep_and_says_so(tmp_path):
+    """--update: the earlier sweep's records stay, the re-run types replace theirs, in catalogue order; the page
+    keeps the sweep's stamp and names the re-run; an earlier sweep at other CP sizes, or no --only, is refused."""
+    import argparse
+
+    from verify.model.catalogue import _earlier_records, entries, generated, merge_update
+
+    names = [e.name for e in entries()]
+    first, second = names[0], names[1]
+    chosen, records = merge_update({second: {"v": "old"}, first: {"v": "old"}}, {second: {"v": "new"}})
+    assert [e.name for e in chosen] == [first, second] and records == {first: {"v": "old"}, second: {"v": "new"}}
+
+    path = tmp_path / "catalogue.json"
+    path.write_text(json.dumps({"cps": [1, 2], "records": {}}))
+    args = argparse.Namespace(only=first, json=str(path))
+    assert _earlier_records(args, [1, 2])["cps"] == [1, 2]
+    with pytest.raises(ValueError, match=r"expected results at CP sizes \[1, 4\].*got CP sizes \[1, 2\]"):
+        _earlier_records(args, [1, 4])
+    with pytest.raises(ValueError, match="expected --only"):
+        _earlier_records(argparse.Namespace(only=None, json=str(path)), [1, 2])
+
+    summary = summarise({}, [1, 2])
+    data = {"command": "c", "cps": [1, 2], "layout": "spans-every-rank", "rows": {"1": [], "2": []}, "types": 0,
+            "wall_seconds": 1700.0, "stamp": "then", "environment": {"transformers": "5", "torch": "2", "python": "3"},
+            "summary": summary, "records": {}, "updates": [{"stamp": "now", "seconds": 24.0, "names": [first]}]}
+    text = generated(data)
+    assert "Measured then" in text and f"Re-run now (`--update`, 24 s): `{first}`." in text
+
+
 # ---- the shrinker on the catalogue's awkward configs (meta device, no pools) ----------------------------------
 @pytest.mark.parametrize("model, check", [
     pytest.param("bart", lambda c: c.decoder_layers == 2 and c.d_model == 64 and c.decoder_ffn_dim == 64, id="encoder-decoder-depth"),

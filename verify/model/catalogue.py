@@ -61,6 +61,7 @@ __all__ = [
     "classify",
     "entries",
     "main",
+    "merge_update",
     "origin_of",
     "prepare",
     "sweep",
@@ -688,7 +689,9 @@ def generated(data: dict[str, Any]) -> str:
         f"{env['transformers']}, torch {env['torch']}, Python {env['python']}, CPU / gloo, {len(records)} models "
         f"({data['types']} model types of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` and "
         "`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`; a type both map to different classes is listed under both), "
-        f"{data['wall_seconds']:.0f} s.",
+        f"{data['wall_seconds']:.0f} s."
+        + "".join(f" Re-run {u['stamp']} (`--update`, {u['seconds']:.0f} s): {', '.join(f'`{n}`' for n in u['names'])}."
+                  for u in data.get("updates", [])),
         "",
         "Each model is built tiny from its default config (`verify/model/tiny.py`: widths of a few dozen, every "
         "layer type kept), in float64, with weights from one seed, and takes one training step on one packed row "
@@ -788,6 +791,13 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         console.print(f"verify model: {exc}", markup=False, soft_wrap=True)
         return 2
+    earlier: dict[str, Any] = {}
+    if getattr(args, "update", False):
+        try:
+            earlier = _earlier_records(args, cps)
+        except ValueError as exc:
+            console.print(f"verify model: {exc}", markup=False, soft_wrap=True)
+            return 2
     workdir = args.workdir or os.path.join("results", "catalogue")
     t0 = time.perf_counter()
     done = [0]
@@ -810,23 +820,31 @@ def main(args: argparse.Namespace) -> int:
         if rec.get("entry") is None:
             rec["entry"] = asdict(by_name[name])
     records = {e.name: records[e.name] for e in chosen if e.name in records}
-    summary = summarise(records, cps)
     wall = time.perf_counter() - t0
+    if earlier:  # --update: every type of the earlier sweep, the re-run ones replaced, in catalogue order
+        chosen, records = merge_update(earlier["records"], records)
+    summary = summarise(records, cps)
     argv = ["python", "-m", "verify", "model", "--catalogue", "--cp", ",".join(map(str, cps))]
     if args.md:
         argv += ["--md", args.md]
     if args.json:
         argv += ["--json", args.json]
-    if args.only:
+    if args.only and not earlier:
         argv += ["--only", args.only]
     data = {
         "command": " ".join(argv), "cps": cps, "layout": LAYOUT, "rows": {str(cp): model_rows(LAYOUT, cp) for cp in cps},
         "types": len({e.model_type for e in chosen}), "wall_seconds": round(wall, 1),
         "stamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "updates": [],
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version()},
         "summary": summary, "records": records,
     }
+    if earlier:  # the sweep's own stamp, time and environment stay; the re-run is named after them
+        now = data["stamp"]
+        data.update({k: earlier[k] for k in ("command", "stamp", "wall_seconds", "environment") if k in earlier})
+        data["updates"] = [*earlier.get("updates", []),
+                           {"stamp": now, "seconds": round(wall, 1), "names": [e.name for e in select(csv_list(args.only))]}]
     for cp in cps:
         counts = summary["counts"][str(cp)]
         console.print(f"CP {cp}: " + ", ".join(f"{c} {counts[c]}" for c in CLASSES if counts.get(c)), markup=False)
@@ -840,6 +858,30 @@ def main(args: argparse.Namespace) -> int:
         write_page(args.md, _plain(data))
     bad = [n for n, r in summary["rows"].items() if r["class"] in ("wrong", "crash", "hang")]
     return 1 if bad else 0
+
+
+def merge_update(earlier: dict[str, Any], rerun: dict[str, Any]) -> tuple[list[Entry], dict[str, Any]]:
+    """``--update``: the records of an earlier sweep with the re-run ones replacing theirs, in catalogue order
+    (the entries of both, and the records by name)."""
+    merged = {**earlier, **rerun}
+    chosen = [e for e in entries() if e.name in merged]
+    return chosen, {e.name: merged[e.name] for e in chosen}
+
+
+def _earlier_records(args: argparse.Namespace, cps: Sequence[int]) -> dict[str, Any]:
+    """The results of the sweep ``--update`` merges into: ``--json`` of an earlier sweep at the same CP sizes."""
+    if not args.only or not args.json:
+        raise ValueError(f"--update: expected --only (the types to re-run) and --json (the earlier results), got "
+                         f"--only {args.only!r} --json {args.json!r}")
+    try:
+        with open(args.json) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--update: expected the results of an earlier sweep in {args.json}, got {exc}") from None
+    if data.get("cps") != list(cps) or not isinstance(data.get("records"), dict):
+        raise ValueError(f"--update: expected results at CP sizes {list(cps)} in {args.json}, got CP sizes "
+                         f"{data.get('cps')}")
+    return data
 
 
 def _child_main(argv: Sequence[str] | None = None) -> None:

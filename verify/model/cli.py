@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              "installed transformers, tiny, float64, one layout, classed (verify/model/catalogue.py)")
     g.add_argument("--catalogue", action="store_true", help="sweep the whole catalogue (takes --cp, --md, --json, --seed)")
     g.add_argument("--only", default=None, help="with --catalogue: only these model types (comma-separated)")
+    g.add_argument("--update", action="store_true",
+                   help="with --catalogue --only: re-run those types and merge them into the results of --json "
+                        "(an earlier sweep at the same CP sizes), rewriting --json and --md from every type")
     g.add_argument("--jobs", type=int, default=1, help="with --catalogue: sweep processes side by side")
     g.add_argument("--chunk", type=int, default=40, help="with --catalogue: models per sweep process")
     g.add_argument("--model-timeout", type=float, default=600.0, help="with --catalogue: deadline of one model, seconds")

@@ -11,6 +11,8 @@ Shape legend: B rows, S packed length, N real positions.
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +32,7 @@ __all__ = ["FLOAT32_BACKENDS", "Baseline", "Reference", "Truth", "checksum", "la
 
 FLOAT32_BACKENDS = ("math", "flash_attention")  # CPU SDPA backends the float32 baseline runs on
 ROUNDING = 1e-12  # a gradient norm at most this fraction of the largest is rounding (zero in exact arithmetic)
+RECHUNK = 4  # the chunk length of the truth's second chunking (see Reference.chunking_cost)
 
 
 def checksum(model: nn.Module) -> float:
@@ -67,6 +70,7 @@ class Reference:
         self._ops: list[LowPrecisionUse] | None = None
         self.cost: float | None = None  # what the ops below float64 cost (stock vs all in float64), worst gradient
         self._exact: dict[Any, dict[str, float]] = {}  # per layout: each parameter's error of stock vs all in float64
+        self._rechunk: dict[Any, dict[str, float]] = {}  # per layout and truth: see chunking_cost
         self.weights: float | None = None
 
     # -- models --
@@ -189,6 +193,23 @@ class Reference:
         self.truth(rows, variant)
         per = self._exact.get((rows, variant), {})
         return {n: per[n] for n in self.cast_params() if n in per}
+
+    def chunking_cost(self, rows, variant: str = "stock") -> dict[str, float]:
+        """Per parameter: its gradient's error, the truth against the same documents with the model's chunked
+        recurrences (Gated DeltaNet's chunked delta rule, Mamba2's chunked scan) cut every :data:`RECHUNK` tokens
+        instead of the model's chunk: the same sums in another order, which a CP step cannot avoid either (a rank
+        boundary cuts a chunk). A gate's gradient (``A_log``, ``dt_bias``) is a small sum of large terms of both
+        signs: in float64 it moves by up to ~1e-9 with the chunking. Empty for a model without such a mixer."""
+        key = (rows, variant)
+        if key not in self._rechunk:
+            truth = self.truth(rows, variant)
+            model, _ = self.model("float64")
+            step = None
+            with self._stock(model, variant), rechunked(model, RECHUNK) as changed:
+                if changed:
+                    step = self.reference_step(model, self.packed(rows))
+            self._rechunk[key] = {} if step is None else compare(truth.step, step, model, 0.0).per_param
+        return self._rechunk[key]
 
     # -- baselines --
     def baseline(self, rows, dtype: str, variant: str = "stock") -> Baseline | None:
@@ -339,3 +360,27 @@ def _is_mixer_class(name: str) -> bool:
 
 def _is_mixer(module: nn.Module) -> bool:
     return any(_is_mixer_class(c.__name__) for c in type(module).__mro__)
+
+
+@contextlib.contextmanager
+def rechunked(model: nn.Module, every: int) -> Iterator[bool]:
+    """Inside: the stock chunked recurrences of ``model``'s sequence mixers cut every ``every`` tokens (the
+    modeling module's ``torch_chunk_gated_delta_rule`` given ``chunk_size=every``; a mixer's own ``chunk_size``
+    set to ``every``). Yields whether any was found; everything is restored on exit."""
+    undo: list[tuple[Any, str, Any]] = []
+    for m in model.modules():
+        if not _is_mixer(m):
+            continue
+        module = sys.modules.get(type(m).__module__)
+        kernel = getattr(module, "torch_chunk_gated_delta_rule", None)
+        if kernel is not None and not any(obj is module for obj, _, _ in undo):
+            undo.append((module, "torch_chunk_gated_delta_rule", kernel))
+            module.torch_chunk_gated_delta_rule = functools.partial(kernel, chunk_size=every)
+        if isinstance(m.__dict__.get("chunk_size"), int):
+            undo.append((m, "chunk_size", m.chunk_size))
+            m.chunk_size = every
+    try:
+        yield bool(undo)
+    finally:
+        for obj, name, old in reversed(undo):
+            setattr(obj, name, old)
