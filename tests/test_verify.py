@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import mp_checks  # noqa: F401 - importable by pool workers
 from conftest import assert_pass
@@ -262,6 +263,56 @@ def test_faults_end_within_the_deadline_naming_case_and_rank(bug, status, ranks,
     assert text in result.details and result.case.label() in result.details
     assert elapsed < deadline + 60  # pool start plus the deadline: it did not wait for the hang
     assert _alive(pids) == []
+
+
+def test_cases_queued_behind_a_crash_run_on_a_fresh_pool_in_order():
+    """Several cases are queued on the workers at once: when one kills the group, each case behind it is run
+    again on a fresh group (here crashing again) and gets its own verdict, in order, none lost."""
+    cases = [Case(**{**BUGGY_CASE.__dict__, "seed": seed}) for seed in range(3)]
+    with Session(case_timeout=30.0) as s:
+        results = s.run(cases, impl="verify.mutants.kill_rank")
+        spawns = s.pools[2].spawns
+    assert [r.case for r in results] == cases
+    assert [r.status for r in results] == ["crash"] * 3, [r.details for r in results]
+    assert all(r.case.label() in r.details for r in results)
+    assert spawns == 3
+
+
+def test_throughput_is_given_per_cp_size_and_per_kind(session):
+    cases = [_cases()[0], Case(rows=BUGGY_CASE.rows, cp=2, layer="conv", hq=2, dim=3, name="conv")]
+    assert all(r.ok for r in session.run(cases)), [r.details for r in session.run(cases)]
+    total, attention, mixer = session.throughput(), session.throughput("attention"), session.throughput("mixer")
+    assert set(total) >= {2} and set(attention) >= {2} and set(mixer) >= {2}
+    t = session.timing[2]
+    assert t["cases"] == t["cases_attention"] + t["cases_mixer"]
+    assert t["run_attention"] + t["run_mixer"] == pytest.approx(t["run"], rel=0.05)
+
+
+@pytest.mark.parametrize("window, chunk", [(-1, -1), (0, -1), (2, -1), (-1, 3), (1, 2)])
+def test_needed_sets_equal_a_brute_force_count(window, chunk):
+    """verify.exchange_check's needed sets (vectorised, cached per distinct input) against a direct count:
+    rank r needs key k of rank s iff some real query of r may see k (awkward sizes, padding, two rows)."""
+    from blockdiag_ref import DocLayout
+    from verify.exchange_check import needed_from_reference
+
+    g = torch.Generator().manual_seed(window * 7 + chunk)
+    for world in (1, 3, 5):
+        ids = torch.tensor([[1, 1, 1, 2, 2, 0, 3, 3, 3, 3, 1, 1, 0], [0, 4, 4, 4, 4, 4, 4, 5, 5, 0, 0, 6, 6]])
+        owner = torch.randint(0, world, ids.shape, generator=g).masked_fill(ids == 0, -1)
+        mask = DocLayout.from_doc_ids(ids).materialize_mask(
+            window_size=(window, 0) if window >= 0 else None, chunk_size=chunk if chunk > 0 else None)[:, 0]
+        want = torch.zeros(world, world, dtype=torch.int64)
+        B, S = ids.shape
+        for src in range(world):
+            for dst in range(world):
+                if src != dst:
+                    want[src, dst] = sum(
+                        1 for b in range(B) for k in range(S)
+                        if owner[b, k] == src and any(bool(mask[b, q, k]) and owner[b, q] == dst for q in range(S)))
+        got = needed_from_reference(ids, owner, world, window, chunk)
+        assert torch.equal(got, want), (world, got, want)
+        got[0, 0] = 99  # the caller's copy: the cached value stays as computed
+        assert torch.equal(needed_from_reference(ids, owner, world, window, chunk), want)
 
 
 # ---- command line --------------------------------------------------------------------------------------

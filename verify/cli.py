@@ -202,11 +202,14 @@ def _run_matrix(args, info, console: Console) -> int:
         with reporter.progress(len(cases)) as advance:
             results = session.run(cases, on_result=advance)
         per_cp = session.throughput()
+        per_kind = {kind: session.throughput(kind) for kind in ("attention", "mixer")}
     wall = time.perf_counter() - t0
-    reporter.summary(results, wall, args.impl, per_cp)
+    reporter.summary(results, wall, args.impl, per_cp, per_kind)
     growth_ok = report_growth(results, console)
     if args.json:
-        write_json(args.json, results, wall, args.impl, {"cases_per_second_by_cp": per_cp, "error_by_cp": error_growth(results)})
+        write_json(args.json, results, wall, args.impl, {
+            "cases_per_second_by_cp": per_cp, **{f"cases_per_second_by_cp_{k}": v for k, v in per_kind.items()},
+            "error_by_cp": error_growth(results)})
     return 0 if all(r.ok for r in results) and growth_ok else 1
 
 

@@ -10,6 +10,7 @@ token of every other rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,16 +28,27 @@ def needed_from_reference(doc_ids: Tensor, owner: Tensor, world: int, window: in
     """int64 ``[W (source), W (destination)]``: keys each rank needs from each other rank.
 
     ``doc_ids [B, S]``; ``owner [B, S]``: the rank holding each real position (-1 for padding positions);
-    ``chunk``: chunked local attention's chunk length (-1 = none).
+    ``chunk``: chunked local attention's chunk length (-1 = none). A pure function of its arguments, computed
+    once per distinct value (many cases of a matrix share their layout and sharding).
     """
-    mask = DocLayout.from_doc_ids(doc_ids).materialize_mask(
+    key = (_key(doc_ids), _key(owner), int(world), int(window), int(chunk))
+    return _needed(*key).clone()
+
+
+def _key(t: Tensor) -> tuple:
+    return (str(t.dtype), tuple(t.shape), tuple(t.flatten().tolist()))
+
+
+@functools.lru_cache(maxsize=256)
+def _needed(ids_key: tuple, owner_key: tuple, world: int, window: int, chunk: int) -> Tensor:
+    ids = torch.tensor(ids_key[2], dtype=getattr(torch, ids_key[0].removeprefix("torch."))).view(ids_key[1])
+    owner = torch.tensor(owner_key[2], dtype=torch.int64).view(owner_key[1])
+    mask = DocLayout.from_doc_ids(ids).materialize_mask(
         window_size=(window, 0) if window >= 0 else None, chunk_size=chunk if chunk > 0 else None)[:, 0]
-    counts = torch.zeros(world, world, dtype=torch.int64)
-    for r in range(world):
-        seen = (mask & (owner == r)[:, :, None]).any(1)  # [B, S] keys some real query of r may see
-        for s in range(world):
-            if s != r:
-                counts[s, r] = int((seen & (owner == s)).sum())
+    held = (owner[None] == torch.arange(world)[:, None, None]).double()  # [W, B, S]: rank r holds (b, s)
+    seen = torch.einsum("rbq,bqk->rbk", held, mask.double()) > 0  # [W, B, S] keys some real query of r may see
+    counts = torch.einsum("rbk,sbk->sr", seen.double(), held).round().to(torch.int64)  # [source, destination]
+    counts.fill_diagonal_(0)
     return counts
 
 

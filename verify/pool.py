@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 __all__ = ["PoolError", "TaskFailure", "WorkerPool"]
@@ -127,7 +128,10 @@ def _feeder(feed: queue.SimpleQueue, conn: Connection) -> None:
         if msg is _STOP:
             return
         try:
-            conn.send(msg)
+            if isinstance(msg, bytes):  # a task, pickled once for every rank (see WorkerPool.submit)
+                conn.send_bytes(msg)
+            else:
+                conn.send(msg)
         except (OSError, BrokenPipeError, ValueError):
             return
         if msg is None:
@@ -285,9 +289,10 @@ class WorkerPool:
         self.start()
         ids = list(range(self._next_task, self._next_task + len(calls)))
         self._next_task += len(calls)
-        for feed in self._feeds:
-            for task_id, (args, kwargs) in zip(ids, calls):
-                feed.put((task_id, fn, tuple(args), dict(kwargs)))
+        for task_id, (args, kwargs) in zip(ids, calls):
+            msg = bytes(ForkingPickler.dumps((task_id, fn, tuple(args), dict(kwargs))))  # once, not once per rank
+            for feed in self._feeds:
+                feed.put(msg)
         return ids
 
     def collect(self, task_id: int, *, timeout: float, name: str) -> list[Any] | TaskFailure:

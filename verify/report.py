@@ -67,7 +67,9 @@ class Reporter:
 
             yield advance
 
-    def summary(self, results: Sequence[CaseResult], wall: float, impl: str, per_cp: dict[int, float] | None = None) -> None:
+    def summary(self, results: Sequence[CaseResult], wall: float, impl: str, per_cp: dict[int, float] | None = None,
+                per_kind: dict[str, dict[int, float]] | None = None) -> None:
+        """``per_cp``: cases/s per CP size; ``per_kind``: the same for the attention and the mixer cases apart."""
         c = self.console
         if self.full_table:
             table = Table(title=f"verify --impl {impl}: every case")
@@ -100,7 +102,12 @@ class Reporter:
         verdict = "[bold green]PASS[/]" if not failed else f"[bold red]FAIL[/] ({len(failed)} failed)"
         c.print(f"{verdict}: {len(results)} cases in {wall:.1f} s ({rate:.1f} cases/s); largest relative errors: {worst}")
         if per_cp:
-            c.print("cases/s per CP size, pool start excluded: " + ", ".join(f"CP {cp}: {r:.1f}" for cp, r in per_cp.items()))
+            def apart(cp: int) -> str:
+                parts = [f"{kind} {rates[cp]:.1f}" for kind, rates in (per_kind or {}).items() if cp in rates]
+                return f" ({', '.join(parts)})" if len(parts) > 1 else ""
+
+            c.print("cases/s per CP size, pool start excluded: "
+                    + ", ".join(f"CP {cp}: {r:.1f}{apart(cp)}" for cp, r in per_cp.items()), soft_wrap=True)
 
 
 def _verdict(results: Sequence[CaseResult]) -> str:

@@ -29,6 +29,7 @@ from the reference mask (``exchange_check.py``, in the parent).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import math
@@ -44,7 +45,7 @@ from blockdiag_ref import DocLayout, reference_attention
 from .cases import Case
 from .tolerances import BASELINE_BACKENDS, judge, sdpa_backend
 
-__all__ = ["ImplInfo", "applicable", "check_case", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
+__all__ = ["ImplInfo", "applicable", "check_case", "compared_on_ranks", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
 
 VOCAB = 11
 VARIANT_KWARGS = {"sinks": "sinks", "softcap": "softcap", "chunk": "chunk_size"}  # Case variant -> sdpa keyword
@@ -187,16 +188,17 @@ def _single_device(
     case: Case, inputs: dict[str, Tensor], dtype: torch.dtype, device: torch.device, reference: bool,
     backend: str | None = None,
 ) -> dict:
-    layout = DocLayout.from_doc_ids(inputs["doc_ids"])
     window = (case.window, 0) if case.window >= 0 else None
     x, ws = _leaves(inputs, dtype, device)
     variants = _variant_kwargs(case, ws)
     if reference:
+        layout = DocLayout.from_doc_ids(inputs["doc_ids"])
+
         def attend(q, k, v):
             return reference_attention(q, k, v, layout, enable_gqa=True, window_size=window, **variants)
     else:
-        mask = layout.materialize_mask(window_size=window, chunk_size=variants.get("chunk_size")).to(device)
-        pad = layout.padding_mask.to(device)[:, None, :, None]
+        mask, pad = _dense_mask(inputs["doc_ids"], case.window, case.chunk)
+        mask, pad = mask.to(device), pad.to(device)
         sinks, softcap = variants.get("sinks"), variants.get("softcap")
         if sinks is not None or softcap is not None:
             attend = _variant_baseline(backend, device, mask, pad, sinks, softcap)
@@ -213,6 +215,21 @@ def _single_device(
         "out": res["out"].detach(), "loss": res["loss"].detach(), "x": x.grad,
         **{f"d{n}": res[n].grad for n in ("q", "k", "v")}, **{f"d{n}": ws[n].grad for n in ws},
     }
+
+
+def _dense_mask(doc_ids: Tensor, window: int, chunk: int) -> tuple[Tensor, Tensor]:
+    """The baseline's dense per-document mask ``[B, 1, S, S]`` and padding rows ``[B, 1, S, 1]`` (bool, host),
+    computed once per distinct (doc ids, window, chunk): every baseline backend and the many cases of a matrix
+    that share a layout reuse them (read only)."""
+    ids = doc_ids.detach().cpu()
+    return _dense_mask_of(str(ids.dtype), tuple(ids.shape), tuple(ids.flatten().tolist()), window, chunk)
+
+
+@functools.lru_cache(maxsize=128)
+def _dense_mask_of(dtype: str, shape: tuple, flat: tuple, window: int, chunk: int) -> tuple[Tensor, Tensor]:
+    layout = DocLayout.from_doc_ids(torch.tensor(flat, dtype=getattr(torch, dtype.removeprefix("torch."))).view(shape))
+    mask = layout.materialize_mask(window_size=(window, 0) if window >= 0 else None, chunk_size=chunk if chunk > 0 else None)
+    return mask, layout.padding_mask[:, None, :, None]
 
 
 def _variant_baseline(backend: str | None, device: torch.device, mask: Tensor, pad: Tensor, sinks: Tensor | None,
@@ -416,17 +433,31 @@ def _tensors(v: dict | None, fn) -> dict | None:
     return None if v is None else {n: fn(t) for n, t in v.items()}
 
 
-def pack_expected(expected: dict) -> dict:
-    """Plain numpy arrays, to travel to the workers by value (no shared-memory tensors). numpy has no
-    bfloat16: such tensors travel as float32, which holds every bfloat16 value exactly."""
+def compared_on_ranks(case: Case) -> tuple[str, ...]:
+    """The quantities of :func:`expected_results` a rank compares itself (:func:`check_case`); the others are
+    summed over ranks and compared by whoever merges them (:func:`summed_metrics`)."""
+    if case.layer != "attention":
+        from .mixers import MIXER_INPUTS
+
+        return ("out", *(f"d{n}" for n in MIXER_INPUTS[case.layer]))
+    return ("out", "dq", "dk", "dv")
+
+
+def pack_expected(expected: dict, names: tuple[str, ...] | None = None) -> dict:
+    """Plain numpy arrays, to travel to the workers by value (no shared-memory tensors); ``names``: only these
+    quantities (default: all). numpy has no bfloat16: such tensors travel as float32, which holds every
+    bfloat16 value exactly."""
 
     def array(t: Tensor):
         t = t.detach().cpu()
         return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
+    def pick(res: dict) -> dict:
+        return res if names is None else {n: res[n] for n in names}
+
     base = expected["base"]
-    return {**expected, "ref": _tensors(expected["ref"], array),
-            "base": None if base is None else {b: _tensors(r, array) for b, r in base.items()}}
+    return {**expected, "ref": _tensors(pick(expected["ref"]), array),
+            "base": None if base is None else {b: _tensors(pick(r), array) for b, r in base.items()}}
 
 
 def unpack_expected(packed: dict) -> dict:
@@ -537,7 +568,12 @@ def summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> dict[str
 # ---- entry points for pool workers and torchrun ----------------------------------------------------------
 def warm_up() -> None:
     """Pay one-time costs at pool start instead of in the first case: the first non-reentrant checkpoint
-    imports torch._dynamo (about a second)."""
+    imports torch._dynamo (about a second); the project's implementation and the mixer cases' modules are
+    imported here too (a few tenths of a second per rank)."""
+    import blockdiag_dist  # noqa: F401
+
+    from . import mixers  # noqa: F401
+
     x = torch.ones(1, requires_grad=True)
     torch.utils.checkpoint.checkpoint(torch.mul, x, x, use_reentrant=False).backward()
 

@@ -4,6 +4,7 @@ results into one verdict per case."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 from .cases import Case
 from .exchange_check import exchange_metrics
 from .pool import TaskFailure, WorkerPool
-from .runner import expected_results, pack_expected, run_case, summed_metrics, warm_up
+from .runner import compared_on_ranks, expected_results, pack_expected, run_case, summed_metrics, warm_up
 
 __all__ = ["CaseResult", "Session"]
 
@@ -101,11 +102,15 @@ class Session:
         self.in_process = in_process  # torchrun: run on the launched group instead of pools
         self.keep_after_uniform_error = keep_after_uniform_error  # see WorkerPool
         self.pools: dict[int, WorkerPool] = {}
-        self.timing: dict[int, dict[str, float]] = {}  # per CP size: seconds spent running cases, cases run
+        # per CP size: seconds spent running cases and cases run, in all and per kind (attention, mixer)
+        self.timing: dict[int, dict[str, float]] = {}
 
-    def throughput(self) -> dict[int, float]:
-        """Cases per second per CP size, measured while the pool was running cases (its start excluded)."""
-        return {cp: t["cases"] / t["run"] for cp, t in sorted(self.timing.items()) if t["run"] > 0}
+    def throughput(self, kind: str | None = None) -> dict[int, float]:
+        """Cases per second per CP size, measured while the pool was running cases (its start excluded);
+        ``kind``: only the attention cases (``"attention"``) or only the mixer cases (``"mixer"``), each
+        charged the time from the previous result to its own."""
+        run, cases = ("run", "cases") if kind is None else (f"run_{kind}", f"cases_{kind}")
+        return {cp: t[cases] / t[run] for cp, t in sorted(self.timing.items()) if t.get(run, 0) > 0}
 
     def __enter__(self) -> Session:
         return self
@@ -120,8 +125,11 @@ class Session:
 
     def pool(self, cp: int) -> WorkerPool:
         if cp not in self.pools:
+            # one thread per rank: the cases' tensors are tiny, and intra-op threads on busy cores only add
+            # barrier waits (a CP 1 rank with two threads ran its backward ~50x slower than the parent's)
             self.pools[cp] = WorkerPool(
                 cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout), init=warm_up,
+                threads_per_worker=1,
                 keep_after_uniform_error=self.keep_after_uniform_error,
                 device=self.device,
             )
@@ -155,56 +163,75 @@ class Session:
                 per_rank, expected = self.in_process(case)
                 yield merge_ranks(case, per_rank, expected, time.perf_counter() - t0, impl)
             return
-        # The parent computes each case's reference once (not once per rank) while the workers run the
-        # previous chunk.
+        # The parent computes each case's reference once (not once per rank) while the workers run the cases
+        # already submitted: up to two chunks stay queued on the workers, so they never wait for the parent
+        # between chunks; the first chunk is small, so that they start at once.
         pool = self.pool(cp)
         timing = self.timing.setdefault(cp, {"run": 0.0, "cases": 0})
+        for kind in KINDS:
+            timing.setdefault(f"run_{kind}", 0.0)
+            timing.setdefault(f"cases_{kind}", 0)
         try:
             pool.start()  # not counted in the throughput
         except Exception:  # noqa: BLE001 - reported per case below
             pass
         run_before, t_run = timing["run"], time.perf_counter()
+        t_last = t_run
         expected: dict[int, dict] = {}  # case index -> reference tensors (kept here for the summed checks)
-        packed: dict[int, dict] = {}  # ... and as plain arrays for the workers
+        packed: dict[int, dict] = {}  # ... and as plain arrays for the workers (what they compare)
+        inflight: deque[tuple[int, int]] = deque()  # (case index, task id), submitted, in order
+        nxt = 0  # the next case to submit
 
-        def prepare(lo: int) -> None:
-            for j in range(lo, min(lo + self.chunk, len(cases))):
+        def prepare(lo: int, hi: int) -> None:
+            for j in range(lo, hi):
                 if j not in expected:
                     expected[j] = reference(cases[j])
-                    packed[j] = pack_expected(expected[j])
+                    packed[j] = pack_expected(expected[j], names=compared_on_ranks(cases[j]))
 
-        i = 0
-        prepare(0)
-        while i < len(cases):
-            hi = min(i + self.chunk, len(cases))
-            prepare(i)  # after failed starts, i may have moved past the prepared chunk
-            try:
-                ids = pool.submit(run_case, [((cases[j].to_dict(), impl, packed[j]), {}) for j in range(i, hi)])
-            except Exception as exc:  # noqa: BLE001 - e.g. the pool could not start: report, don't hang
-                yield CaseResult(case=cases[i], status="crash", details=f"{type(exc).__name__}: {exc}", impl=impl)
-                expected.pop(i, None)
-                packed.pop(i, None)
-                i += 1
-                continue
-            prepare(hi)
-            t0 = time.perf_counter()
-            for j, task_id in zip(range(i, hi), ids):
-                item = pool.collect(task_id, timeout=self.case_timeout, name=cases[j].label())
-                now = time.perf_counter()
-                i = j + 1
-                exp = expected.pop(j)
-                packed.pop(j)
-                if isinstance(item, TaskFailure):
-                    yield _failure_result(cases[j], item, now - t0, impl)
-                    if not pool.alive:
-                        break  # the pool was killed; the rest of the chunk goes to a fresh one
-                    t0 = time.perf_counter()
+        while nxt < len(cases) or inflight:
+            if nxt < len(cases) and len(inflight) < self.chunk:  # keep the workers' queue full
+                hi = min(nxt + (min(FIRST_CHUNK, self.chunk) if nxt == 0 else self.chunk), len(cases))
+                prepare(nxt, hi)
+                try:
+                    ids = pool.submit(run_case, [((cases[j].to_dict(), impl, packed[j]), {}) for j in range(nxt, hi)])
+                except Exception as exc:  # noqa: BLE001 - e.g. the pool could not start: report, don't hang
+                    yield CaseResult(case=cases[nxt], status="crash", details=f"{type(exc).__name__}: {exc}", impl=impl)
+                    expected.pop(nxt, None)
+                    packed.pop(nxt, None)
+                    nxt += 1
                     continue
-                result = merge_ranks(cases[j], item, exp, now - t0, impl)
-                timing["cases"] += 1
-                timing["run"] = run_before + time.perf_counter() - t_run  # accumulates over calls of run()
-                yield result
-                t0 = time.perf_counter()
+                inflight.extend(zip(range(nxt, hi), ids))
+                nxt = hi
+                continue
+            j, task_id = inflight.popleft()
+            t0 = time.perf_counter()
+            item = pool.collect(task_id, timeout=self.case_timeout, name=cases[j].label())
+            now = time.perf_counter()
+            exp = expected.pop(j)
+            packed.pop(j)
+            if isinstance(item, TaskFailure):
+                yield _failure_result(cases[j], item, now - t0, impl)
+                if not pool.alive:  # the pool was killed: the cases queued behind go to a fresh one
+                    nxt = j + 1
+                    inflight.clear()
+                continue
+            result = merge_ranks(cases[j], item, exp, now - t0, impl)
+            t_done = time.perf_counter()
+            kind = _kind(cases[j])
+            timing["cases"] += 1
+            timing[f"cases_{kind}"] += 1
+            timing[f"run_{kind}"] += t_done - t_last
+            t_last = t_done
+            timing["run"] = run_before + t_done - t_run  # accumulates over calls of run()
+            yield result
+
+
+KINDS = ("attention", "mixer")
+FIRST_CHUNK = 2  # cases in the first submission: the workers start while the parent prepares the next ones
+
+
+def _kind(case: Case) -> str:
+    return "attention" if case.layer == "attention" else "mixer"
 
 
 def backends_used(case: Case, expected: dict) -> str:
