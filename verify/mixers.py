@@ -33,6 +33,7 @@ from torch import Tensor
 
 from blockdiag_ref import reference_causal_conv, reference_gated_delta_rule
 
+from .case_io import Metrics, impl_batch, summed_over_ranks
 from .cases import Case
 
 __all__ = ["MIXER_LAYERS", "check_mixer_case", "mixer_expected", "mixer_inputs", "mixer_summed_metrics"]
@@ -144,10 +145,8 @@ def mixer_expected(case: Case, device: torch.device | str = "cpu", inputs: dict[
 
 
 def _run_impl(case: Case, impl, inputs: dict[str, Tensor], dtype, device, cp_mesh) -> dict:
-    from .runner import _impl_batch
-
     x, ws = _leaves(case, inputs, dtype, device)
-    batch = _impl_batch(case, inputs, x, device)
+    batch = impl_batch(case, inputs, x, device)
     opts = {"layout": case.layout} if case.layout else {}
     if "expect_attention" in impl.make_params:
         opts["expect_attention"] = False
@@ -190,14 +189,12 @@ def _expected_elements(case: Case, state, rank: int) -> int | None:
 
 def check_mixer_case(case: Case, impl, cp_mesh, rank: int, world: int, device: torch.device, expected: dict) -> dict:
     """Run the mixer case on this rank and compare with ``expected`` (unpacked)."""
-    from .runner import _Metrics
-
     dtype = getattr(torch, case.dtype)
     inputs = mixer_inputs(case)
     ref, base = expected["ref"], expected["base"]
     run = _run_impl(case, impl, inputs, dtype, device, cp_mesh)
     res = run["res"]
-    m = _Metrics(case.dtype)
+    m = Metrics(case.dtype)
     pos = run["positions"].to(torch.int64).cpu()
     padding = run["padding"].to(torch.bool).cpu()
     real = ~padding
@@ -243,20 +240,12 @@ def check_mixer_case(case: Case, impl, cp_mesh, rank: int, world: int, device: t
 
 def mixer_summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> dict[str, dict[str, Any]]:
     """Quantities summed over ranks (grads of inputs_embeds and of every weight, the loss) against the reference."""
-    from .runner import _Metrics
-
     ref, base = expected["ref"], expected["base"]
-    m = _Metrics(case.dtype)
+    m = Metrics(case.dtype)
     w_scale = max(ref[f"d{n}"].abs().max().item() for n in WEIGHTS[case.layer])
     summed = [("dinputs_embeds", "x"), ("loss", "loss")] + [(f"dW_{n}", f"d{n}") for n in WEIGHTS[case.layer]]
     for label, key in summed:
-        parts = [info["partials"][label] for info in per_rank if info["partials"].get(label) is not None]
-        got = None
-        if parts:
-            total = parts[0].copy()
-            for p in parts[1:]:
-                total += p
-            got = torch.from_numpy(total).view_as(ref[key])
+        got = summed_over_ranks(per_rank, label, ref[key])
         bases = None if base is None else {b: r[key] for b, r in base.items()}
         m.close(label, got, ref[key], bases, w_scale if label.startswith("dW") else 0.0)
     return m.rows

@@ -42,8 +42,9 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout, reference_attention
 
+from .case_io import Metrics, impl_batch, summed_over_ranks
 from .cases import Case
-from .tolerances import BASELINE_BACKENDS, judge, sdpa_backend
+from .tolerances import BASELINE_BACKENDS, sdpa_backend
 
 __all__ = ["ImplInfo", "applicable", "check_case", "compared_on_ranks", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
 
@@ -270,26 +271,9 @@ def _variant_baseline(backend: str | None, device: torch.device, mask: Tensor, p
 
 
 # ---- the implementation under CP ----------------------------------------------------------------------
-def _impl_batch(case: Case, inputs: dict[str, Tensor], x: Tensor, device: torch.device) -> dict[str, Any]:
-    B, S = case.batch_size, case.seq_len
-    ids = inputs["doc_ids"].to(device)
-    batch: dict[str, Any] = {
-        "inputs_embeds": x,
-        "labels": inputs["labels"].to(device),
-        "position_ids": torch.arange(S, device=device).expand(B, S).clone(),
-    }
-    if case.source == "packed":
-        batch["_packed_seq_ids"] = ids
-    elif case.source == "mask2d":
-        batch["attention_mask"] = ids
-    else:
-        batch["attention_mask"] = DocLayout.from_doc_ids(ids.cpu()).materialize_mask().to(device)
-    return batch
-
-
 def _run_impl(case: Case, impl: ImplInfo, inputs: dict[str, Tensor], dtype, device, cp_mesh) -> dict:
     x, ws = _leaves(inputs, dtype, device)
-    batch = _impl_batch(case, inputs, x, device)
+    batch = impl_batch(case, inputs, x, device)
     opts = {k: v for k, v in (("kernel", case.kernel), ("kv_exchange", case.exchange), ("layout", case.layout)) if v}
     if "window_sizes" in impl.make_params:
         opts["window_sizes"] = [(case.window, 0) if case.window >= 0 else None]
@@ -327,58 +311,6 @@ def _run_impl(case: Case, impl: ImplInfo, inputs: dict[str, Tensor], dtype, devi
 
 
 # ---- comparison -----------------------------------------------------------------------------------------
-class _Metrics:
-    """Per-quantity errors and verdicts. ``scale`` is the largest reference magnitude of the quantity, or of
-    its group when larger: grads of q and k are exactly 0 under a window of 0 (a softmax over one key), so
-    their own magnitude cannot scale rounding noise; the group's (q, k, v) can."""
-
-    def __init__(self, dtype: str):
-        self.dtype = dtype
-        self.rows: dict[str, dict[str, Any]] = {}
-
-    def close(
-        self, name: str, got: Tensor | None, ref: Tensor, bases: dict[str, Tensor] | None, group_scale: float = 0.0,
-        used: str | None = None,
-    ) -> None:
-        """``bases``: the baseline's value of the quantity per SDPA backend; ``used``: the backend the
-        implementation ran on, whose baseline error it inherits."""
-        if got is None:
-            self.rows[name] = {"err": math.inf, "scale": 0.0, "limit": 0.0, "ok": False, "why": "no gradient reached it"}
-            return
-        got64, ref64 = got.detach().double().cpu(), ref.detach().double().cpu()
-        if got64.shape != ref64.shape:
-            self.rows[name] = {"err": math.inf, "scale": 0.0, "limit": 0.0, "ok": False,
-                               "why": f"shape {tuple(got64.shape)} != reference {tuple(ref64.shape)}"}
-            return
-        err = (got64 - ref64).abs().max().item() if ref64.numel() else 0.0
-        if math.isnan(err):
-            err = math.inf
-        scale = max(ref64.abs().max().item() if ref64.numel() else 0.0, group_scale)
-        by_backend = {
-            b: (t.detach().double().cpu() - ref64).abs().max().item() if ref64.numel() else 0.0
-            for b, t in (bases or {}).items()
-        }
-        worst = max(by_backend, key=by_backend.get) if by_backend else None
-        base_err = by_backend.get(worst)
-        limit, ok = judge(self.dtype, err, scale, base_err)
-        self.rows[name] = {"err": err, "scale": scale, "limit": limit, "ok": ok, "base": base_err}
-        if by_backend:
-            self.rows[name].update(base_backend=worst, base_by_backend=by_backend, inherited=by_backend.get(used))
-
-    def exact_zero(self, name: str, got: Tensor | None) -> None:
-        if got is None:
-            self.rows[name] = {"err": math.inf, "scale": 0.0, "limit": 0.0, "ok": False, "why": "no gradient reached it"}
-            return
-        vals = got.detach().double().cpu()
-        err = vals.abs().max().item() if vals.numel() else 0.0
-        err = math.inf if math.isnan(err) else err
-        self.rows[name] = {"err": err, "scale": 0.0, "limit": 0.0, "ok": err == 0.0, "exact": True}
-
-    def equal(self, name: str, got: int, expected: int) -> None:
-        self.rows[name] = {"err": float(abs(got - expected)), "scale": float(expected), "limit": 0.0,
-                           "ok": got == expected, "got": got, "expected": expected}
-
-
 def _heads_view(t: Tensor) -> Tensor:
     """[B, H, L, D] -> [B, L, H, D] so that row selection by (b, l) keeps heads and dims together."""
     return t.transpose(1, 2)
@@ -481,7 +413,7 @@ def check_case(
     used = case.backend or expected["default_backend"]
     run = _run_impl(case, impl, inputs, dtype, device, cp_mesh)
     res = run["res"]
-    m = _Metrics(case.dtype)
+    m = Metrics(case.dtype)
 
     def host(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.detach().cpu()
@@ -550,16 +482,10 @@ def summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> dict[str
         return mixer_summed_metrics(case, per_rank, expected)
     ref, base = expected["ref"], expected["base"]
     used = case.backend or expected.get("default_backend")
-    m = _Metrics(case.dtype)
+    m = Metrics(case.dtype)
     w_scale = max(ref[k].abs().max().item() for k in ("dwq", "dwk", "dwv", "dwo"))
     for label, key in SUMMED + ((("dsinks", "dsinks"),) if case.sinks else ()):
-        parts = [info["partials"][label] for info in per_rank if info["partials"].get(label) is not None]
-        got = None
-        if parts:
-            total = parts[0].copy()
-            for p in parts[1:]:
-                total += p
-            got = torch.from_numpy(total).view_as(ref[key])
+        got = summed_over_ranks(per_rank, label, ref[key])
         bases = None if base is None else {b: r[key] for b, r in base.items()}
         m.close(label, got, ref[key], bases, w_scale if key.startswith("dw") else 0.0, used)
     return m.rows
