@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["PoolError", "TaskFailure", "WorkerPool"]
+__all__ = ["PoolError", "PoolsByWorld", "TaskFailure", "WorkerPool"]
 
 _GRACE_S = 2.0  # after one rank fails, how long the others get to report before the group is killed
 
@@ -360,3 +360,30 @@ class WorkerPool:
             r: "still inside this task at the deadline (computing, or waiting in a collective for another rank)"
             for r in sorted(ranks)
         }
+
+
+class PoolsByWorld:
+    """One persistent :class:`WorkerPool` per world size (CP size), spawned on first use by :meth:`_spawn`, all
+    closed together (a context manager). The verifier's sessions hold their pools this way."""
+
+    def __init__(self) -> None:
+        self.pools: dict[int, WorkerPool] = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+    def pool(self, world: int) -> WorkerPool:
+        if world not in self.pools:
+            self.pools[world] = self._spawn(world)
+        return self.pools[world]
+
+    def _spawn(self, world: int) -> WorkerPool:
+        raise NotImplementedError

@@ -11,7 +11,7 @@ from typing import Any
 
 from .cases import Case
 from .exchange_check import exchange_metrics
-from .pool import TaskFailure, WorkerPool
+from .pool import PoolsByWorld, TaskFailure, WorkerPool
 from .runner import compared_on_ranks, expected_results, pack_expected, run_case, summed_metrics, warm_up
 
 __all__ = ["CaseResult", "Session"]
@@ -79,7 +79,7 @@ def merge_ranks(case: Case, per_rank: Sequence[dict], expected: dict, seconds: f
     )
 
 
-class Session:
+class Session(PoolsByWorld):
     """Feeds cases to one persistent pool per CP size (spawned on first use, respawned after a failure)."""
 
     def __init__(
@@ -101,7 +101,7 @@ class Session:
         self.device = device
         self.in_process = in_process  # torchrun: run on the launched group instead of pools
         self.keep_after_uniform_error = keep_after_uniform_error  # see WorkerPool
-        self.pools: dict[int, WorkerPool] = {}
+        super().__init__()
         # per CP size: seconds spent running cases and cases run, in all and per kind (attention, mixer)
         self.timing: dict[int, dict[str, float]] = {}
 
@@ -112,28 +112,15 @@ class Session:
         run, cases = ("run", "cases") if kind is None else (f"run_{kind}", f"cases_{kind}")
         return {cp: t[cases] / t[run] for cp, t in sorted(self.timing.items()) if t.get(run, 0) > 0}
 
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for pool in self.pools.values():
-            pool.close()
-        self.pools.clear()
-
-    def pool(self, cp: int) -> WorkerPool:
-        if cp not in self.pools:
-            # one thread per rank: the cases' tensors are tiny, and intra-op threads on busy cores only add
-            # barrier waits (a CP 1 rank with two threads ran its backward ~50x slower than the parent's)
-            self.pools[cp] = WorkerPool(
-                cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout), init=warm_up,
-                threads_per_worker=1,
-                keep_after_uniform_error=self.keep_after_uniform_error,
-                device=self.device,
-            )
-        return self.pools[cp]
+    def _spawn(self, cp: int) -> WorkerPool:
+        # one thread per rank: the cases' tensors are tiny, and intra-op threads on busy cores only add
+        # barrier waits (a CP 1 rank with two threads ran its backward ~50x slower than the parent's)
+        return WorkerPool(
+            cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout), init=warm_up,
+            threads_per_worker=1,
+            keep_after_uniform_error=self.keep_after_uniform_error,
+            device=self.device,
+        )
 
     def run(
         self, cases: Iterable[Case], on_result: Callable[[CaseResult], None] | None = None, *, impl: str | None = None,

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..pool import TaskFailure, WorkerPool
+from ..pool import PoolsByWorld, TaskFailure, WorkerPool
 from .check import ModelCase, ModelResult, failure_result, judge, run_model_case
 from .reference import Reference
 from .zoo import Prepared
@@ -29,33 +29,20 @@ def warm_up() -> None:
     attention_warm_up()
 
 
-class ModelSession:
+class ModelSession(PoolsByWorld):
     """Pools per CP size and a :class:`~verify.model.check.Reference` per model, reused across runs."""
 
     def __init__(self, *, case_timeout: float = 180.0, backend: str = "gloo") -> None:
         self.case_timeout = case_timeout
         self.backend = backend
-        self.pools: dict[int, WorkerPool] = {}
+        super().__init__()
         self.references: dict[str, Reference] = {}
         self._refused: set[tuple[str, int, str]] = set()  # (model, CP size) refused on every rank in an earlier case
         self._packed_seen: set[tuple[str, int, str]] = set()  # (model, CP size) whose packed-rows verdict a failure has
 
-    def __enter__(self) -> ModelSession:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for pool in self.pools.values():
-            pool.close()
-        self.pools.clear()
-
-    def pool(self, cp: int) -> WorkerPool:
-        if cp not in self.pools:
-            self.pools[cp] = WorkerPool(cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout),
-                                        init=warm_up, keep_after_uniform_error=True, start_timeout=180.0)
-        return self.pools[cp]
+    def _spawn(self, cp: int) -> WorkerPool:
+        return WorkerPool(cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout), init=warm_up,
+                          keep_after_uniform_error=True, start_timeout=180.0)
 
     def reference(self, prepared: Prepared, seed: int = 0) -> Reference:
         key = f"{prepared.name}|{seed}"
