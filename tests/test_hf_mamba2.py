@@ -1,11 +1,12 @@
-"""Mamba2 hybrids (Nemotron-H; Bamba and Granite-4 hybrids, whose Mamba2 layer is Nemotron-H's line for line) train
+"""Mamba2 hybrids (Nemotron-H; Bamba, Granite-4 hybrids, Zamba2 and Mamba2 itself, whose Mamba2 layer is
+Nemotron-H's line for line) train
 under CP with the same few lines as Llama: the loss and every parameter's gradient equal each document run alone
 on one device, at CP 1, 2, 4 and DP 2 x CP 2, on every layout, in float64 (the truth with the Mamba2 layers in
 float64, see verify.model.hybrid), under bf16 autocast (within the rule: twice the single-device bf16 error plus
 a floor) and with activation checkpointing, reentrant and not. Outside a step the layer is transformers' own.
 
 What the models compute in float32 whatever their dtype, and what it costs here: Nemotron-H casts its logits to
-float32 (``lm_head(...).float()``), so its loss is a float32 sum (measured 4e-8 against the per-document sum); its
+float32 (``lm_head(...).float()``; Mamba2 too), so its loss is a float32 sum (measured 4e-8 against the per-document sum); its
 RMSNorms (``x.float()``, ``weight.float()``) sum their weights' gradients over tokens in float32 (~1e-7); its MoE
 routes in float32 and accumulates the experts in float32 (every gradient of the MoE model ~1e-7)."""
 
@@ -31,7 +32,7 @@ FLOAT64_LIMIT = 1e-10
 FLOAT32_LIMIT = 1e-6  # what the model itself computes in float32 (see the module docstring; measured <= 2e-7)
 BF16_FACTOR, BF16_FLOOR, BF16_GROSS = 2.0, 1e-3, 0.1
 TIMEOUT = 300.0
-FLOAT32_LOSS = ("nemotron_h", "nemotron_h_moe")  # logits cast to float32 by the model
+FLOAT32_LOSS = ("nemotron_h", "nemotron_h_moe", "mamba2")  # logits cast to float32 by the model
 FLOAT32_EVERYWHERE = ("nemotron_h_moe",)  # float32 routing and expert accumulation: every gradient
 
 
@@ -60,15 +61,18 @@ def float64_problems(label: str, family: str, got) -> list[str]:
     return bad
 
 
-def test_cp1_matches_each_document_alone():
-    got = cp_parity_step("nemotron_h")
-    assert not float64_problems("nemotron_h cp1", "nemotron_h", got)
+@pytest.mark.parametrize("family", ["nemotron_h", "bamba", "granitemoehybrid", "zamba2", "mamba2"])
+def test_cp1_matches_each_document_alone(family):
+    """(Bamba, Granite-4 hybrids, Zamba2 and Mamba2 were refused by the guard before: tests/test_never_silent.py.)"""
+    got = cp_parity_step(family)
+    assert not float64_problems(f"{family} cp1", family, got)
 
 
 CP_RUNS = {  # CP size -> (family, layout, checkpointing)
     2: [("nemotron_h", "contiguous", None), ("nemotron_h", "balanced", None), ("nemotron_h", "auto", None),
         ("nemotron_h", "contiguous", "reentrant"), ("nemotron_h", "balanced", "non_reentrant"),
-        ("nemotron_h_moe", "balanced", None), ("bamba", "balanced", None), ("granitemoehybrid", "contiguous", None)],
+        ("nemotron_h_moe", "balanced", None), ("bamba", "balanced", None), ("granitemoehybrid", "contiguous", None),
+        ("zamba2", "balanced", None), ("mamba2", "auto", None)],
     4: [("nemotron_h", "contiguous", None), ("nemotron_h", "balanced", None), ("nemotron_h", "auto", None)],
 }
 

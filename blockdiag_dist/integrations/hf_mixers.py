@@ -178,10 +178,11 @@ def _gated_group_norm(norm: nn.Module, y: Tensor, gate: Tensor) -> Tensor:
     return norm.weight * grouped.view(*prefix, width).to(y.dtype)
 
 
-# Mamba2 layers whose forward, torch path and gated norm are NemotronHMamba2Mixer's line for line (transformers
-# 5.24; checked by tests/test_hf_mamba2.py against each document alone). FalconH1Mixer (mup multipliers, an
-# optional norm) and Zamba2MambaMixer (not tested here) stay refused by the guard.
-MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer")
+# Mamba2 layers whose forward, torch path (mamba2_chunk_scan, causal_conv1d_fn) and gated norm are
+# NemotronHMamba2Mixer's line for line in transformers 5.24 (their differences: attributes read here, such as
+# time_step_limit and the norm's eps); each checked by tests/test_hf_mamba2.py against each document alone.
+# FalconH1Mixer (mup multipliers inside its forward, an optional norm) stays refused by the guard.
+MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "Mamba2Mixer", "Zamba2MambaMixer")
 
 
 def install_mamba2(cls: type) -> str:

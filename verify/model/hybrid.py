@@ -55,6 +55,8 @@ FAMILIES = {
     "bamba": ("BambaConfig", "BambaForCausalLM", "transformers.models.bamba.modeling_bamba"),
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
                          "transformers.models.granitemoehybrid.modeling_granitemoehybrid"),
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", "transformers.models.mamba2.modeling_mamba2"),
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", "transformers.models.zamba2.modeling_zamba2"),
 }
 LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention")
 # Nemotron-H's pattern "M*-M" (Mamba2, attention, MLP, Mamba2); with MoE "M*EM"
@@ -63,7 +65,10 @@ FAMILY_LAYERS = {
     "nemotron_h_moe": ("linear_attention", "full_attention", "moe", "linear_attention"),
     "bamba": ("mamba", "attention", "mamba"),
     "granitemoehybrid": ("mamba", "attention", "mamba"),
+    "mamba2": ("mamba", "mamba"),  # no attention layer
+    "zamba2": ("mamba", "hybrid", "mamba"),
 }
+NO_ATTENTION = ("mamba2",)  # families whose steps route no attention call (expect_attention=False)
 MAMBA2 = dict(ssm_heads=4, ssm_head_dim=8, groups=2, state=8, conv=4, chunk=16)
 SEQ_LEN = 64
 # two rows of 64: documents over 3 ranks at CP 4 (37 tokens from 0; 40 tokens from 11), short ones, padding
@@ -92,6 +97,14 @@ def _mamba2_config(family: str, layers: tuple[str, ...]):
     mamba = dict(mamba_n_heads=m["ssm_heads"], mamba_d_head=m["ssm_head_dim"], mamba_n_groups=m["groups"],
                  mamba_d_state=m["state"], mamba_d_conv=m["conv"], mamba_chunk_size=m["chunk"], mamba_expand=1,
                  mamba_conv_bias=True)
+    if family == "mamba2":
+        return cfg_cls(vocab_size=64, hidden_size=32, num_hidden_layers=len(layers), num_heads=m["ssm_heads"],
+                       head_dim=m["ssm_head_dim"], n_groups=m["groups"], state_size=m["state"], conv_kernel=m["conv"],
+                       chunk_size=m["chunk"], expand=1, use_conv_bias=True, tie_word_embeddings=False)
+    if family == "zamba2":
+        return cfg_cls(**common, num_hidden_layers=len(layers), layers_block_type=list(layers), n_mamba_heads=m["ssm_heads"],
+                       mamba_expand=1, mamba_ngroups=m["groups"], mamba_d_state=m["state"], mamba_d_conv=m["conv"],
+                       chunk_size=m["chunk"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if family == "bamba":
         return cfg_cls(**common, num_hidden_layers=len(layers), **mamba,
                        attn_layer_indices=[i for i, t in enumerate(layers) if t == "attention"])
@@ -201,11 +214,14 @@ def cp_parity_step(family: str, *, dtype: str = "float64", layout: str = "contig
     model = build_tiny_hybrid(family, getattr(torch, dtype), seed=seed, checkpointing=checkpointing)
     docs = hybrid_docs(doc_seed)
     forward = autocast_forward if autocast else text_forward
+    opts = {"layout": layout}
+    if family in NO_ATTENTION:
+        opts["expect_attention"] = False
     if dp == 1:
-        return cp_step(model, hybrid_batch(docs), env.get("cp_mesh"), forward, layout=layout)
+        return cp_step(model, hybrid_batch(docs), env.get("cp_mesh"), forward, **opts)
     mesh = _dp_cp_mesh()
     replica = mesh.get_local_rank("dp")
-    result = cp_step(model, hybrid_batch(docs[replica::2]), mesh["cp"], forward, layout=layout)
+    result = cp_step(model, hybrid_batch(docs[replica::2]), mesh["cp"], forward, **opts)
     names = sorted(result.grads)
     flat = torch.cat([torch.from_numpy(result.grads[n]).reshape(-1) for n in names]
                      + [torch.tensor([result.loss, float(result.targets)], dtype=torch.float64)])
