@@ -92,7 +92,7 @@ def test_fuzzing_draws_mixer_layers():
 
     seen = set()
 
-    @settings(max_examples=60, database=None, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=100, database=None, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(case_strategy(impl_info("blockdiag_dist")))
     def draw(c):
         seen.add(c.layer)
