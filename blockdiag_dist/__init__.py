@@ -44,4 +44,4 @@ __all__ = [
     "unshard",
 ]
 
-from .integrations import hf_mixers as _hf_mixers  # noqa: E402,F401 - registers the Gated DeltaNet installers
+from .integrations import hf_mixers as _hf_mixers  # noqa: E402,F401 - registers the Gated DeltaNet and Mamba2 installers

@@ -17,7 +17,9 @@ stock rounding for float32 and bfloat16 models, float64 for a float64 model (the
 | ``Qwen3_5GatedDeltaNet`` | ``qwen3_5`` (text) | ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` |
 | ``Qwen3_5MoeGatedDeltaNet`` | ``qwen3_5_moe`` (text) | as ``qwen3_5`` |
 
-The Mamba2 layers (:data:`MAMBA2_CLASSES`: ``NemotronHMamba2Mixer``, ...) likewise: the convolution of ``xBC``
+The Mamba2 layers (:data:`MAMBA2_CLASSES`: ``NemotronHMamba2Mixer`` of ``nemotron_h``, ``BambaMixer`` of
+``bamba``, ``GraniteMoeHybridMambaLayer`` of ``granitemoehybrid``, ``Zamba2MambaMixer`` of ``zamba2``,
+``Mamba2Mixer`` of ``mamba2``; one forward, :func:`install_mamba2`) likewise: the convolution of ``xBC``
 through :func:`~blockdiag_dist.mixers.causal_conv`, the SSD through :func:`blockdiag_dist.mixers.ssd`; the stock
 math elsewhere (``in_proj``; ``dt = clamp(softplus(dt + dt_bias), *time_step_limit)`` in the model's dtype;
 ``A = -exp(A_log)``; the gated group RMSNorm of ``y * silu(z)``; ``out_proj``). The stock layer computes its SSD
@@ -27,7 +29,8 @@ model's dtype, float32 at least, as for Gated DeltaNet.
 Under a step the layer takes no cache (``use_cache=False`` in training) and no ``attention_mask`` (the
 documents and the padding come from the step); either raises ``ValueError`` on every rank before any collective.
 
-Shape legend: B rows, L rows of this rank, Hk key heads, Hv value heads, K / V head dims.
+Shape legend: B rows, L rows of this rank, Hk key heads, Hv value heads, K / V head dims; Mamba2: H heads, Dh
+head dim, G groups, N state size, E hidden size.
 """
 
 from __future__ import annotations

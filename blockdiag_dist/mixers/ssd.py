@@ -26,7 +26,7 @@ from ..kernels.gated_delta import ChunkMeta, plan_chunks
 from ..kernels.ssd import SSD_CHUNK, chunk_ssd
 from .recurrence import STATE_DTYPES, Recurrence, run_recurrence
 
-__all__ = ["SSD", "SSDMeta", "ssd"]
+__all__ = ["SSD", "SSDMeta", "prepare_ssd", "ssd"]
 
 
 @dataclass(frozen=True, eq=False)
