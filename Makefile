@@ -82,7 +82,7 @@ train-demo: $(STAMP)
 conformance: $(PEERS_STAMP)
 	$(PY) -m verify conformance --md CONFORMANCE.md --json results/conformance.json $(ARGS)
 
-# The GPU check (README "On a GPU"): report.json and summary.txt in $(OUT), under 8 minutes. No install: on a
+# The GPU check (docs/gpu.md): report.json and summary.txt in $(OUT), under 8 minutes. No install: on a
 # GPU machine it runs the working tree on that machine's python3 (torch, numpy); here the venv's python if any.
 OUT ?= results/gpu
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)

@@ -305,16 +305,6 @@ def plot(res: dict, path: Path) -> None:
                       {"dense mask": [r["dense_s"] for r in rows], "varlen": [r["varlen_s"] for r in rows]},
                       "fwd+bwd seconds", "local kernel")
         axes[0, 0].set_yscale("log")
-    if "variants" in res:
-        v = res["variants"]
-        names = [n for n in ("sinks", "softcap blocks", "softcap masked", "softcap dense") if n in v["rows"][0]["seconds"]]
-        rows = [[str(r["S"]), "none" if r["window"] < 0 else str(r["window"]), f"{r['seconds']['plain'] * 1e3:.0f}"]
-                + [f"{r['seconds'][n] * 1e3:.0f} ({r['over_plain'][n]:.2f}x)" for n in names] + [f"{r['masked_over_blocks']:.2f}"]
-                for r in v["rows"]]
-        out.append((f"Attention variants, fwd+bwd, CP 1, {v['dtype']}, H={v['heads'][0]}, Hkv={v['heads'][1]}, D={v['head_dim']}, "
-                    f"softcap {v['softcap']:g}: ms (ratio to the plain call); soft-capped calls on the fused op's inputs run "
-                    f"SOFTCAP_PLAN = {v['chosen']!r}",
-                    ["S", "window", "plain ms", *names, "masked / blocks"], rows))
     if "scaling" in res:
         ax, rows = axes[0, 1], res["scaling"]["rows"]
         ax.loglog([r["S"] for r in rows], [r["seconds"] for r in rows], "o-", label="varlen")

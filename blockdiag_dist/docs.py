@@ -29,7 +29,7 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-from .plan import ShardPlan, padded_segments
+from .shard_plan import ShardPlan, padded_segments
 
 __all__ = ["DocPlan", "Piece", "RankDocs", "plan_documents"]
 

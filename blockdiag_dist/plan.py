@@ -25,7 +25,9 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-from .balance import balanced_positions, doc_boundaries, position_work, snapped_positions
+from .balance import doc_boundaries, position_work, snapped_positions
+from .docs import plan_documents
+from .shard_plan import ShardPlan, padded_doc_starts, padded_segments, plan_shards
 
 __all__ = [
     "LAYOUT_COST",
@@ -37,66 +39,6 @@ __all__ = [
     "plan_shards",
     "plan_step",
 ]
-
-
-@dataclass(frozen=True, eq=False)
-class ShardPlan:
-    """Which global positions each rank holds. Row ``l`` of rank ``r`` is position ``positions[r, l]``.
-
-    Positions ``>= seq_len`` are CP padding (added so that every rank holds ``local_len`` rows).
-    """
-
-    world: int
-    seq_len: int
-    local_len: int
-    positions: Tensor  # int64 [W, L], a permutation of range(W * L)
-    layout: str = "contiguous"
-
-    @property
-    def padded_len(self) -> int:
-        return self.world * self.local_len
-
-    @cached_property
-    def owner(self) -> Tensor:
-        """int64 ``[Sp]``: the rank holding each position."""
-        out = torch.empty(self.padded_len, dtype=torch.int64)
-        out[self.positions.flatten()] = torch.arange(self.world).repeat_interleave(self.local_len)
-        return out
-
-    @cached_property
-    def owner_row(self) -> Tensor:
-        """int64 ``[Sp]``: the local row index of each position on its owner."""
-        out = torch.empty(self.padded_len, dtype=torch.int64)
-        out[self.positions.flatten()] = torch.arange(self.local_len).repeat(self.world)
-        return out
-
-
-def plan_shards(seq_len: int, world: int, layout: str = "contiguous", *, work: Tensor | None = None) -> ShardPlan:
-    """Which positions each rank holds.
-
-    ``contiguous`` (the seed's sequential sharding): pad to a multiple of ``world``; rank ``r`` holds
-    ``[r * L, (r + 1) * L)`` with ``L = ceil(S / W)``. ``balanced``: equal row counts with equalised attention
-    work, from ``work [S]`` (see :mod:`blockdiag_dist.balance`).
-
-    >>> plan_shards(5, 2).positions
-    tensor([[0, 1, 2],
-            [3, 4, 5]])
-    """
-    if world < 1:
-        raise ValueError(f"world: expected a CP size >= 1, got {world}")
-    if seq_len < 1:
-        raise ValueError(f"seq_len: expected S >= 1, got {seq_len}")
-    if layout == "contiguous":
-        local_len = -(-seq_len // world)
-        positions = torch.arange(world * local_len).view(world, local_len)
-    elif layout == "balanced":
-        if work is None or work.shape != (seq_len,):
-            got = None if work is None else tuple(work.shape)
-            raise ValueError(f"layout 'balanced': expected the work per position [S] = [{seq_len}], got {got}")
-        local_len, positions, _ = balanced_positions(work, world)
-    else:
-        raise ValueError(f"layout: expected 'contiguous' or 'balanced', got {layout!r}")
-    return ShardPlan(world=world, seq_len=seq_len, local_len=local_len, positions=positions, layout=layout)
 
 
 @dataclass(frozen=True, eq=False)
@@ -194,18 +136,6 @@ def needed_mask(layout: DocLayout, shards: ShardPlan, window_left: int) -> Tenso
     return need.flatten(1)
 
 
-def padded_segments(layout: DocLayout, shards: ShardPlan) -> Tensor:
-    """Segment ids ``[B, Sp]`` (unique across rows; 0 = padding), CP padding appended."""
-    return torch.nn.functional.pad(layout.segment_ids, (0, shards.padded_len - layout.seq_len))
-
-
-def padded_doc_starts(layout: DocLayout, shards: ShardPlan) -> Tensor:
-    """Start position of each token's document ``[B, Sp]`` (``-1`` on padding)."""
-    seg = padded_segments(layout, shards)
-    starts = torch.cat([torch.tensor([-1]), layout.segments[:, 1]])
-    return starts[seg]
-
-
 def plan_exchange(layout: DocLayout, shards: ShardPlan, window_left: int = -1) -> ExchangePlan:
     """Needed sets and per-pair counts of every rank (pure; identical on every rank)."""
     dest, flat = needed_mask(layout, shards, window_left).nonzero().unbind(1)
@@ -247,8 +177,6 @@ class StepPlan:
     @cached_property
     def documents(self):
         """The step's documents and every rank's pieces of them (:class:`blockdiag_dist.docs.DocPlan`)."""
-        from .docs import plan_documents
-
         return plan_documents(self.layout, self.shards)
 
     @cached_property

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .plan import ShardPlan
+from .shard_plan import ShardPlan
 
 __all__ = ["gather_sequence", "local_visual_index", "shard_tensor", "shard_visual_tokens", "unshard"]
 

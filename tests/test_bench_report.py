@@ -45,3 +45,19 @@ def test_the_vision_figure_is_judged_at_most_its_goal():
     assert row[1:3] == ["0.50x", "met (<= 0.60x)"]
     res["vision"]["sharded_over_replicated"] = 0.7
     assert next(r for r in goals_table(res)[2] if r[0].startswith("CP 2 vision"))[2] == "NOT met (<= 0.60x)"
+
+
+def test_the_figure_draws_a_run_with_attention_variants(tmp_path):
+    """The variants section is a table: the figure of a run that has it draws, and the table names its calls."""
+    pytest.importorskip("matplotlib", reason="the figure needs matplotlib (the bench extra)")
+    from bench.report import plot, tables
+
+    seconds = {"plain": 0.010, "sinks": 0.011, "softcap blocks": 0.012}
+    res = {"variants": {"dtype": "float32", "heads": [4, 2], "head_dim": 16, "softcap": 30.0, "chosen": "blocks",
+                        "rows": [{"S": 256, "window": -1, "seconds": seconds, "masked_over_blocks": 1.5,
+                                  "over_plain": {n: s / 0.010 for n, s in seconds.items()}}]}}
+    plot(res, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").exists()
+    title, header, rows = next(t for t in tables(res) if t[0].startswith("Attention variants"))
+    assert header == ["S", "window", "plain ms", "sinks", "softcap blocks", "masked / blocks"]
+    assert rows[0][:4] == ["256", "none", "10", "11 (1.10x)"]

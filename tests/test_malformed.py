@@ -1,5 +1,5 @@
 """Malformed input: every kind is answered by a ValueError naming what was expected and what was got, raised
-before the batch is mutated. This table is the README's "Malformed input" table (a test keeps them in sync)."""
+before the batch is mutated. This table is the "Malformed input" table of docs/faults.md (a test keeps them in sync)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from blockdiag_dist import causal_conv, configure_cp_varlen, cp_blockdiag_sdpa, gated_delta_rule, make_cp_blockdiag_batch_and_ctx, ssd
 from blockdiag_ref import DocLayout, reference_attention
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+FAULTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
 MULTIMODAL_PAGE = Path(__file__).resolve().parents[1] / "docs" / "multimodal.md"
 
 
@@ -199,14 +199,15 @@ def test_other_entry_points_reject_malformed_inputs(call, match):
         configure_cp_varlen(attn_backend="auto", kv_exchange="auto")
 
 
-def test_readme_table_lists_every_case():
-    """The README's table and this file's rows name the same cases (and there are at least 15)."""
-    text = README.read_text()
+def test_faults_page_table_lists_every_case():
+    """docs/faults.md's table and this file's rows name the same cases (and there are at least 15)."""
+    text = FAULTS_PAGE.read_text()
+    assert "## Malformed input" in text, "docs/faults.md has no '## Malformed input' section"
     section = text.split("## Malformed input", 1)[1].split("\n## ", 1)[0]
-    readme_ids = re.findall(r"^\| `([a-z0-9-]+)` \|", section, re.M)
+    page_ids = re.findall(r"^\| `([a-z0-9-]+)` \|", section, re.M)
     test_ids = [r[0] for r in BATCH_ROWS + SDPA_ROWS + MIXER_ROWS + OTHER_ROWS]
     assert len(test_ids) >= 15 and len(set(test_ids)) == len(test_ids)
-    assert sorted(readme_ids) == sorted(test_ids)
+    assert sorted(page_ids) == sorted(test_ids)
 
 
 def test_multimodal_table_lists_every_case():

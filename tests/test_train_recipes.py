@@ -35,7 +35,7 @@ TASK_TIMEOUT_S = 240.0  # per run on every rank (the first compile is slow on a 
 # loss is a mean over ~150 targets whose rounding partly cancels in one process (its bf16 error there is ~2e-5),
 # which says little about another summation order; gradients and weights sit far above the floor (~1e-2)
 BF16_FLOOR = 1e-3
-BLOCK_GRAPH_BREAKS = 3  # per TinyDecoder block, all at cp_blockdiag_sdpa (README, "Use it in your trainer")
+BLOCK_GRAPH_BREAKS = 3  # per TinyDecoder block, all at cp_blockdiag_sdpa (docs/trainer.md, "torch.compile")
 
 
 def config(dtype: str = "float64", **kw) -> TrainConfig:

@@ -20,7 +20,8 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="verify model needs the hf extra (transformers)")
 
 from verify.cli import _parser  # noqa: E402
-from verify.model.check import ModelCase, limit  # noqa: E402
+from verify.model.check import ModelCase  # noqa: E402
+from verify.model.judge import limit  # noqa: E402
 from verify.model.cli import main as model_main  # noqa: E402
 from verify.model.run import ModelSession  # noqa: E402
 from verify.model.tiny import HIDDEN, WINDOW, TinyConfigError, tiny_config  # noqa: E402

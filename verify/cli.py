@@ -31,6 +31,7 @@ from .cases import (
     GROWTH_LIMIT, Case, add_case_arguments, case_from_args, default_matrix, error_growth, growth_cases, long_cases,
     mixer_matrix,
 )
+from .argtext import csv_list
 from .launch import under_torchrun
 from .report import Reporter, make_console, write_json
 from .runner import applicable, impl_info
@@ -39,10 +40,6 @@ from .session import CaseResult, Session
 __all__ = ["main"]
 
 QUICK = {"cps": (1, 2, 4), "dtypes": ("float64", "float32")}
-
-
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -160,13 +157,13 @@ def build_matrix(info, args) -> list[Case]:
     import torch
 
     cuda = under_torchrun() and torch.cuda.is_available() and (args.backend in (None, "nccl"))
-    cps = tuple(int(c) for c in _csv(args.cp))
+    cps = tuple(int(c) for c in csv_list(args.cp))
     if args.quick:
         cps = tuple(c for c in cps if c in QUICK["cps"])
-    dtypes = tuple(_csv(args.dtypes)) if args.dtypes else (("float32", "bfloat16", "float16") if cuda else QUICK["dtypes"])
-    kernels = tuple(_csv(args.kernels)) if args.kernels else _offered(info, "kernel", ("varlen", "dense"))
-    exchanges = tuple(_csv(args.exchanges)) if args.exchanges else _offered(info, "kv_exchange", ("auto", "allgather", "halo", "a2a"))
-    layouts = tuple(_csv(args.layouts)) if args.layouts else _offered(info, "layout", _layouts_offered(info))
+    dtypes = tuple(csv_list(args.dtypes)) if args.dtypes else (("float32", "bfloat16", "float16") if cuda else QUICK["dtypes"])
+    kernels = tuple(csv_list(args.kernels)) if args.kernels else _offered(info, "kernel", ("varlen", "dense"))
+    exchanges = tuple(csv_list(args.exchanges)) if args.exchanges else _offered(info, "kv_exchange", ("auto", "allgather", "halo", "a2a"))
+    layouts = tuple(csv_list(args.layouts)) if args.layouts else _offered(info, "layout", _layouts_offered(info))
     cases = [
         c for c in default_matrix(cps=cps, dtypes=dtypes, kernels=kernels, exchanges=exchanges, layouts=layouts)
         if applicable(info, c)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .packing import IGNORE_INDEX
+from .packing import IGNORE_INDEX, empty_rows, fill_rows
 
 __all__ = ["NOT_MODEL_INPUTS", "MultimodalPackingCollator", "model_inputs", "mrope_position_ids",
            "pack_multimodal_documents"]
@@ -147,22 +147,9 @@ def pack_multimodal_documents(
     widths = {d.pixels.shape[1] for d in checked if d.pixels is not None}
     if len(widths) > 1:
         raise ValueError(f"pixel_values: expected one feature width F in every document, got {sorted(widths)}")
-    row_docs: list[list[_Doc]] = []
-    used = seq_len
-    for d in checked:
-        if used + d.tokens.numel() > seq_len:
-            row_docs.append([])
-            used = 0
-        row_docs[-1].append(d)
-        used += d.tokens.numel()
-    if rows is not None and len(row_docs) > rows:
-        raise ValueError(f"rows: the documents need {len(row_docs)} rows of {seq_len} tokens, expected at most {rows}")
-    R = len(row_docs) if rows is None else rows
-
-    input_ids = torch.full((R, seq_len), padding_token_id, dtype=torch.int64)
-    labels = torch.full((R, seq_len), IGNORE_INDEX, dtype=torch.int64)
-    seq_ids = torch.zeros((R, seq_len), dtype=torch.int64)
-    position_ids = torch.zeros((3, R, seq_len), dtype=torch.int64)
+    row_docs = [[checked[i] for i in row] for row in fill_rows([d.tokens.numel() for d in checked], seq_len, rows)]
+    input_ids, labels, seq_ids = empty_rows(len(row_docs), seq_len, padding_token_id)
+    position_ids = torch.zeros((3, len(row_docs), seq_len), dtype=torch.int64)
     pixels, grids = [], []
     for r, ds in enumerate(row_docs):
         start = 0

@@ -27,6 +27,30 @@ def _as_tokens(doc: Any, index: int) -> Tensor:
     return t.to(torch.int64)
 
 
+def fill_rows(lengths: Sequence[int], seq_len: int, rows: int | None) -> list[list[int]]:
+    """Documents in order into rows of ``seq_len`` tokens, a new row whenever the next does not fit: the indices
+    of each row's documents, ``rows`` rows (the last ones empty) or as many as needed (``rows=None``). Every
+    length is at most ``seq_len`` (the callers check, naming the document)."""
+    row_docs: list[list[int]] = []
+    used = seq_len  # forces a new row for the first document
+    for i, n in enumerate(lengths):
+        if used + n > seq_len:
+            row_docs.append([])
+            used = 0
+        row_docs[-1].append(i)
+        used += n
+    if rows is not None and len(row_docs) > rows:
+        raise ValueError(f"rows: the documents need {len(row_docs)} rows of {seq_len} tokens, expected at most {rows}")
+    return row_docs + [[] for _ in range(0 if rows is None else rows - len(row_docs))]
+
+
+def empty_rows(R: int, seq_len: int, padding_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``input_ids`` (padding), ``labels`` (no target) and ``_packed_seq_ids`` (0: padding) of ``R`` empty rows,
+    int64 ``[R, seq_len]`` each."""
+    full = lambda v: torch.full((R, seq_len), v, dtype=torch.int64)  # noqa: E731
+    return full(padding_token_id), full(IGNORE_INDEX), full(0)
+
+
 def pack_documents(
     docs: Sequence[Sequence[int] | Tensor], seq_len: int, *, rows: int | None = None, padding_token_id: int = 0
 ) -> dict[str, Tensor]:
@@ -55,24 +79,12 @@ def pack_documents(
     if rows is not None and (not isinstance(rows, int) or rows < 1):
         raise ValueError(f"rows: expected None or an int >= 1, got {rows!r}")
     tokens = [_as_tokens(d, i) for i, d in enumerate(docs)]
-    row_docs: list[list[Tensor]] = []
-    used = seq_len  # forces a new row for the first document
     for i, t in enumerate(tokens):
         if t.numel() > seq_len:
             raise ValueError(f"docs[{i}]: expected at most seq_len = {seq_len} tokens, got {t.numel()}")
-        if used + t.numel() > seq_len:
-            row_docs.append([])
-            used = 0
-        row_docs[-1].append(t)
-        used += t.numel()
-    if rows is not None and len(row_docs) > rows:
-        raise ValueError(f"rows: the documents need {len(row_docs)} rows of {seq_len} tokens, expected at most {rows}")
-    R = len(row_docs) if rows is None else rows
-
-    input_ids = torch.full((R, seq_len), padding_token_id, dtype=torch.int64)
-    labels = torch.full((R, seq_len), IGNORE_INDEX, dtype=torch.int64)
-    seq_ids = torch.zeros((R, seq_len), dtype=torch.int64)
-    position_ids = torch.zeros((R, seq_len), dtype=torch.int64)
+    row_docs = [[tokens[i] for i in row] for row in fill_rows([t.numel() for t in tokens], seq_len, rows)]
+    input_ids, labels, seq_ids = empty_rows(len(row_docs), seq_len, padding_token_id)
+    position_ids = torch.zeros((len(row_docs), seq_len), dtype=torch.int64)
     for r, ds in enumerate(row_docs):
         start = 0
         for index, t in enumerate(ds, start=1):

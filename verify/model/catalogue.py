@@ -46,9 +46,11 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from ..argtext import csv_list
 
 __all__ = [
     "BEGIN",
@@ -771,19 +773,18 @@ def main(args: argparse.Namespace) -> int:
     import transformers
 
     from ..report import _plain, make_console
-    from .cli import _csv
     from .layouts import model_rows
 
     console = make_console()
     try:
-        cps = [int(c) for c in _csv(args.cp)]
+        cps = [int(c) for c in csv_list(args.cp)]
         if not cps or min(cps) < 1:
             raise ValueError
     except ValueError:
         console.print(f"verify model: --cp: expected CP sizes >= 1 like 1,2, got {args.cp!r}", markup=False)
         return 2
     try:
-        chosen = select(_csv(args.only) if args.only else None)
+        chosen = select(csv_list(args.only) if args.only else None)
     except ValueError as exc:
         console.print(f"verify model: {exc}", markup=False, soft_wrap=True)
         return 2

@@ -47,13 +47,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..tolerances import TOLERANCES, judge as judge_tolerance
-from .harness import KINDS, StepResult, compare, cp_step, module_kind
+from .harness import StepResult, cp_step
+from .judge import compare_all, limit
 from .layouts import make_packed, model_rows
 from .multimodal import make_multimodal, multimodal_forward
 from .precision import Promote
-from .record import Key, ModuleRecorder, module_name, rows_of
-from .reference import Reference, Truth, _module_errors, _vocab, checksum, recorder_of
+from .record import Key, ModuleRecorder, rows_of
+from .reference import Reference, _vocab, checksum, recorder_of
 from .zoo import Prepared, build
 
 __all__ = ["MODEL_CLASSES", "ModelCase", "ModelResult", "forget_models", "judge", "limit", "run_model_case"]
@@ -199,99 +199,6 @@ def _step_on_rank(case: ModelCase, prepared: Prepared, model: nn.Module, recorde
     return out
 
 
-# ---- judging ------------------------------------------------------------------------------------------------
-def limit(dtype: str, base: float | None, low_ops: bool) -> float:
-    """The limit of one relative error (see the module docstring)."""
-    if dtype == "float64":
-        rel = TOLERANCES["float64"].rel
-        return max(rel, TOLERANCES["float32"].factor * base) if low_ops and base is not None else rel
-    return judge_tolerance(dtype, 0.0, 1.0, base if base is not None else 0.0)[0]
-
-
-def _compare_all(ref: Reference, rows, dtype: str, truth: Truth, got: StepResult, got_out: dict[Key, np.ndarray],
-                 got_inp: dict[Key, np.ndarray], model: nn.Module, variant: str = "stock") -> dict[str, Any]:
-    """Loss, gradients and module outputs of ``got`` against the truth, each with its limit."""
-    base = ref.baseline(rows, dtype, variant)
-    low = bool(ref.float32_ops()) and variant != "exact"
-    rounding = ref.rounding_params(rows, variant) if dtype == "float64" else set()
-    # a baseline error stands for every quantity of the same module class: rounding below float64 (a float32
-    # sum over the rows in a norm's weight gradient) is as large in one instance as in another, and the
-    # orders in which CP and the baseline add differ from each other
-    owners = {n: _owner_class(model, n) for n in truth.step.grads}
-    bp = _pooled(base.params if base else {}, owners)
-    limits = {n: limit(dtype, bp.get(n), low or n in rounding) for n in truth.step.grads}
-    if dtype == "float64" and variant != "exact":  # a gradient the model sums in float32 may be off by that rounding
-        for n, e in ref.cast_cost(rows, variant).items():
-            limits[n] = max(limits[n], TOLERANCES["float32"].factor * e)
-    loss_limit = limit(dtype, base.loss if base else None, low)
-    if dtype == "float64" and variant != "exact":  # a loss the model computes below float64 (float32 logits)
-        loss_limit = max(loss_limit, TOLERANCES["float32"].factor * ref.loss_cast_cost(rows, variant))
-    c = compare(truth.step, got, model, limit(dtype, None, low), limits=limits, loss_limit=loss_limit)
-    out_err = _module_errors(got_out, truth.out)
-    inp_err = _module_errors(got_inp, truth.inp)
-    classes = {k: truth.cls.get(module_name(k[0]), "?") for k in set(truth.out) | set(truth.inp)}
-    bo, bi = (_pooled(base.out, classes), _pooled(base.inp, classes)) if base else ({}, {})
-    out_lim = {k: limit(dtype, bo.get(k), low) for k in out_err}
-    inp_lim = {k: limit(dtype, bi.get(k), low) for k in inp_err}
-    first = next((k for k in truth.order if k in out_err and out_err[k] > out_lim[k]), None)
-    verdict: dict[str, Any] = {
-        "loss_rel": c.loss_rel, "loss_limit": loss_limit, "worst_grad": max(c.per_param.values(), default=0.0),
-        "per_kind": {}, "ok": c.ok and first is None, "modules_compared": len(out_err),
-        "baseline": base.what if base else "none (the model computes everything in float64)",
-    }
-    for kind in KINDS:
-        names = [n for n in c.per_param if c.kinds[n] == kind]
-        if not names:
-            continue
-        worst = max(names, key=lambda n: c.per_param[n])
-        bad = [n for n in names if c.per_param[n] > c.limit_of(n)]
-        verdict["per_kind"][kind] = {"worst": c.per_param[worst], "param": worst, "limit": c.limit_of(worst),
-                                     "failing": len(bad), "params": len(names)}
-    if first is not None:
-        name, call = first
-        name = module_name(name)
-        culprit, via = name, None
-        if first in inp_err and inp_err[first] > inp_lim[first] and "." in name:
-            culprit, via = name.rsplit(".", 1)[0], name  # its input came wrong from the code of its parent
-        verdict["first_wrong_module"] = {
-            "module": culprit, "class": _class_of(model, culprit, truth.cls), "kind": module_kind(model, culprit + ".x"),
-            "err": out_err[first], "limit": out_lim[first], "call": call,
-            "via": via and f"{via} ({truth.cls.get(via, '?')}) got a wrong input from it (err {inp_err[first]:.2e})",
-        }
-    elif c.failing or not c.loss_ok:
-        order = [n for n, _ in model.named_parameters() if n in c.per_param]
-        back = next((n for n in reversed(order) if c.per_param[n] > c.limit_of(n)), None)
-        verdict["first_wrong_grad_backward"] = back
-    verdict["failing_params"] = c.failing[:8]
-    return verdict
-
-
-def _owner_class(model: nn.Module, param: str) -> str:
-    owner = param.rsplit(".", 1)[0] if "." in param else ""
-    try:
-        return type(model.get_submodule(owner)).__name__ + ("." + param.rsplit(".", 1)[-1])
-    except AttributeError:
-        return param
-
-
-def _pooled(errors: dict, groups: dict) -> dict:
-    """Each quantity's baseline error raised to the largest of its group's."""
-    worst: dict = {}
-    for k, e in errors.items():
-        g = groups.get(k, k)
-        worst[g] = max(worst.get(g, 0.0), e)
-    return {k: worst[groups.get(k, k)] for k in errors}
-
-
-def _class_of(model: nn.Module, name: str, known: dict[str, str]) -> str:
-    if name in known:
-        return known[name]
-    try:
-        return type(model.get_submodule(name)).__name__
-    except AttributeError:
-        return "?"
-
-
 @dataclass
 class ModelResult:
     case: ModelCase
@@ -351,14 +258,14 @@ def judge(case: ModelCase, ref: Reference, per_rank: list[dict[str, Any]]) -> Mo
                 into[k] = arranged
     else:
         notes.append("module outputs not compared: the implementation reports no row positions")
-    v = _compare_all(ref, rows, case.dtype, truth, got, got_out, got_inp, model, variant)
+    v = compare_all(ref, rows, case.dtype, truth, got, got_out, got_inp, model, variant)
     v["targets"] = (got.targets, truth.step.targets)
     v["truth"] = variant
     if got.targets != truth.step.targets:
         v["ok"] = False
     if not v["ok"] and not case.exact and "mixers64" in ref.variants():  # below float64 too: the stock truth
         # carries the mixer's own float32 rounding, which an implementation computing it in its own order cannot reproduce
-        other = _compare_all(ref, rows, case.dtype, ref.truth(rows, "mixers64"), got, got_out, got_inp, model, "mixers64")
+        other = compare_all(ref, rows, case.dtype, ref.truth(rows, "mixers64"), got, got_out, got_inp, model, "mixers64")
         if other["ok"] and got.targets == truth.step.targets:
             other["targets"], other["truth"] = v["targets"], "mixers64"
             notes.append("matches the truth with " + ", ".join(ref.mixer_classes()) + " computed in float64 (the "

@@ -22,6 +22,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from ..argtext import csv_list
+
 __all__ = ["add_arguments", "main"]
 
 
@@ -60,10 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workdir", default=None, help="with --catalogue: journals and logs (default results/catalogue)")
 
 
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
 def _usage(console, message: str) -> int:
     console.print(f"verify model: {message}", markup=False, soft_wrap=True)
     return 2
@@ -92,22 +90,22 @@ def main(args: argparse.Namespace, session=None) -> int:
     if bool(args.model) == bool(args.presets):
         return _usage(console, "expected exactly one of --model NAME or --presets, got "
                       + ("both" if args.model else "neither"))
-    names = _csv(args.model) if args.model else (list(PRESETS) if args.presets == "all" else _csv(args.presets))
+    names = csv_list(args.model) if args.model else (list(PRESETS) if args.presets == "all" else csv_list(args.presets))
     if args.presets and args.presets != "all":
         unknown = [n for n in names if n not in PRESETS]
         if unknown:
             return _usage(console, f"--presets: expected names among {', '.join(PRESETS)}, got {', '.join(unknown)}")
     try:
-        cps = [int(c) for c in _csv(args.cp)]
+        cps = [int(c) for c in csv_list(args.cp)]
         if not cps or min(cps) < 1:
             raise ValueError
     except ValueError:
         return _usage(console, f"--cp: expected CP sizes >= 1 like 1,2,4, got {args.cp!r}")
-    layouts = list(MODEL_LAYOUTS) if args.layouts == "all" else _csv(args.layouts)
+    layouts = list(MODEL_LAYOUTS) if args.layouts == "all" else csv_list(args.layouts)
     bad = [x for x in layouts if x not in MODEL_LAYOUTS]
     if bad or not layouts:
         return _usage(console, f"--layouts: expected names among {', '.join(MODEL_LAYOUTS)}, got {', '.join(bad) or 'none'}")
-    dtypes = _csv(args.dtypes)
+    dtypes = csv_list(args.dtypes)
     bad = [d for d in dtypes if d not in ("float64", "float32")]
     if bad or not dtypes:
         return _usage(console, f"--dtypes: expected float64 and/or float32 (CPU), got {', '.join(bad) or 'none'}")
@@ -117,7 +115,7 @@ def main(args: argparse.Namespace, session=None) -> int:
         return _usage(console, f"cannot use --impl {args.impl}: {exc}")
     shardings: list[str | None] = [None]
     if "layout" in impl.options:
-        shardings = _csv(args.sharding) if args.sharding else ["contiguous"]
+        shardings = csv_list(args.sharding) if args.sharding else ["contiguous"]
         from blockdiag_dist.options import resolve_layout
 
         try:

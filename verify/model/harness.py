@@ -38,6 +38,7 @@ __all__ = [
     "cp_step",
     "document_reference",
     "module_kind",
+    "padded_batch_step",
     "packed_reference",
     "param_grads",
     "text_forward",
@@ -129,6 +130,40 @@ def packed_reference(
     loss.backward()
     return StepResult(loss=float(loss.detach()), grads=param_grads(model), targets=int((batch["labels"] != IGNORE_INDEX).sum()),
                       records=records)
+
+
+def padded_batch_step(
+    model: nn.Module, recorder: Any, docs: Sequence[Tensor], length: int, positions: Sequence[Tensor] | None = None,
+    **inputs: Any,
+) -> tuple[StepResult, list]:
+    """The documents right-padded into one batch ``[k, n]`` (``n = max(length, longest)``, an attention mask),
+    one forward and backward: the same sums as one by one, in another order and with padding rows among them, as
+    in a packed row. ``positions``: each document's position ids (``[n_i]``, or ``[3, n_i]`` for mRoPE; default
+    ``0 .. n_i - 1``); ``inputs``: more model inputs (images). Returns the step and, from ``recorder`` (a
+    :class:`~verify.model.record.ModuleRecorder`), one Records per document."""
+    from .record import Records
+
+    model.zero_grad(set_to_none=True)
+    k, n = len(docs), max(length, max(int(d.numel()) for d in docs))
+    ids = torch.zeros(k, n, dtype=torch.int64)
+    labels = torch.full((k, n), IGNORE_INDEX, dtype=torch.int64)
+    mask = torch.zeros(k, n, dtype=torch.int64)
+    pos = torch.zeros(k, n, dtype=torch.int64) if positions is None else torch.zeros(3, k, n, dtype=torch.int64)
+    for i, d in enumerate(docs):
+        m = d.numel()
+        ids[i, :m], labels[i, : m - 1], mask[i, :m] = d, d[1:], 1
+        pos[..., i, :m] = torch.arange(m) if positions is None else positions[i]
+    with recorder.forward(k, n) as r:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **inputs).logits
+    loss = causal_lm_loss(logits, labels, 1)
+    loss.backward()
+    step = StepResult(loss=float(loss.detach()), grads=param_grads(model), targets=int((labels != IGNORE_INDEX).sum()))
+    per_doc = []
+    for i, d in enumerate(docs):
+        m = int(d.numel())
+        per_doc.append(Records(order=r.order, out={key: t[i : i + 1, :m] for key, t in r.out.items()},
+                               inp={key: t[i : i + 1, :m] for key, t in r.inp.items()}, cls=r.cls))
+    return step, per_doc
 
 
 def cp_step(

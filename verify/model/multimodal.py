@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from blockdiag_dist.integrations import IGNORE_INDEX, causal_lm_loss
 
-from .harness import StepResult, _recording, param_grads
+from .harness import StepResult, _recording, padded_batch_step, param_grads
 from .layouts import Packed, make_packed
 
 __all__ = ["GRIDS", "MultimodalPacked", "images_unsupported", "make_multimodal", "multimodal_batched",
@@ -165,34 +165,11 @@ def multimodal_batched(model: nn.Module, recorder, packed: MultimodalPacked, len
                        order: Sequence[int] | None = None) -> tuple[StepResult, list]:
     """The documents (in ``order``) right-padded into one batch ``[k, length]`` with their images: the float64
     baseline. Records per document, in ``order``."""
-    from .record import Records
-
-    model.zero_grad(set_to_none=True)
     order = list(range(len(packed.docs))) if order is None else list(order)
-    docs: Sequence[Tensor] = [packed.docs[i] for i in order]
-    pixels = [packed.pixels[i] for i in order]
-    grids = [packed.grids[i] for i in order]
-    positions = [packed.positions[i] for i in order]
-    k, n = len(docs), max(length, max(int(d.numel()) for d in docs))
-    ids = torch.zeros(k, n, dtype=torch.int64)
-    labels = torch.full((k, n), IGNORE_INDEX, dtype=torch.int64)
-    mask = torch.zeros(k, n, dtype=torch.int64)
-    pos = torch.zeros(3, k, n, dtype=torch.int64)
-    for i, d in enumerate(docs):
-        m = d.numel()
-        ids[i, :m], labels[i, : m - 1], mask[i, :m], pos[:, i, :m] = d, d[1:], 1, positions[i]
-    kwargs = {}
-    if any(p is not None for p in pixels):
-        kwargs["pixel_values"] = torch.cat([p for p in pixels if p is not None]).to(next(model.parameters()).dtype)
-        kwargs["image_grid_thw"] = torch.cat([g for g in grids if g is not None])
-    with recorder.forward(k, n) as r:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **kwargs).logits
-    loss = causal_lm_loss(logits, labels, 1)
-    loss.backward()
-    step = StepResult(loss=float(loss.detach()), grads=param_grads(model), targets=int((labels != IGNORE_INDEX).sum()))
-    per_doc = []
-    for i, d in enumerate(docs):
-        m = int(d.numel())
-        per_doc.append(Records(order=r.order, out={key: t[i : i + 1, :m] for key, t in r.out.items()},
-                               inp={key: t[i : i + 1, :m] for key, t in r.inp.items()}, cls=r.cls))
-    return step, per_doc
+    pixels = [packed.pixels[i] for i in order if packed.pixels[i] is not None]
+    images = {}
+    if pixels:
+        images["pixel_values"] = torch.cat(pixels).to(next(model.parameters()).dtype)
+        images["image_grid_thw"] = torch.cat([packed.grids[i] for i in order if packed.grids[i] is not None])
+    return padded_batch_step(model, recorder, [packed.docs[i] for i in order], length,
+                             [packed.positions[i] for i in order], **images)

@@ -11,15 +11,15 @@ Shape legend: B rows, S packed length, N real positions.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .harness import _VISION, StepResult, _rel, compare, document_reference, packed_reference, param_grads, text_forward
+from .harness import _VISION, StepResult, compare, document_reference, packed_reference, padded_batch_step, text_forward
+from .judge import Baseline, Truth, compare_all, module_errors
 from .layouts import Packed, make_packed, model_rows
 from .multimodal import make_multimodal, multimodal_batched, multimodal_forward, multimodal_reference
 from .precision import LowPrecisionUse, Promote, float32_ops, float64_eager_attention, float64_modules
@@ -46,30 +46,6 @@ def recorder_of(model: nn.Module) -> ModuleRecorder:
 def _vocab(prepared: Prepared) -> int:
     text = getattr(prepared.config, "text_config", None) or prepared.config
     return int(text.vocab_size)
-
-
-@dataclass
-class Truth:
-    step: StepResult
-    out: dict[Key, np.ndarray]  # [N, ...] at the packed batch's real positions
-    inp: dict[Key, np.ndarray]
-    order: list[Key]
-    cls: dict[str, str]
-
-
-@dataclass
-class Baseline:
-    """Errors of the baseline against the truth: per parameter, loss, per module output and input; what it is."""
-
-    what: str
-    params: dict[str, float]
-    loss: float
-    out: dict[Key, float]
-    inp: dict[Key, float]
-
-
-def _module_errors(got: dict[Key, np.ndarray], ref: dict[Key, np.ndarray]) -> dict[Key, float]:
-    return {k: _rel(got[k], ref[k]) for k in ref if k in got and got[k].shape == ref[k].shape}
 
 
 def _worst(a: dict, b: dict) -> dict:
@@ -247,7 +223,7 @@ class Reference:
                     if self.prepared.multimodal:
                         step, per_doc = multimodal_batched(model, rec, p, S + pad, idx)
                     else:
-                        step, per_doc = _batched(model, rec, [p.docs[i] for i in idx], S + pad)
+                        step, per_doc = padded_batch_step(model, rec, [p.docs[i] for i in idx], S + pad)
                 per_doc = [per_doc[idx.index(i)] for i in range(len(p.docs))]
                 b = self._errors(f"float64, documents right-padded together to S + {pad} tokens"
                                  + (" in reverse order" if order < 0 else "") + " vs one by one", truth, step, per_doc, p, model)
@@ -285,7 +261,7 @@ class Reference:
         real = p.real
         out = packed_records(per_doc, p.places, p.lengths, real, "out")
         inp = packed_records(per_doc, p.places, p.lengths, real, "inp")
-        return Baseline(what, c.per_param, c.loss_rel, _module_errors(out, truth.out), _module_errors(inp, truth.inp))
+        return Baseline(what, c.per_param, c.loss_rel, module_errors(out, truth.out), module_errors(inp, truth.inp))
 
     # -- the packed rows on one device, stock model --
     def packed_stock(self, rows) -> dict[str, Any]:
@@ -317,9 +293,7 @@ class Reference:
         real = p.real
         got_out = {k: v[real[0], real[1]].numpy() for k, v in step.records[0].out.items()}
         got_inp = {k: v[real[0], real[1]].numpy() for k, v in step.records[0].inp.items()}
-        from .check import _compare_all
-
-        verdict = _compare_all(self, rows, "float64", truth, step, got_out, got_inp, model)
+        verdict = compare_all(self, rows, "float64", truth, step, got_out, got_inp, model)
         self._packed[rows] = {"status": "ok" if verdict["ok"] else "wrong", "worst": verdict["worst_grad"],
                               "first_wrong": verdict.get("first_wrong_module"), "loss": verdict["loss_rel"]}
         return self._packed[rows]
@@ -365,34 +339,6 @@ def _sdpa_backend(name: str | None) -> Iterator[None]:
 
     with sdpa_kernel([sdpa_backend(name)]):
         yield
-
-
-def _batched(model: nn.Module, rec: ModuleRecorder, docs: Sequence[Tensor], length: int) -> tuple[StepResult, list[Records]]:
-    """The documents right-padded into one batch ``[k, length]`` (attention mask), one forward and backward: the
-    same sums as one by one, in another order and with padding rows among them, as in a packed row. Returns the
-    step and per-document Records."""
-    from blockdiag_dist.integrations import causal_lm_loss
-
-    model.zero_grad(set_to_none=True)
-    k, n = len(docs), max(length, max(int(d.numel()) for d in docs))
-    ids = torch.zeros(k, n, dtype=torch.int64)
-    labels = torch.full((k, n), -100, dtype=torch.int64)
-    mask = torch.zeros(k, n, dtype=torch.int64)
-    pos = torch.zeros(k, n, dtype=torch.int64)
-    for i, d in enumerate(docs):
-        m = d.numel()
-        ids[i, :m], labels[i, : m - 1], mask[i, :m], pos[i, :m] = d, d[1:], 1, torch.arange(m)
-    with rec.forward(k, n) as r:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-    loss = causal_lm_loss(logits, labels, 1)
-    loss.backward()
-    step = StepResult(loss=float(loss.detach()), grads=param_grads(model), targets=int((labels != -100).sum()))
-    per_doc = []
-    for i, d in enumerate(docs):
-        m = int(d.numel())
-        per_doc.append(Records(order=r.order, out={key: t[i : i + 1, :m] for key, t in r.out.items()},
-                               inp={key: t[i : i + 1, :m] for key, t in r.inp.items()}, cls=r.cls))
-    return step, per_doc
 
 
 def _is_mixer_class(name: str) -> bool:
