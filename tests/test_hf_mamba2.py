@@ -1,5 +1,5 @@
 """Mamba2 hybrids (Nemotron-H; Bamba, Granite-4 hybrids, Zamba2 and Mamba2 itself, whose Mamba2 layer is
-Nemotron-H's line for line) train
+Nemotron-H's line for line; Falcon-H1, with its multipliers and its optional norm) train
 under CP with the same few lines as Llama: the loss and every parameter's gradient equal each document run alone
 on one device, at CP 1, 2, 4 and DP 2 x CP 2, on every layout, in float64 (the truth with the Mamba2 layers in
 float64, see verify.model.hybrid), under bf16 autocast (within the rule: twice the single-device bf16 error plus
@@ -61,9 +61,11 @@ def float64_problems(label: str, family: str, got) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "bamba", "granitemoehybrid", "zamba2", "mamba2"])
+@pytest.mark.parametrize("family", ["nemotron_h", "bamba", "granitemoehybrid", "zamba2", "mamba2", "falcon_h1",
+                                    "falcon_h1_nonorm"])
 def test_cp1_matches_each_document_alone(family):
-    """(Bamba, Granite-4 hybrids, Zamba2 and Mamba2 were refused by the guard before: tests/test_never_silent.py.)"""
+    """(Bamba, Granite-4 hybrids, Zamba2, Falcon-H1 and Mamba2 were refused by the guard before:
+    tests/test_never_silent.py.)"""
     got = cp_parity_step(family)
     assert not float64_problems(f"{family} cp1", family, got)
 
@@ -72,7 +74,8 @@ CP_RUNS = {  # CP size -> (family, layout, checkpointing)
     2: [("nemotron_h", "contiguous", None), ("nemotron_h", "balanced", None), ("nemotron_h", "auto", None),
         ("nemotron_h", "contiguous", "reentrant"), ("nemotron_h", "balanced", "non_reentrant"),
         ("nemotron_h_moe", "balanced", None), ("bamba", "balanced", None), ("granitemoehybrid", "contiguous", None),
-        ("zamba2", "balanced", None), ("mamba2", "auto", None)],
+        ("zamba2", "balanced", None), ("mamba2", "auto", None), ("falcon_h1", "balanced", None),
+        ("falcon_h1_nonorm", "contiguous", None)],
     4: [("nemotron_h", "contiguous", None), ("nemotron_h", "balanced", None), ("nemotron_h", "auto", None)],
 }
 

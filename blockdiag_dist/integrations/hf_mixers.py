@@ -19,7 +19,8 @@ stock rounding for float32 and bfloat16 models, float64 for a float64 model (the
 
 The Mamba2 layers (:data:`MAMBA2_CLASSES`: ``NemotronHMamba2Mixer`` of ``nemotron_h``, ``BambaMixer`` of
 ``bamba``, ``GraniteMoeHybridMambaLayer`` of ``granitemoehybrid``, ``Zamba2MambaMixer`` of ``zamba2``,
-``Mamba2Mixer`` of ``mamba2``; one forward, :func:`install_mamba2`) likewise: the convolution of ``xBC``
+``Mamba2Mixer`` of ``mamba2``, ``FalconH1Mixer`` of ``falcon_h1`` with its multipliers and optional norm; one
+forward, :func:`install_mamba2`) likewise: the convolution of ``xBC``
 through :func:`~blockdiag_dist.mixers.causal_conv`, the SSD through :func:`blockdiag_dist.mixers.ssd`; the stock
 math elsewhere (``in_proj``; ``dt = clamp(softplus(dt + dt_bias), *time_step_limit)`` in the model's dtype;
 ``A = -exp(A_log)``; the gated group RMSNorm of ``y * silu(z)``; ``out_proj``). The stock layer computes its SSD
@@ -152,9 +153,10 @@ def _mamba2_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, a
     """A Mamba2 layer's forward under ``state`` (the stock torch path with the convolution and the SSD per
     document): ``hidden_states [B, L, E]`` -> ``[B, L, E]``."""
     _refuse_cache_and_mask(self, cache, attention_mask)
+    project, gated_norm = _mamba2_adapter(type(self))
     B, L, _ = hidden_states.shape
     H, Dh, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
-    projected = self.in_proj(hidden_states)
+    projected = project(self, hidden_states)
     gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, H], dim=-1)
     act = self.activation if self.activation in CONV_ACTIVATIONS else None
     xbc = causal_conv(xbc, self.conv1d.weight, self.conv1d.bias, act, state=state)
@@ -166,13 +168,23 @@ def _mamba2_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, a
     compute = torch.promote_types(projected.dtype, torch.float32)
     A = -torch.exp(self.A_log.to(compute))
     y = ssd(x.reshape(B, L, H, Dh), dt, A, Bm.reshape(B, L, G, N), Cm.reshape(B, L, G, N), self.D, state=state)
-    y = _gated_group_norm(self.norm, y.reshape(B, L, -1), gate)
+    y = gated_norm(self, y.reshape(B, L, -1), gate)
     return self.out_proj(y.to(hidden_states.dtype))
 
 
-def _gated_group_norm(norm: nn.Module, y: Tensor, gate: Tensor) -> Tensor:
+def _project_mamba2(self: nn.Module, h: Tensor) -> Tensor:
+    return self.in_proj(h)
+
+
+def _project_falcon_h1(self: nn.Module, h: Tensor) -> Tensor:
+    """``FalconH1Mixer``: its input multiplier, then its mup multipliers on ``z``, ``x``, ``B``, ``C``, ``dt``."""
+    return self.in_proj(h * self.ssm_in_multiplier) * self.mup_vector
+
+
+def _gated_group_norm(self: nn.Module, y: Tensor, gate: Tensor) -> Tensor:
     """``NemotronHRMSNormGated.forward`` (and its copies) in ``y``'s dtype, float32 at least: ``y * silu(gate)``,
     normalised over each group of ``norm.group_size`` channels, times the weight."""
+    norm = self.norm
     dt = torch.promote_types(y.dtype, torch.float32)
     h = y.to(dt) * F.silu(gate.to(dt))
     *prefix, width = h.shape
@@ -181,17 +193,48 @@ def _gated_group_norm(norm: nn.Module, y: Tensor, gate: Tensor) -> Tensor:
     return norm.weight * grouped.view(*prefix, width).to(y.dtype)
 
 
-# Mamba2 layers whose forward, torch path (mamba2_chunk_scan, causal_conv1d_fn) and gated norm are
-# NemotronHMamba2Mixer's line for line in transformers 5.24 (their differences: attributes read here, such as
-# time_step_limit and the norm's eps); each checked by tests/test_hf_mamba2.py against each document alone.
-# FalconH1Mixer (mup multipliers inside its forward, an optional norm) stays refused by the guard.
-MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "Mamba2Mixer", "Zamba2MambaMixer")
+def _falcon_h1_norm(self: nn.Module, y: Tensor, gate: Tensor) -> Tensor:
+    """``FalconH1Mixer``'s output gate: without ``mamba_rms_norm`` ``y * silu(gate)``; with it
+    ``FalconH1RMSNormGated`` (the gate before or after the group norm, ``norm_before_gate``), in ``y``'s dtype,
+    float32 at least."""
+    if not self.mamba_rms_norm:
+        return y * F.silu(gate)
+    norm = self.norm
+    dt = torch.promote_types(y.dtype, torch.float32)
+    h, g = y.to(dt), F.silu(gate.to(dt))
+    if not norm.norm_before_gate:
+        h = h * g
+    *prefix, width = h.shape
+    grouped = h.view(*prefix, norm.n_groups, width // norm.n_groups)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    h = (norm.weight.view(norm.n_groups, -1) * grouped).view(*prefix, width)
+    if norm.norm_before_gate:
+        h = h * g
+    return h.to(y.dtype)
+
+
+# Mamba2 layers -> (projection, output gate). The first five have NemotronHMamba2Mixer's forward, torch path
+# (mamba2_chunk_scan, causal_conv1d_fn) and gated norm line for line in transformers 5.24 (their differences are
+# attributes read here: time_step_limit, the norm's eps); FalconH1Mixer adds its multipliers and its optional,
+# configurable norm. Each is checked by tests/test_hf_mamba2.py against each document alone.
+MAMBA2_CLASSES = {
+    "NemotronHMamba2Mixer": (_project_mamba2, _gated_group_norm),
+    "BambaMixer": (_project_mamba2, _gated_group_norm),
+    "GraniteMoeHybridMambaLayer": (_project_mamba2, _gated_group_norm),
+    "Mamba2Mixer": (_project_mamba2, _gated_group_norm),
+    "Zamba2MambaMixer": (_project_mamba2, _gated_group_norm),
+    "FalconH1Mixer": (_project_falcon_h1, _falcon_h1_norm),
+}
+
+
+def _mamba2_adapter(cls: type):
+    return next((MAMBA2_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in MAMBA2_CLASSES), None)
 
 
 def install_mamba2(cls: type) -> str:
     """Give ``cls`` (a Mamba2 class of :data:`MAMBA2_CLASSES`, or a subclass) a forward that is per document under
     a CP step and the class's own outside one; returns how (for the guard's notes)."""
-    if not any(c.__name__ in MAMBA2_CLASSES for c in cls.__mro__):
+    if _mamba2_adapter(cls) is None:
         raise ValueError(f"install_mamba2: expected one of {sorted(MAMBA2_CLASSES)}, got {cls.__name__}")
     stock = cls.forward
     if getattr(stock, "_blockdiag_stock", None) is not None:

@@ -57,6 +57,8 @@ FAMILIES = {
                          "transformers.models.granitemoehybrid.modeling_granitemoehybrid"),
     "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", "transformers.models.mamba2.modeling_mamba2"),
     "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", "transformers.models.zamba2.modeling_zamba2"),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
+    "falcon_h1_nonorm": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
 }
 LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention")
 # Nemotron-H's pattern "M*-M" (Mamba2, attention, MLP, Mamba2); with MoE "M*EM"
@@ -67,6 +69,8 @@ FAMILY_LAYERS = {
     "granitemoehybrid": ("mamba", "attention", "mamba"),
     "mamba2": ("mamba", "mamba"),  # no attention layer
     "zamba2": ("mamba", "hybrid", "mamba"),
+    "falcon_h1": ("hybrid", "hybrid"),  # attention and Mamba2 side by side in every layer
+    "falcon_h1_nonorm": ("hybrid", "hybrid"),
 }
 NO_ATTENTION = ("mamba2",)  # families whose steps route no attention call (expect_attention=False)
 MAMBA2 = dict(ssm_heads=4, ssm_head_dim=8, groups=2, state=8, conv=4, chunk=16)
@@ -105,6 +109,14 @@ def _mamba2_config(family: str, layers: tuple[str, ...]):
         return cfg_cls(**common, num_hidden_layers=len(layers), layers_block_type=list(layers), n_mamba_heads=m["ssm_heads"],
                        mamba_expand=1, mamba_ngroups=m["groups"], mamba_d_state=m["state"], mamba_d_conv=m["conv"],
                        chunk_size=m["chunk"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family.startswith("falcon_h1"):  # multipliers away from 1, so that a dropped one shows
+        rms = family == "falcon_h1"
+        return cfg_cls(**common, head_dim=16, num_hidden_layers=len(layers), mamba_d_ssm=m["ssm_heads"] * m["ssm_head_dim"],
+                       mamba_n_heads=m["ssm_heads"], mamba_d_head=m["ssm_head_dim"], mamba_n_groups=m["groups"],
+                       mamba_d_state=m["state"], mamba_d_conv=m["conv"], mamba_chunk_size=m["chunk"],
+                       mamba_rms_norm=rms, mamba_norm_before_gate=False, ssm_in_multiplier=0.7,
+                       ssm_multipliers=[0.9, 1.3, 0.8, 1.2, 0.6], ssm_out_multiplier=1.1, attention_in_multiplier=0.9,
+                       key_multiplier=1.2, mlp_multipliers=[0.8, 1.1], embedding_multiplier=1.5, lm_head_multiplier=0.9)
     if family == "bamba":
         return cfg_cls(**common, num_hidden_layers=len(layers), **mamba,
                        attn_layer_indices=[i for i, t in enumerate(layers) if t == "attention"])
