@@ -70,8 +70,11 @@ def mixer_inputs(case: Case) -> dict[str, Tensor]:
         out.update(wu=w(n["E"], n["C"]), weight=w(n["C"], case.width, fan=case.width), bias=0.1 * w(n["C"], fan=1),
                    wo=w(n["C"], VOCAB))
     elif case.layer == "mamba2":
-        out.update(wx=w(n["E"], n["H"] * n["Dh"]), wdt=w(n["E"], n["H"]), dt_bias=0.5 * w(n["H"], fan=1) - 1.0,
-                   A_log=0.5 * w(n["H"], fan=1), wb=w(n["E"], n["G"] * n["N"]), wc=w(n["E"], n["G"] * n["N"]),
+        # decays as strong as the models': A = -exp(A_log) ~ -(1..H) (their init), dt ~ softplus(1): a float32
+        # kernel that subtracts long cumulative sums of dt A loses digits here (caught in float32)
+        A_log = torch.log(torch.arange(1, n["H"] + 1, dtype=f64)) + 0.2 * w(n["H"], fan=1)
+        out.update(wx=w(n["E"], n["H"] * n["Dh"]), wdt=w(n["E"], n["H"]), dt_bias=0.3 * w(n["H"], fan=1) + 1.0,
+                   A_log=A_log, wb=w(n["E"], n["G"] * n["N"]), wc=w(n["E"], n["G"] * n["N"]),
                    D=w(n["H"], fan=1), wo=w(n["H"] * n["Dh"], VOCAB))
     else:
         out.update(wq=w(n["E"], n["Hk"] * n["K"]), wk=w(n["E"], n["Hk"] * n["K"]), wv=w(n["E"], n["Hv"] * n["V"]),

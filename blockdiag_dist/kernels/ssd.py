@@ -39,8 +39,11 @@ def chunk_ssd(x: Tensor, a: Tensor, B: Tensor, C: Tensor, meta: ChunkMeta, initi
     xc, Bc, Cc = (_to_chunks(t, meta) for t in (x, B, C))  # [NC, H, C, D]
     ac = _to_chunks(a, meta)  # [NC, H, C]
     cum = ac.cumsum(-1)
-    upper = torch.ones(Cl, Cl, dtype=torch.bool, device=x.device).triu(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [NC, H, C, C]
+    # decay[l, s] = exp(a_{s+1} + ... + a_l), the sum taken directly (as transformers' segment_sum): the difference
+    # cum[l] - cum[s] of two large negative sums loses float32 digits when the decays are strong
+    strict = torch.ones(Cl, Cl, dtype=torch.bool, device=x.device).tril(-1)
+    seg = ac[..., :, None].expand(*ac.shape, Cl).masked_fill(~strict, 0.0).cumsum(-2)
+    decay = seg.masked_fill(~strict.logical_or(torch.eye(Cl, dtype=torch.bool, device=x.device)), float("-inf")).exp()
     y_diag = ((Cc @ Bc.transpose(-1, -2)) * decay) @ xc  # [NC, H, C, Dh]
     to_end = (cum[..., -1:] - cum).exp()[..., None]  # [NC, H, C, 1]
     chunk_state = (xc * to_end).transpose(-1, -2) @ Bc  # [NC, H, Dh, N]: a chunk's contribution from zero
