@@ -62,7 +62,7 @@ def float64_problems(label: str, family: str, got) -> list[str]:
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "bamba", "granitemoehybrid", "zamba2", "mamba2", "falcon_h1",
-                                    "falcon_h1_nonorm"])
+                                    "falcon_h1_gate_first", "falcon_h1_nonorm"])
 def test_cp1_matches_each_document_alone(family):
     """(Bamba, Granite-4 hybrids, Zamba2, Falcon-H1 and Mamba2 were refused by the guard before:
     tests/test_never_silent.py.)"""

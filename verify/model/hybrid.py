@@ -58,6 +58,7 @@ FAMILIES = {
     "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", "transformers.models.mamba2.modeling_mamba2"),
     "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", "transformers.models.zamba2.modeling_zamba2"),
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
+    "falcon_h1_gate_first": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
     "falcon_h1_nonorm": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
 }
 LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention")
@@ -70,6 +71,7 @@ FAMILY_LAYERS = {
     "mamba2": ("mamba", "mamba"),  # no attention layer
     "zamba2": ("mamba", "hybrid", "mamba"),
     "falcon_h1": ("hybrid", "hybrid"),  # attention and Mamba2 side by side in every layer
+    "falcon_h1_gate_first": ("hybrid", "hybrid"),
     "falcon_h1_nonorm": ("hybrid", "hybrid"),
 }
 NO_ATTENTION = ("mamba2",)  # families whose steps route no attention call (expect_attention=False)
@@ -109,12 +111,13 @@ def _mamba2_config(family: str, layers: tuple[str, ...]):
         return cfg_cls(**common, num_hidden_layers=len(layers), layers_block_type=list(layers), n_mamba_heads=m["ssm_heads"],
                        mamba_expand=1, mamba_ngroups=m["groups"], mamba_d_state=m["state"], mamba_d_conv=m["conv"],
                        chunk_size=m["chunk"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if family.startswith("falcon_h1"):  # multipliers away from 1, so that a dropped one shows
-        rms = family == "falcon_h1"
+    if family.startswith("falcon_h1"):  # multipliers away from 1, so that a dropped one shows; the gated norm with
+        # the gate after it (the default), before it, or no norm (only y * silu(z))
+        rms = family != "falcon_h1_nonorm"
         return cfg_cls(**common, head_dim=16, num_hidden_layers=len(layers), mamba_d_ssm=m["ssm_heads"] * m["ssm_head_dim"],
                        mamba_n_heads=m["ssm_heads"], mamba_d_head=m["ssm_head_dim"], mamba_n_groups=m["groups"],
                        mamba_d_state=m["state"], mamba_d_conv=m["conv"], mamba_chunk_size=m["chunk"],
-                       mamba_rms_norm=rms, mamba_norm_before_gate=False, ssm_in_multiplier=0.7,
+                       mamba_rms_norm=rms, mamba_norm_before_gate=family != "falcon_h1_gate_first", ssm_in_multiplier=0.7,
                        ssm_multipliers=[0.9, 1.3, 0.8, 1.2, 0.6], ssm_out_multiplier=1.1, attention_in_multiplier=0.9,
                        key_multiplier=1.2, mlp_multipliers=[0.8, 1.1], embedding_multiplier=1.5, lm_head_multiplier=0.9)
     if family == "bamba":
