@@ -13,6 +13,10 @@ Three ways to run the layer on a CP group (each rank holds its contiguous ``L = 
   whole sequence for ``Hv / W`` value heads and ``Hk / W`` key heads), the layer runs per document, a second
   all-to-all brings the outputs back; needs the heads divisible by ``W``.
 
+A Mamba2 layer (Nemotron-H's: the convolution of ``xBC`` and the SSD, :data:`SSD_LAYER`) gives one more figure,
+bytes only: what each rank receives per forward under blockdiag (:func:`ssd_bytes`; the all-gather baseline
+would receive the rank's other ranks' ``xBC`` and ``dt``).
+
 Figures: bytes each rank receives per forward (blockdiag's: histories and summaries, flat in S), the CP 2 step
 against the single-device layer on the same cores (one process with both threads), and each rank's peak memory
 at CP 4 against a quarter of the single-device layer's (each in a fresh process: peak RSS minus RSS before).
@@ -31,17 +35,18 @@ import torch.distributed as dist
 
 from blockdiag_dist import make_cp_blockdiag_batch_and_ctx
 from blockdiag_dist.exchange import TrafficLog, a2a_kv, allgather_kv
-from blockdiag_dist.mixers import causal_conv, gated_delta_rule
+from blockdiag_dist.mixers import causal_conv, gated_delta_rule, plan_recurrence, ssd
 from blockdiag_dist.plan import plan_step
 from verify.pool import WorkerPool, worker_info
 
 from verify.workloads import layout_of, long_tail
 
-__all__ = ["HK", "HV", "K", "V", "WIDTH", "bench_hybrid"]
+__all__ = ["HK", "HV", "K", "V", "SSD_LAYER", "WIDTH", "bench_hybrid", "ssd_bytes", "ssd_plan_bytes"]
 
 HK, HV, K, V, WIDTH = 4, 8, 32, 32, 4
 C = 2 * HK * K + HV * V
 METHODS = ("blockdiag", "allgather", "a2a_heads")
+SSD_LAYER = {"H": 8, "Dh": 32, "G": 2, "N": 32}  # Mamba2 heads, head dim, groups, state size (width WIDTH)
 
 
 def _rss_bytes() -> int:
@@ -196,6 +201,39 @@ def summary_bytes(plan, rank: int) -> int:
     return 4 * sum(rec.recv_splits(HV * K * V, HV * K * K)) if rec.any_traffic else 0
 
 
+def _ssd_channels() -> int:
+    m = SSD_LAYER
+    return m["H"] * m["Dh"] + 2 * m["G"] * m["N"]
+
+
+def ssd_bytes(S: int, seed: int, dtype: str = "float32") -> dict:
+    """On every rank: one forward of the Mamba2 layer from ``xBC [1, L, I + 2 G N]`` and ``dt [1, L, H]`` (the
+    convolution, then the SSD) under blockdiag, contiguous shards; the bytes this rank received."""
+    m, dt_ = SSD_LAYER, getattr(torch, dtype)
+    mesh = worker_info().get("cp_mesh")
+    ids = _ids(S, seed)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": torch.zeros(1, S, 1), "_packed_seq_ids": ids},
+                                             expect_attention=False, conv_widths=[WIDTH])
+    state, L, Cn = ctx.state, ctx.state.local_len, _ssd_channels()
+    gen = torch.Generator().manual_seed(seed * 100 + state.rank)
+    xbc, dt = torch.randn(1, L, Cn, generator=gen, dtype=dt_), torch.rand(1, L, m["H"], generator=gen, dtype=dt_) * 0.1
+    weight = torch.randn(Cn, WIDTH, generator=torch.Generator().manual_seed(seed), dtype=dt_) / WIDTH
+    A = -torch.arange(1, m["H"] + 1, dtype=dt_)
+    state.mixer_traffic.clear()
+    x, Bm, Cm = causal_conv(xbc, weight, None, "silu", state=state).split([m["H"] * m["Dh"], m["G"] * m["N"], m["G"] * m["N"]], -1)
+    ssd(x.reshape(1, L, m["H"], m["Dh"]), dt, A, Bm.reshape(1, L, m["G"], m["N"]), Cm.reshape(1, L, m["G"], m["N"]), state=state)
+    return {"recv_bytes": sum(e.recv_bytes for e in state.mixer_traffic.entries if e.phase == "forward")}
+
+
+def ssd_plan_bytes(plan, rank: int, element: int = 4) -> dict:
+    """The bytes rank ``rank`` receives per forward of the Mamba2 layer by the step plan: the SSD's summaries
+    (``H * Dh * N``, plus ``H`` for a piece that itself continues its document) and the convolution's history."""
+    m = SSD_LAYER
+    rec = plan_recurrence(plan.documents, rank)
+    summaries = element * sum(rec.recv_splits(m["H"] * m["Dh"] * m["N"], m["H"])) if rec.any_traffic else 0
+    return {"summaries": summaries, "history": plan.exchange(WIDTH - 1).needed_tokens()[rank] * _ssd_channels() * element}
+
+
 def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_cp: int = 4, seed: int = 0,
                  rounds: int = 2, timeout: float = 3000.0, console=None) -> dict:
     """Every figure of the hybrid section (see the module docstring)."""
@@ -221,6 +259,10 @@ def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_
                 "history_bytes_per_rank": [plan.exchange(WIDTH - 1).needed_tokens()[r] * C * 4 for r in range(2)],
                 "section_seconds": time.perf_counter() - t0,
             }
+            ssd_recv = pool.run(ssd_bytes, args=(S, seed), timeout=timeout, name=f"ssd bytes S{S}")
+            row["ssd"] = {"layer": SSD_LAYER, "recv_bytes_per_rank": [r["recv_bytes"] for r in ssd_recv],
+                          "plan_bytes_per_rank": [ssd_plan_bytes(plan, r) for r in range(2)],
+                          "allgather_bytes_per_rank": (S // 2) * (_ssd_channels() + SSD_LAYER["H"]) * 4}
             rows.append(row)
             say(f"bench hybrid: S={S}: CP 2 / single = {row['over_single']['blockdiag']:.3f} "
                 f"(single {one:.2f} s), bytes per rank {row['recv_bytes_per_rank']['blockdiag']}")

@@ -8,7 +8,7 @@ sequence mixer reads the step's documents from ``current_state().docs`` (:class:
 
 from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
 from .docs import DocPlan, Piece, RankDocs, plan_documents
-from .mixers import causal_conv, gated_delta_rule
+from .mixers import causal_conv, gated_delta_rule, ssd
 from .options import configure_cp_varlen
 from .plan import ExchangePlan, ShardPlan, StepPlan, choose_layout, plan_exchange, plan_shards, plan_step
 from .runtime import cp_blockdiag_sdpa, sdpa_routing
@@ -40,7 +40,8 @@ __all__ = [
     "plan_step",
     "sdpa_routing",
     "shard_tensor",
+    "ssd",
     "unshard",
 ]
 
-from .integrations import hf_mixers as _hf_mixers  # noqa: E402,F401 - registers the Gated DeltaNet installers
+from .integrations import hf_mixers as _hf_mixers  # noqa: E402,F401 - registers the Gated DeltaNet and Mamba2 installers

@@ -11,10 +11,17 @@ get exactly 0 gradient (they take part in no document).
 - :func:`reference_gated_delta_rule`: the gated delta rule as transformers' Qwen3-Next / Qwen3.5 compute it
   (``torch_recurrent_gated_delta_rule`` with ``use_qk_l2norm_in_kernel=True``): per head a state
   ``S [K, V]``, and per token ``S = exp(g) S``, ``S = S + k (beta (v - k^T S))^T``, ``o = S^T q``, with q and
-  k l2-normalised (``x / sqrt(sum(x^2) + 1e-6)``) and q scaled by ``K ** -0.5``.
+  k l2-normalised (``x / sqrt(sum(x^2) + 1e-6)``) and q scaled by ``K ** -0.5``;
+- :func:`reference_ssd`: Mamba2's SSD as transformers' ``mamba2_chunk_scan`` computes it: per head a state
+  ``S [Dh, N]``, and per token ``S = exp(dt A) S + dt x B^T``, ``y = S C + D x``;
+- :func:`reference_mamba2_mixer`: the whole Mamba2 layer as transformers' ``NemotronHMamba2Mixer`` (and
+  ``BambaMixer``, ``Mamba2Mixer``, ...) computes it on their torch path: ``in_proj`` -> gate ``z``, ``xBC``, ``dt``;
+  the causal depthwise convolution of ``xBC`` and its activation; ``x, B, C`` split (``G`` groups);
+  ``dt = clamp(softplus(dt + dt_bias), *time_step_limit)``; ``A = -exp(A_log)``; the SSD; the gated RMSNorm
+  (``y * silu(z)``, normalised over each group's channels, times its weight); ``out_proj``.
 
 Shape legend: B rows, S positions, C channels, W convolution width, Hk query/key heads, Hv value heads,
-K key head dim, V value head dim.
+K key head dim, V value head dim; for Mamba2: H heads, Dh head dim, G groups, N state size, E hidden size.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from torch import Tensor
 
 from .layout import DocLayout
 
-__all__ = ["ACTIVATIONS", "reference_causal_conv", "reference_gated_delta_rule"]
+__all__ = ["ACTIVATIONS", "reference_causal_conv", "reference_gated_delta_rule", "reference_mamba2_mixer", "reference_ssd"]
 
 ACTIVATIONS = {None: lambda t: t, "silu": torch.nn.functional.silu, "swish": torch.nn.functional.silu}
 
@@ -144,3 +151,94 @@ def reference_gated_delta_rule(
             row.append(torch.einsum("hk,hkv->hv", q64[b, t], state))
         rows.append(torch.stack(row))
     return torch.stack(rows)
+
+
+def reference_ssd(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, doc_ids: Tensor, *, D: Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """Mamba2's SSD per document, float64: ``x [B, S, H, Dh]``, ``dt [B, S, H]`` (the time step, positive: after
+    the softplus and the clamp), ``A [H]`` (negative), ``B, C [B, S, G, N]`` (each group serves ``H / G``
+    consecutive heads), ``D [H]`` -> ``[B, S, H, Dh]``; 0 on padding.
+
+    The state of each head, ``S [Dh, N]``, is zero at a document's first token; per token
+    ``S = exp(dt A) S + (dt x) B^T`` and ``y = S C + D x``. ``dtype``: what it computes in.
+
+    >>> one = torch.ones(1, 3, 1, 1)
+    >>> reference_ssd(one, torch.ones(1, 3, 1), torch.tensor([-1e9]), one, one, torch.tensor([[1, 1, 2]])).flatten().tolist()
+    [1.0, 1.0, 1.0]
+    """
+    if x.dim() != 4 or B.dim() != 4 or C.shape != B.shape or B.shape[:2] != x.shape[:2]:
+        raise ValueError(
+            f"reference_ssd: expected x [B, S, H, Dh] and B, C [B, S, G, N] with the same B, S; got x {tuple(x.shape)}, "
+            f"B {tuple(B.shape)}, C {tuple(C.shape)}"
+        )
+    Bsz, S, H, Dh = x.shape
+    G, N = B.shape[2], B.shape[3]
+    if H % G:
+        raise ValueError(f"reference_ssd: expected H a multiple of G, got H={H}, G={G}")
+    if tuple(dt.shape) != (Bsz, S, H):
+        raise ValueError(f"reference_ssd: dt expected [B, S, H] = {[Bsz, S, H]}, got {tuple(dt.shape)}")
+    for name, t in (("A", A), ("D", D)):
+        if t is not None and tuple(t.shape) != (H,):
+            raise ValueError(f"reference_ssd: {name} expected [H] = [{H}], got {tuple(t.shape)}")
+    seg = _segments(doc_ids, (Bsz, S), "reference_ssd")
+    x64, dt64, A64 = x.to(dtype), dt.to(dtype), A.to(dtype)
+    B64, C64 = (t.to(dtype).repeat_interleave(H // G, dim=2) for t in (B, C))
+    D64 = None if D is None else D.to(dtype)
+    zero = x64.new_zeros(H, Dh)
+    rows = []
+    for b in range(Bsz):
+        row, h = [], None
+        for t in range(S):
+            if seg[b, t] == 0:
+                row.append(zero)
+                continue
+            if t == 0 or seg[b, t] != seg[b, t - 1]:
+                h = x64.new_zeros(H, Dh, N)  # a document starts: its state starts at zero
+            step = dt64[b, t]  # [H]
+            h = torch.exp(step * A64)[:, None, None] * h + (step[:, None] * x64[b, t])[:, :, None] * B64[b, t][:, None, :]
+            y = torch.einsum("hpn,hn->hp", h, C64[b, t])
+            row.append(y if D64 is None else y + D64[:, None] * x64[b, t])
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def reference_mamba2_mixer(
+    hidden: Tensor,
+    doc_ids: Tensor,
+    params: dict[str, Tensor],
+    *,
+    heads: int,
+    head_dim: int,
+    groups: int,
+    state_size: int,
+    time_step_limit: tuple[float, float] = (0.0, float("inf")),
+    eps: float = 1e-6,
+    activation: str | None = "silu",
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """The Mamba2 layer per document, float64: ``hidden [B, S, E]`` -> ``[B, S, E]``; the rows of padding see only
+    their own token (``in_proj`` and ``out_proj`` are per token), their convolution and SSD output 0.
+
+    ``params`` (the layer's parameters by their transformers names): ``in_proj.weight [2 I + 2 G N + H, E]``
+    (``I = H * Dh``; ``in_proj.bias`` optional), ``conv1d.weight [I + 2 G N, 1, W]`` (``conv1d.bias`` optional),
+    ``dt_bias``, ``A_log``, ``D [H]``, ``norm.weight [I]``, ``out_proj.weight [E, I]`` (``out_proj.bias``
+    optional). ``eps``: the gated norm's (normalised over each group's ``I / G`` channels).
+    """
+    p = {k: v.to(dtype) for k, v in params.items()}
+    I, GN = heads * head_dim, groups * state_size
+    Bsz, S, _ = hidden.shape
+    proj = torch.nn.functional.linear(hidden.to(dtype), p["in_proj.weight"], p.get("in_proj.bias"))
+    z, xbc, dt = proj.split([I, I + 2 * GN, heads], dim=-1)
+    w = p["conv1d.weight"]
+    xbc = reference_causal_conv(xbc, doc_ids, w.reshape(w.shape[0], w.shape[-1]), p.get("conv1d.bias"), activation,
+                                dtype=dtype)
+    x, B, C = xbc.split([I, GN, GN], dim=-1)
+    dt = torch.nn.functional.softplus(dt + p["dt_bias"]).clamp(time_step_limit[0], time_step_limit[1])
+    y = reference_ssd(x.reshape(Bsz, S, heads, head_dim), dt, -torch.exp(p["A_log"]),
+                      B.reshape(Bsz, S, groups, state_size), C.reshape(Bsz, S, groups, state_size), doc_ids,
+                      D=p["D"], dtype=dtype).reshape(Bsz, S, I)
+    g = (y * torch.nn.functional.silu(z)).reshape(Bsz, S, groups, I // groups)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return torch.nn.functional.linear(p["norm.weight"] * g.reshape(Bsz, S, I), p["out_proj.weight"], p.get("out_proj.bias"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.hybrid import C, HK, HV, K, METHODS, V, WIDTH, _ids, baseline_agreement, summary_bytes
+from bench.hybrid import (C, HK, HV, K, METHODS, SSD_LAYER, V, WIDTH, _ids, baseline_agreement, ssd_bytes, ssd_plan_bytes,
+                          summary_bytes)
 from blockdiag_dist.plan import plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -21,3 +22,15 @@ def test_baselines_compute_the_same_layer_and_blockdiag_moves_its_plan(pools):
         assert res["recv_bytes"]["blockdiag"] == 2 * summary_bytes(plan, r) + history  # float64: 8 bytes
     assert per_rank[1]["recv_bytes"]["blockdiag"] > 0 and HV * K * V * 8 <= per_rank[1]["recv_bytes"]["blockdiag"]
     assert per_rank[0]["recv_bytes"]["allgather"] == (S // 2) * (C + 2 * HV) * 8 and HK % 2 == 0
+
+
+def test_the_mamba2_layer_moves_exactly_its_plan(pools):
+    """The SSD figure: each rank receives its plan's summaries and history (float64: 8 bytes an element), flat in S."""
+    S = 1024
+    plan = plan_step(_ids(S, 0), 2, "contiguous")
+    per_rank = pools(2).run(ssd_bytes, args=(S, 0, "float64"), timeout=240, name="hybrid bench ssd bytes")
+    for r, res in enumerate(per_rank):
+        want = ssd_plan_bytes(plan, r, element=8)
+        assert res["recv_bytes"] == want["summaries"] + want["history"], (r, res, want)
+    m = SSD_LAYER
+    assert ssd_plan_bytes(plan, 1, element=8)["summaries"] == m["H"] * m["Dh"] * m["N"] * 8  # one first piece crosses

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockdiag_dist import causal_conv, configure_cp_varlen, cp_blockdiag_sdpa, gated_delta_rule, make_cp_blockdiag_batch_and_ctx
+from blockdiag_dist import causal_conv, configure_cp_varlen, cp_blockdiag_sdpa, gated_delta_rule, make_cp_blockdiag_batch_and_ctx, ssd
 from blockdiag_ref import DocLayout, reference_attention
 
 FAULTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
@@ -123,6 +123,12 @@ def gdr_inputs(L=7, Hk=2, Hv=4, K=3, V=2, dtype=torch.float64):
             torch.zeros(2, L, Hv, dtype=dtype), torch.zeros(2, L, Hv, dtype=dtype)]
 
 
+def ssd_inputs(L=7, H=4, Dh=3, G=2, N=2):
+    f = torch.float64
+    return [torch.zeros(2, L, H, Dh, dtype=f), torch.zeros(2, L, H, dtype=f), torch.zeros(H, dtype=f),
+            torch.zeros(2, L, G, N, dtype=f), torch.zeros(2, L, G, N, dtype=f)]
+
+
 # id, what is malformed, the call under an active step (CP 1, B = 2, L = 7, conv_widths=[4]), expected message
 MIXER_ROWS = [
     ("conv-shard", "a convolution given a tensor that is not this rank's shard", lambda: causal_conv(torch.zeros(2, 6, 5), torch.zeros(5, 4)), r"causal_conv: x expected this rank's shard \[B=2, L=7, ...\] of the active step, got \(2, 6, 5\)"),
@@ -132,6 +138,9 @@ MIXER_ROWS = [
     ("gdr-heads", "value heads not a multiple of the key heads", lambda: gated_delta_rule(*gdr_inputs(Hv=3)), "expected the value heads a multiple of the key heads, got Hv=3, Hk=2"),
     ("gdr-state-dtype", "a recurrent state (summary) dtype below float32", lambda: gated_delta_rule(*gdr_inputs(), state_dtype=torch.bfloat16), r"state_dtype expected one of \['torch.float32', 'torch.float64'\].*got torch.bfloat16"),
     ("gdr-integer", "integer inputs to the gated delta rule", lambda: gated_delta_rule(*gdr_inputs(dtype=torch.int64)), "q expected a floating dtype, got torch.int64"),
+    ("ssd-shard", "Mamba2 SSD inputs that are not this rank's shard", lambda: ssd(*ssd_inputs(L=5)), r"ssd: x expected this rank's shard \[B=2, L=7, ...\] of the active step, got \(2, 5, 4, 3\)"),
+    ("ssd-groups", "SSD heads not a multiple of the groups of B and C", lambda: ssd(*ssd_inputs(H=3)), "ssd: expected the heads a multiple of the groups, got H=3, G=2"),
+    ("ssd-state-dtype", "an SSD state (summary) dtype below float32", lambda: ssd(*ssd_inputs(), state_dtype=torch.bfloat16), r"ssd: state_dtype expected one of \['torch.float32', 'torch.float64'\].*got torch.bfloat16"),
 ]
 
 OTHER_ROWS = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdiag_ref import DocLayout, reference_causal_conv, reference_gated_delta_rule
+from blockdiag_ref import DocLayout, reference_causal_conv, reference_gated_delta_rule, reference_mamba2_mixer, reference_ssd
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next",
                                  reason="transformers is not installed (the 'hf' extra)")
@@ -87,3 +87,70 @@ def test_references_are_differentiable_and_padding_gets_no_gradient():
     w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     reference_causal_conv(x, ids, w, activation="silu").sum().backward()
     assert (x.grad[ids == 0] == 0).all() and w.grad.abs().sum() > 0
+
+
+nemotron_h = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+
+
+def ssd_inputs(S: int, H: int, Dh: int, G: int, N: int, seed: int, B: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, H, Dh, generator=g, dtype=torch.float64)
+    dt = torch.rand(B, S, H, generator=g, dtype=torch.float64) * 0.5 + 0.01
+    A = -torch.rand(H, generator=g, dtype=torch.float64) * 2
+    Bm, Cm = (torch.randn(B, S, G, N, generator=g, dtype=torch.float64) for _ in range(2))
+    D = torch.randn(H, generator=g, dtype=torch.float64)
+    return x, dt, A, Bm, Cm, D
+
+
+@pytest.mark.parametrize("S, H, Dh, G, N, chunk", [
+    pytest.param(7, 1, 3, 1, 4, 4, id="S7-1head-two-chunks"),
+    pytest.param(70, 4, 5, 2, 3, 16, id="S70-groups"),
+])
+def test_ssd_matches_transformers_on_one_document(S, H, Dh, G, N, chunk):
+    """transformers' mamba2_chunk_scan computes in float32 (x, B, C, dt cast): agreement to float32 rounding."""
+    x, dt, A, Bm, Cm, D = ssd_inputs(S, H, Dh, G, N, seed=S)
+    ref = reference_ssd(x, dt, A, Bm, Cm, torch.ones(1, S, dtype=torch.long), D=D)
+    theirs = nemotron_h.mamba2_chunk_scan(x, dt, A, Bm, Cm, chunk_size=chunk, D=D)
+    err = (theirs.double() - ref).abs().max() / ref.abs().max()
+    assert err < 2e-6, f"relative error {err:.2e}"
+
+
+def test_mamba2_mixer_matches_transformers_on_one_document():
+    """The whole layer against NemotronHMamba2Mixer's own forward on one document (float64 weights; the stock
+    layer computes its SSD and gated norm in float32: agreement to float32 rounding); and with a time step
+    clamped from below (``time_step_limit``), the clamp is honoured."""
+    from transformers import NemotronHConfig
+
+    cfg = NemotronHConfig(vocab_size=16, hidden_size=16, mamba_num_heads=4, mamba_head_dim=4, n_groups=2,
+                          ssm_state_size=3, conv_kernel=3, chunk_size=8, layers_block_type=["linear_attention"],
+                          use_conv_bias=True, time_step_min=0.3)
+    torch.manual_seed(0)
+    layer = nemotron_h.NemotronHMamba2Mixer(cfg, layer_idx=0).double()
+    with torch.no_grad():
+        for p in (layer.D, layer.norm.weight):
+            p.add_(torch.randn_like(p) * 0.5)
+        layer.dt_bias.copy_(torch.randn(4) * 0.5 - 1.0)  # softplus near 0.3: the clamp binds on some tokens
+    h = torch.randn(1, 19, 16, dtype=torch.float64)
+    theirs = layer(h)
+    ours = reference_mamba2_mixer(h, torch.ones(1, 19, dtype=torch.long), dict(layer.named_parameters()),
+                                  heads=4, head_dim=4, groups=2, state_size=3, time_step_limit=layer.time_step_limit,
+                                  eps=layer.norm.variance_epsilon)
+    err = (theirs - ours).abs().max() / theirs.abs().max()
+    assert err < 1e-5, f"relative error {err:.2e}"
+    unclamped = reference_mamba2_mixer(h, torch.ones(1, 19, dtype=torch.long), dict(layer.named_parameters()),
+                                       heads=4, head_dim=4, groups=2, state_size=3, eps=layer.norm.variance_epsilon)
+    assert (unclamped - theirs).abs().max() / theirs.abs().max() > 1e-3  # the clamp binds on these inputs
+
+
+def test_ssd_is_per_document():
+    ids = torch.tensor([[1, 1, 1, 0, 2, 2, 2, 2, 1, 1], [3, 3, 3, 3, 3, 3, 0, 0, 4, 4]])
+    x, dt, A, Bm, Cm, D = ssd_inputs(10, 2, 3, 1, 2, seed=3, B=2)
+    out = reference_ssd(x, dt, A, Bm, Cm, ids, D=D)
+    for row, start, end in DocLayout.from_doc_ids(ids).segments.tolist():
+        alone = reference_ssd(*(t[row:row + 1, start:end] for t in (x, dt)), A,
+                              *(t[row:row + 1, start:end] for t in (Bm, Cm)), torch.ones(1, end - start, dtype=torch.long), D=D)
+        torch.testing.assert_close(out[row:row + 1, start:end], alone, rtol=0, atol=0)
+    assert (out[ids == 0] == 0).all()
+    with pytest.raises(ValueError, match="expected H a multiple of G, got H=3, G=2"):
+        reference_ssd(torch.zeros(1, 4, 3, 2), torch.zeros(1, 4, 3), torch.zeros(3), torch.zeros(1, 4, 2, 2),
+                      torch.zeros(1, 4, 2, 2), torch.ones(1, 4))

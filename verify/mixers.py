@@ -6,16 +6,21 @@ The blocks (``case.layer``):
   width ``case.width`` with bias and SiLU -> ``Wo`` to a small vocabulary -> summed cross-entropy;
 - ``gated_delta``: ``x`` -> ``q, k = x Wq, x Wk [B, S, Hk, K]``, ``v = x Wv [B, S, Hv, V]`` (``Hv = case.hq``,
   ``Hk = case.hkv``, ``K = case.dim``, ``V = case.dim + 1``), ``g = -softplus(x Wa)``, ``beta = sigmoid(x Wb)``
-  -> the gated delta rule -> ``Wo`` -> summed cross-entropy.
+  -> the gated delta rule -> ``Wo`` -> summed cross-entropy;
+- ``mamba2``: ``x`` -> ``xs = x Wx [B, S, H, Dh]`` (``H = case.hq``, ``Dh = case.dim``), ``dt = softplus(x Wdt +
+  dt_bias) [B, S, H]``, ``B, C = x Wb, x Wc [B, S, G, N]`` (``G = case.hkv``, ``N = case.dim + 1``), ``A = -exp(A_log)``,
+  ``D`` -> Mamba2's SSD -> ``Wo`` -> summed cross-entropy.
 
-1. reference: float64, single device, ``blockdiag_ref.reference_causal_conv`` / ``reference_gated_delta_rule``
+1. reference: float64, single device, ``blockdiag_ref.reference_causal_conv`` / ``reference_gated_delta_rule`` /
+   ``reference_ssd``
    (token by token per document);
 2. baseline (below float64): the same reference computation in the case's dtype, single device (the
    tolerance rule of ``tolerances.py``: at most twice its error, plus a floor);
 3. implementation: the case's dtype, CP-sharded through ``make_cp_blockdiag_batch_and_ctx`` and the module's
-   ``causal_conv`` / ``gated_delta_rule``, with the case's layout and activation checkpointing.
+   ``causal_conv`` / ``gated_delta_rule`` / ``ssd``, with the case's layout and activation checkpointing.
 
-Per rank: outputs of real rows, padding rows exactly 0, the gradient of the mixer's inputs (u; q, k, v, g, beta),
+Per rank: outputs of real rows, padding rows exactly 0, the gradient of the mixer's inputs (u; q, k, v, g, beta;
+xs, dt, B, C),
 padding rows exactly 0; summed over ranks: grads of ``inputs_embeds``, of every weight (the convolution's
 included) and the loss. A module reporting its mixers' traffic (``state.mixer_traffic``) is checked against its
 plan: the elements each forward received.
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
 
-from blockdiag_ref import reference_causal_conv, reference_gated_delta_rule
+from blockdiag_ref import reference_causal_conv, reference_gated_delta_rule, reference_ssd
 
 from .case_io import Metrics, impl_batch, summed_over_ranks
 from .cases import Case
@@ -39,12 +44,13 @@ from .cases import Case
 __all__ = ["MIXER_LAYERS", "check_mixer_case", "mixer_expected", "mixer_inputs", "mixer_summed_metrics"]
 
 VOCAB = 11
-MIXER_LAYERS = {"conv": "causal_conv", "gated_delta": "gated_delta_rule"}  # layer -> the module's function
+MIXER_LAYERS = {"conv": "causal_conv", "gated_delta": "gated_delta_rule", "mamba2": "ssd"}  # layer -> the module's function
 BASELINE = "reference-in-dtype"
 
 
 def _sizes(case: Case) -> dict[str, int]:
-    return {"E": case.hidden, "C": case.hq * case.dim, "Hv": case.hq, "Hk": case.hkv, "K": case.dim, "V": case.dim + 1}
+    return {"E": case.hidden, "C": case.hq * case.dim, "Hv": case.hq, "Hk": case.hkv, "K": case.dim, "V": case.dim + 1,
+            "H": case.hq, "G": case.hkv, "Dh": case.dim, "N": case.dim + 1}
 
 
 def mixer_inputs(case: Case) -> dict[str, Tensor]:
@@ -64,19 +70,27 @@ def mixer_inputs(case: Case) -> dict[str, Tensor]:
     if case.layer == "conv":
         out.update(wu=w(n["E"], n["C"]), weight=w(n["C"], case.width, fan=case.width), bias=0.1 * w(n["C"], fan=1),
                    wo=w(n["C"], VOCAB))
+    elif case.layer == "mamba2":
+        # decays as strong as the models': A = -exp(A_log) ~ -(1..H) (their init), dt ~ softplus(1): a float32
+        # kernel that subtracts long cumulative sums of dt A loses digits here (caught in float32)
+        A_log = torch.log(torch.arange(1, n["H"] + 1, dtype=f64)) + 0.2 * w(n["H"], fan=1)
+        out.update(wx=w(n["E"], n["H"] * n["Dh"]), wdt=w(n["E"], n["H"]), dt_bias=0.3 * w(n["H"], fan=1) + 1.0,
+                   A_log=A_log, wb=w(n["E"], n["G"] * n["N"]), wc=w(n["E"], n["G"] * n["N"]),
+                   D=w(n["H"], fan=1), wo=w(n["H"] * n["Dh"], VOCAB))
     else:
         out.update(wq=w(n["E"], n["Hk"] * n["K"]), wk=w(n["E"], n["Hk"] * n["K"]), wv=w(n["E"], n["Hv"] * n["V"]),
                    wa=w(n["E"], n["Hv"]), wb=w(n["E"], n["Hv"]), wo=w(n["Hv"] * n["V"], VOCAB))
     return out
 
 
-WEIGHTS = {"conv": ("wu", "weight", "bias", "wo"), "gated_delta": ("wq", "wk", "wv", "wa", "wb", "wo")}
-MIXER_INPUTS = {"conv": ("u",), "gated_delta": ("q", "k", "v", "g", "beta")}
+WEIGHTS = {"conv": ("wu", "weight", "bias", "wo"), "gated_delta": ("wq", "wk", "wv", "wa", "wb", "wo"),
+           "mamba2": ("wx", "wdt", "dt_bias", "A_log", "wb", "wc", "D", "wo")}
+MIXER_INPUTS = {"conv": ("u",), "gated_delta": ("q", "k", "v", "g", "beta"), "mamba2": ("xs", "dt", "Bm", "Cm")}
 
 
 def _block(case: Case, x: Tensor, ws: dict[str, Tensor], labels: Tensor, mix) -> dict[str, Tensor]:
     """The block; returns the mixer's inputs (grads retained), its output and the loss. ``mix(*inputs, weight,
-    bias)`` for conv, ``mix(q, k, v, g, beta)`` for the gated delta rule."""
+    bias)`` for conv, ``mix(q, k, v, g, beta)`` for the gated delta rule, ``mix(xs, dt, A, Bm, Cm, D)`` for Mamba2."""
     B, L, _ = x.shape
     n = _sizes(case)
     if case.layer == "conv":
@@ -84,6 +98,13 @@ def _block(case: Case, x: Tensor, ws: dict[str, Tensor], labels: Tensor, mix) ->
         u.retain_grad()
         out = mix(u, ws["weight"], ws["bias"])
         feats, res = out, {"u": u}
+    elif case.layer == "mamba2":
+        res = {"xs": (x @ ws["wx"]).view(B, L, n["H"], n["Dh"]), "dt": F.softplus(x @ ws["wdt"] + ws["dt_bias"]),
+               "Bm": (x @ ws["wb"]).view(B, L, n["G"], n["N"]), "Cm": (x @ ws["wc"]).view(B, L, n["G"], n["N"])}
+        for t in res.values():
+            t.retain_grad()
+        out = mix(res["xs"], res["dt"], -torch.exp(ws["A_log"]), res["Bm"], res["Cm"], ws["D"])
+        feats = out.reshape(B, L, -1).to(x.dtype)
     else:
         q = (x @ ws["wq"]).view(B, L, n["Hk"], n["K"])
         k = (x @ ws["wk"]).view(B, L, n["Hk"], n["K"])
@@ -119,6 +140,9 @@ def _single_device(case: Case, inputs: dict[str, Tensor], dtype: torch.dtype, de
     if case.layer == "conv":
         def mix(u, weight, bias):
             return reference_causal_conv(u, ids, weight, bias, "silu", dtype=dtype)
+    elif case.layer == "mamba2":
+        def mix(xs, dt, A, Bm, Cm, D):
+            return reference_ssd(xs, dt, A, Bm, Cm, ids, D=D, dtype=dtype)
     else:
         def mix(q, k, v, g, beta):
             return reference_gated_delta_rule(q, k, v, g, beta, ids, dtype=dtype)
@@ -155,6 +179,9 @@ def _run_impl(case: Case, impl, inputs: dict[str, Tensor], dtype, device, cp_mes
     if case.layer == "conv":
         def mix(u, weight, bias):
             return fn(u, weight, bias, "silu")
+    elif case.layer == "mamba2":
+        def mix(xs, dt, A, Bm, Cm, D):
+            return fn(xs, dt, A, Bm, Cm, D)
     else:
         def mix(q, k, v, g, beta):
             return fn(q, k, v, g, beta)
@@ -184,6 +211,8 @@ def _expected_elements(case: Case, state, rank: int) -> int | None:
     plan = plan_recurrence(state.plan.documents, rank)
     if not plan.any_traffic or state.world == 1:
         return None
+    if case.layer == "mamba2":  # state [H, Dh, N], transition [H]
+        return sum(plan.recv_splits(n["H"] * n["Dh"] * n["N"], n["H"]))
     return sum(plan.recv_splits(n["Hv"] * n["K"] * n["V"], n["Hv"] * n["K"] * n["K"]))
 
 
@@ -224,7 +253,7 @@ def check_mixer_case(case: Case, impl, cp_mesh, rank: int, world: int, device: t
         want = _expected_elements(case, state, rank)
         calls = 2 if case.checkpoint != "none" else 1  # a checkpoint's recompute exchanges again
         m.equal("mixer_recv_elements_fwd", sum(e.recv_elements for e in fwd), 0 if want is None else calls * want)
-        info["mode"] = "local" if want is None else ("summary" if case.layer == "gated_delta" else "history")
+        info["mode"] = "local" if want is None else ("history" if case.layer == "conv" else "summary")
         info["notes"] = list(getattr(state, "notes", []))
         if case.layer == "conv":  # the history tokens that arrived, checked by the parent against the reference mask
             info["arrived"] = [list(e.recv_by_source) for e in fwd]

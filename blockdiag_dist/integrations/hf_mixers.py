@@ -1,4 +1,4 @@
-"""Hugging Face transformers' Gated DeltaNet layers per document under CP.
+"""Hugging Face transformers' Gated DeltaNet and Mamba2 layers per document under CP.
 
 Registered with the guard (:func:`blockdiag_dist.guard.register_installer`) at import, nothing of transformers
 imported until then: the first time a step meets one of these classes, the guard installs a forward on the
@@ -17,10 +17,21 @@ stock rounding for float32 and bfloat16 models, float64 for a float64 model (the
 | ``Qwen3_5GatedDeltaNet`` | ``qwen3_5`` (text) | ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` |
 | ``Qwen3_5MoeGatedDeltaNet`` | ``qwen3_5_moe`` (text) | as ``qwen3_5`` |
 
+The Mamba2 layers (:data:`MAMBA2_CLASSES`: ``NemotronHMamba2Mixer`` of ``nemotron_h``, ``BambaMixer`` of
+``bamba``, ``GraniteMoeHybridMambaLayer`` of ``granitemoehybrid``, ``Zamba2MambaMixer`` of ``zamba2``,
+``Mamba2Mixer`` of ``mamba2``, ``FalconH1Mixer`` of ``falcon_h1`` with its multipliers and optional norm; one
+forward, :func:`install_mamba2`) likewise: the convolution of ``xBC``
+through :func:`~blockdiag_dist.mixers.causal_conv`, the SSD through :func:`blockdiag_dist.mixers.ssd`; the stock
+math elsewhere (``in_proj``; ``dt = clamp(softplus(dt + dt_bias), *time_step_limit)`` in the model's dtype;
+``A = -exp(A_log)``; the gated group RMSNorm of ``y * silu(z)``; ``out_proj``). The stock layer computes its SSD
+(``mamba2_chunk_scan``: x, B, C, dt cast to float32) and its gated norm in float32; here they are computed in the
+model's dtype, float32 at least, as for Gated DeltaNet.
+
 Under a step the layer takes no cache (``use_cache=False`` in training) and no ``attention_mask`` (the
 documents and the padding come from the step); either raises ``ValueError`` on every rank before any collective.
 
-Shape legend: B rows, L rows of this rank, Hk key heads, Hv value heads, K / V head dims.
+Shape legend: B rows, L rows of this rank, Hk key heads, Hv value heads, K / V head dims; Mamba2: H heads, Dh
+head dim, G groups, N state size, E hidden size.
 """
 
 from __future__ import annotations
@@ -33,9 +44,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import guard
-from ..mixers import causal_conv, gated_delta_rule
+from ..mixers import causal_conv, gated_delta_rule, ssd
 
-__all__ = ["GATED_DELTA_NET_CLASSES", "install_gated_delta_net"]
+__all__ = ["GATED_DELTA_NET_CLASSES", "MAMBA2_CLASSES", "install_gated_delta_net", "install_mamba2"]
 
 CONV_ACTIVATIONS = ("silu", "swish")  # computed inside causal_conv; any other is applied after it, as ACT2FN does
 
@@ -60,8 +71,7 @@ GATED_DELTA_NET_CLASSES = {
 }
 
 
-def _per_document_forward(self: nn.Module, project, state, hidden_states: Tensor, cache: Any, attention_mask: Any) -> Tensor:
-    """The layer's forward under ``state``: the stock forward with the convolution and the recurrence per document."""
+def _refuse_cache_and_mask(self: nn.Module, cache: Any, attention_mask: Any) -> None:
     what = f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')})"
     if cache is not None:
         raise ValueError(f"{what}: expected no cache under a CP step (use_cache=False in training), got {type(cache).__name__}")
@@ -70,6 +80,11 @@ def _per_document_forward(self: nn.Module, project, state, hidden_states: Tensor
             f"{what}: expected no attention_mask under a CP step (documents and padding come from the step), got "
             f"{'a tensor of shape ' + str(tuple(attention_mask.shape)) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__}"
         )
+
+
+def _per_document_forward(self: nn.Module, project, state, hidden_states: Tensor, cache: Any, attention_mask: Any) -> Tensor:
+    """The layer's forward under ``state``: the stock forward with the convolution and the recurrence per document."""
+    _refuse_cache_and_mask(self, cache, attention_mask)
     B, L, _ = hidden_states.shape
     mixed_qkv, z, b, a = project(self, hidden_states)
     act = self.activation if self.activation in CONV_ACTIVATIONS else None
@@ -134,5 +149,115 @@ def install_gated_delta_net(cls: type) -> str:
     return how
 
 
+def _mamba2_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, attention_mask: Any) -> Tensor:
+    """A Mamba2 layer's forward under ``state`` (the stock torch path with the convolution and the SSD per
+    document): ``hidden_states [B, L, E]`` -> ``[B, L, E]``."""
+    _refuse_cache_and_mask(self, cache, attention_mask)
+    project, gated_norm = _mamba2_adapter(type(self))
+    B, L, _ = hidden_states.shape
+    H, Dh, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
+    projected = project(self, hidden_states)
+    gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, H], dim=-1)
+    act = self.activation if self.activation in CONV_ACTIVATIONS else None
+    xbc = causal_conv(xbc, self.conv1d.weight, self.conv1d.bias, act, state=state)
+    if act is None and self.activation is not None:
+        xbc = _act(self.activation)(xbc)
+    x, Bm, Cm = xbc.split([self.intermediate_size, G * N, G * N], dim=-1)
+    lo, hi = self.time_step_limit
+    dt = torch.clamp(F.softplus(dt + self.dt_bias.to(dt.dtype)), min=lo, max=hi)  # the stock: dt's dtype
+    compute = torch.promote_types(projected.dtype, torch.float32)
+    A = -torch.exp(self.A_log.to(compute))
+    y = ssd(x.reshape(B, L, H, Dh), dt, A, Bm.reshape(B, L, G, N), Cm.reshape(B, L, G, N), self.D, state=state)
+    y = gated_norm(self, y.reshape(B, L, -1), gate)
+    return self.out_proj(y.to(hidden_states.dtype))
+
+
+def _project_mamba2(self: nn.Module, h: Tensor) -> Tensor:
+    return self.in_proj(h)
+
+
+def _project_falcon_h1(self: nn.Module, h: Tensor) -> Tensor:
+    """``FalconH1Mixer``: its input multiplier, then its mup multipliers on ``z``, ``x``, ``B``, ``C``, ``dt``."""
+    return self.in_proj(h * self.ssm_in_multiplier) * self.mup_vector
+
+
+def _gated_group_norm(self: nn.Module, y: Tensor, gate: Tensor) -> Tensor:
+    """``NemotronHRMSNormGated.forward`` (and its copies) in ``y``'s dtype, float32 at least: ``y * silu(gate)``,
+    normalised over each group of ``norm.group_size`` channels, times the weight."""
+    norm = self.norm
+    dt = torch.promote_types(y.dtype, torch.float32)
+    h = y.to(dt) * F.silu(gate.to(dt))
+    *prefix, width = h.shape
+    grouped = h.view(*prefix, width // norm.group_size, norm.group_size)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * grouped.view(*prefix, width).to(y.dtype)
+
+
+def _falcon_h1_norm(self: nn.Module, y: Tensor, gate: Tensor) -> Tensor:
+    """``FalconH1Mixer``'s output gate: without ``mamba_rms_norm`` ``y * silu(gate)``; with it
+    ``FalconH1RMSNormGated`` (the gate before or after the group norm, ``norm_before_gate``), in ``y``'s dtype,
+    float32 at least."""
+    if not self.mamba_rms_norm:
+        return y * F.silu(gate)
+    norm = self.norm
+    dt = torch.promote_types(y.dtype, torch.float32)
+    h, g = y.to(dt), F.silu(gate.to(dt))
+    if not norm.norm_before_gate:
+        h = h * g
+    *prefix, width = h.shape
+    grouped = h.view(*prefix, norm.n_groups, width // norm.n_groups)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    h = (norm.weight.view(norm.n_groups, -1) * grouped).view(*prefix, width)
+    if norm.norm_before_gate:
+        h = h * g
+    return h.to(y.dtype)
+
+
+# Mamba2 layers -> (projection, output gate). The first five have NemotronHMamba2Mixer's forward, torch path
+# (mamba2_chunk_scan, causal_conv1d_fn) and gated norm line for line in transformers 5.24 (their differences are
+# attributes read here: time_step_limit, the norm's eps); FalconH1Mixer adds its multipliers and its optional,
+# configurable norm. Each is checked by tests/test_hf_mamba2.py against each document alone.
+MAMBA2_CLASSES = {
+    "NemotronHMamba2Mixer": (_project_mamba2, _gated_group_norm),
+    "BambaMixer": (_project_mamba2, _gated_group_norm),
+    "GraniteMoeHybridMambaLayer": (_project_mamba2, _gated_group_norm),
+    "Mamba2Mixer": (_project_mamba2, _gated_group_norm),
+    "Zamba2MambaMixer": (_project_mamba2, _gated_group_norm),
+    "FalconH1Mixer": (_project_falcon_h1, _falcon_h1_norm),
+}
+
+
+def _mamba2_adapter(cls: type):
+    return next((MAMBA2_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in MAMBA2_CLASSES), None)
+
+
+def install_mamba2(cls: type) -> str:
+    """Give ``cls`` (a Mamba2 class of :data:`MAMBA2_CLASSES`, or a subclass) a forward that is per document under
+    a CP step and the class's own outside one; returns how (for the guard's notes)."""
+    if _mamba2_adapter(cls) is None:
+        raise ValueError(f"install_mamba2: expected one of {sorted(MAMBA2_CLASSES)}, got {cls.__name__}")
+    stock = cls.forward
+    if getattr(stock, "_blockdiag_stock", None) is not None:
+        return stock._blockdiag_how
+
+    @functools.wraps(stock)
+    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        from ..runtime import _step_of_call
+
+        state = _step_of_call(hidden_states) if torch.is_tensor(hidden_states) else None
+        if state is None:
+            return stock(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        return _mamba2_forward(self, state, hidden_states, kwargs.get("cache_params", cache), attention_mask)
+
+    how = ("convolution with the history of documents continuing from other ranks and Mamba2's SSD with their "
+           "states (blockdiag_dist.mixers: causal_conv, ssd)")
+    forward._blockdiag_stock = stock
+    forward._blockdiag_how = how
+    cls.forward = forward
+    return how
+
+
 for _name in GATED_DELTA_NET_CLASSES:
     guard.register_installer(_name, "gated_delta_net", install_gated_delta_net)
+for _name in MAMBA2_CLASSES:
+    guard.register_installer(_name, "mamba2", install_mamba2)

@@ -1,8 +1,10 @@
-"""Hybrid models (Gated DeltaNet + attention) judged as whole models: tiny transformers models from their configs,
-the truth they are compared with, and the step every rank of a pool runs.
+"""Hybrid models (Gated DeltaNet or Mamba2 + attention) judged as whole models: tiny transformers models from their
+configs, the truth they are compared with, and the step every rank of a pool runs.
 
 - :func:`build_tiny_hybrid`: a tiny ``qwen3_next``, ``qwen3_5`` (text) or ``qwen3_5_moe`` (text) causal LM
-  (hidden 32, layers linear-attention / full-attention / linear-attention, 2 key and 4 value heads of 8), random
+  (hidden 32, layers linear-attention / full-attention / linear-attention, 2 key and 4 value heads of 8), or a tiny
+  ``nemotron_h`` / ``nemotron_h_moe`` / ``bamba`` / ``granitemoehybrid`` (Mamba2 layers of 4 heads of 8, 2 groups,
+  state 8, convolution width 4, SSD chunk 16 in the stock truth, with attention and MLP / MoE layers), random
   weights from a seed, blockdiag's attention registered;
 - :func:`float64_kernel`: the truth's one substitution. The stock Gated DeltaNet computes its gates, its chunked
   kernel and its gated norm in float32 whatever the model's dtype; inside this context the Gated DeltaNet layers
@@ -48,8 +50,32 @@ FAMILIES = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", "transformers.models.qwen3_next.modeling_qwen3_next"),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "transformers.models.qwen3_5.modeling_qwen3_5"),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", "transformers.models.nemotron_h.modeling_nemotron_h"),
+    "nemotron_h_moe": ("NemotronHConfig", "NemotronHForCausalLM", "transformers.models.nemotron_h.modeling_nemotron_h"),
+    "bamba": ("BambaConfig", "BambaForCausalLM", "transformers.models.bamba.modeling_bamba"),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                         "transformers.models.granitemoehybrid.modeling_granitemoehybrid"),
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", "transformers.models.mamba2.modeling_mamba2"),
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", "transformers.models.zamba2.modeling_zamba2"),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
+    "falcon_h1_gate_first": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
+    "falcon_h1_nonorm": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
 }
 LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention")
+# Nemotron-H's pattern "M*-M" (Mamba2, attention, MLP, Mamba2); with MoE "M*EM"
+FAMILY_LAYERS = {
+    "nemotron_h": ("linear_attention", "full_attention", "mlp", "linear_attention"),
+    "nemotron_h_moe": ("linear_attention", "full_attention", "moe", "linear_attention"),
+    "bamba": ("mamba", "attention", "mamba"),
+    "granitemoehybrid": ("mamba", "attention", "mamba"),
+    "mamba2": ("mamba", "mamba"),  # no attention layer
+    "zamba2": ("mamba", "hybrid", "mamba"),
+    "falcon_h1": ("hybrid", "hybrid"),  # attention and Mamba2 side by side in every layer
+    "falcon_h1_gate_first": ("hybrid", "hybrid"),
+    "falcon_h1_nonorm": ("hybrid", "hybrid"),
+}
+NO_ATTENTION = ("mamba2",)  # families whose steps route no attention call (expect_attention=False)
+MAMBA2 = dict(ssm_heads=4, ssm_head_dim=8, groups=2, state=8, conv=4, chunk=16)
 SEQ_LEN = 64
 # two rows of 64: documents over 3 ranks at CP 4 (37 tokens from 0; 40 tokens from 11), short ones, padding
 DOC_LENGTHS = (37, 3, 19, 11, 40, 6)
@@ -62,9 +88,50 @@ def float32_reduced(name: str) -> bool:
     return name.endswith(FLOAT32_REDUCED) and ".linear_attn." not in name
 
 
+def _mamba2_config(family: str, layers: tuple[str, ...]):
+    import transformers
+
+    cfg_cls = getattr(transformers, FAMILIES[family][0])
+    m = MAMBA2
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
+                  tie_word_embeddings=False, max_position_embeddings=4 * SEQ_LEN)
+    if family.startswith("nemotron_h"):
+        return cfg_cls(**common, head_dim=16, layers_block_type=list(layers), mamba_num_heads=m["ssm_heads"],
+                       mamba_head_dim=m["ssm_head_dim"], n_groups=m["groups"], ssm_state_size=m["state"],
+                       conv_kernel=m["conv"], chunk_size=m["chunk"], n_routed_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, use_conv_bias=True)
+    mamba = dict(mamba_n_heads=m["ssm_heads"], mamba_d_head=m["ssm_head_dim"], mamba_n_groups=m["groups"],
+                 mamba_d_state=m["state"], mamba_d_conv=m["conv"], mamba_chunk_size=m["chunk"], mamba_expand=1,
+                 mamba_conv_bias=True)
+    if family == "mamba2":
+        return cfg_cls(vocab_size=64, hidden_size=32, num_hidden_layers=len(layers), num_heads=m["ssm_heads"],
+                       head_dim=m["ssm_head_dim"], n_groups=m["groups"], state_size=m["state"], conv_kernel=m["conv"],
+                       chunk_size=m["chunk"], expand=1, use_conv_bias=True, tie_word_embeddings=False)
+    if family == "zamba2":
+        return cfg_cls(**common, num_hidden_layers=len(layers), layers_block_type=list(layers), n_mamba_heads=m["ssm_heads"],
+                       mamba_expand=1, mamba_ngroups=m["groups"], mamba_d_state=m["state"], mamba_d_conv=m["conv"],
+                       chunk_size=m["chunk"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family.startswith("falcon_h1"):  # multipliers away from 1, so that a dropped one shows; the gated norm with
+        # the gate after it (the default), before it, or no norm (only y * silu(z))
+        rms = family != "falcon_h1_nonorm"
+        return cfg_cls(**common, head_dim=16, num_hidden_layers=len(layers), mamba_d_ssm=m["ssm_heads"] * m["ssm_head_dim"],
+                       mamba_n_heads=m["ssm_heads"], mamba_d_head=m["ssm_head_dim"], mamba_n_groups=m["groups"],
+                       mamba_d_state=m["state"], mamba_d_conv=m["conv"], mamba_chunk_size=m["chunk"],
+                       mamba_rms_norm=rms, mamba_norm_before_gate=family != "falcon_h1_gate_first", ssm_in_multiplier=0.7,
+                       ssm_multipliers=[0.9, 1.3, 0.8, 1.2, 0.6], ssm_out_multiplier=1.1, attention_in_multiplier=0.9,
+                       key_multiplier=1.2, mlp_multipliers=[0.8, 1.1], embedding_multiplier=1.5, lm_head_multiplier=0.9)
+    if family == "bamba":
+        return cfg_cls(**common, num_hidden_layers=len(layers), **mamba,
+                       attn_layer_indices=[i for i, t in enumerate(layers) if t == "attention"])
+    return cfg_cls(**common, num_hidden_layers=len(layers), layer_types=list(layers), **mamba, num_local_experts=0,
+                   shared_intermediate_size=48)
+
+
 def _config(family: str, layers: tuple[str, ...]):
     import transformers
 
+    if family in FAMILY_LAYERS:
+        return _mamba2_config(family, layers)
     cfg_cls = getattr(transformers, FAMILIES[family][0])
     kw = dict(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=len(layers), num_attention_heads=2,
@@ -80,7 +147,7 @@ def _config(family: str, layers: tuple[str, ...]):
 
 
 def build_tiny_hybrid(family: str, dtype: torch.dtype = torch.float64, *, seed: int = 0, checkpointing: str | None = None,
-                      layers: tuple[str, ...] = LAYER_TYPES) -> nn.Module:
+                      layers: tuple[str, ...] | None = None) -> nn.Module:
     """A tiny hybrid causal LM of ``family`` in ``dtype`` (initialised in float32 from ``seed``, then cast: the same
     weights in every dtype), blockdiag's attention registered, ``checkpointing`` None | "reentrant" |
     "non_reentrant"."""
@@ -88,9 +155,11 @@ def build_tiny_hybrid(family: str, dtype: torch.dtype = torch.float64, *, seed: 
 
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
+    layers = FAMILY_LAYERS.get(family, LAYER_TYPES) if layers is None else layers
     torch.manual_seed(seed)
     model_cls = getattr(transformers, FAMILIES[family][1])
-    extra = {"experts_implementation": "eager"} if family == "qwen3_5_moe" else {}  # grouped_mm has no float64
+    moe = family in ("qwen3_5_moe", "nemotron_h_moe")
+    extra = {"experts_implementation": "eager"} if moe else {}  # grouped_mm has no float64
     model = model_cls._from_config(_config(family, layers), attn_implementation=register_transformers_attention(),
                                    **extra).to(dtype)
     if checkpointing is not None:
@@ -160,11 +229,14 @@ def cp_parity_step(family: str, *, dtype: str = "float64", layout: str = "contig
     model = build_tiny_hybrid(family, getattr(torch, dtype), seed=seed, checkpointing=checkpointing)
     docs = hybrid_docs(doc_seed)
     forward = autocast_forward if autocast else text_forward
+    opts = {"layout": layout}
+    if family in NO_ATTENTION:
+        opts["expect_attention"] = False
     if dp == 1:
-        return cp_step(model, hybrid_batch(docs), env.get("cp_mesh"), forward, layout=layout)
+        return cp_step(model, hybrid_batch(docs), env.get("cp_mesh"), forward, **opts)
     mesh = _dp_cp_mesh()
     replica = mesh.get_local_rank("dp")
-    result = cp_step(model, hybrid_batch(docs[replica::2]), mesh["cp"], forward, layout=layout)
+    result = cp_step(model, hybrid_batch(docs[replica::2]), mesh["cp"], forward, **opts)
     names = sorted(result.grads)
     flat = torch.cat([torch.from_numpy(result.grads[n]).reshape(-1) for n in names]
                      + [torch.tensor([result.loss, float(result.targets)], dtype=torch.float64)])

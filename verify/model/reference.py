@@ -71,6 +71,7 @@ class Reference:
         self.cost: float | None = None  # what the ops below float64 cost (stock vs all in float64), worst gradient
         self._exact: dict[Any, dict[str, float]] = {}  # per layout: each parameter's error of stock vs all in float64
         self._rechunk: dict[Any, dict[str, float]] = {}  # per layout and truth: see chunking_cost
+        self._exact_loss: dict[Any, float] = {}  # per layout: the loss's error of stock vs all in float64
         self.weights: float | None = None
 
     # -- models --
@@ -169,6 +170,7 @@ class Reference:
                 c = compare(exact, step, model, 0.0)
                 self.cost = max(self.cost or 0.0, c.worst)
                 self._exact[key] = c.per_param
+                self._exact_loss[key] = c.loss_rel
         return self._truth[key]
 
     def rounding_params(self, rows, variant: str = "stock") -> set[str]:
@@ -210,6 +212,14 @@ class Reference:
                     step = self.reference_step(model, self.packed(rows))
             self._rechunk[key] = {} if step is None else compare(truth.step, step, model, 0.0).per_param
         return self._rechunk[key]
+
+    def loss_cast_cost(self, rows, variant: str = "stock") -> float:
+        """The loss's error, stock against the model all in float64: what the model's own float32 ops cost the
+        loss (e.g. logits cast to float32: the loss is a float32 sum, whose order a CP step changes)."""
+        if variant == "exact":
+            return 0.0
+        self.truth(rows, variant)
+        return self._exact_loss.get((rows, variant), 0.0)
 
     # -- baselines --
     def baseline(self, rows, dtype: str, variant: str = "stock") -> Baseline | None:

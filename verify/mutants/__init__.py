@@ -23,8 +23,9 @@ same code with one bug that CP systems are known to ship:
 | `chunk_from_row`   | chunk boundaries counted from the row's start, not each document's      | fail             |
 | `softcap_after_softmax` | ``softcap * tanh(.)`` applied to the probabilities, not the scores | fail             |
 
-The mixers of hybrid models (``--layer conv`` / ``--layer gated_delta`` cases; ``verify.mutants._mixers``):
-blockdiag_dist itself with one mistake in its convolution or gated delta rule.
+The mixers of hybrid models (``--layer conv`` / ``--layer gated_delta`` / ``--layer mamba2`` cases;
+``verify.mutants._mixers``): blockdiag_dist itself with one mistake in its convolution or its recurrences (the
+recurrence bugs are planted in both the gated delta rule and Mamba2's SSD).
 
 | module                     | bug                                                                  | verifier reports |
 | -------------------------- | -------------------------------------------------------------------- | ---------------- |
@@ -33,6 +34,7 @@ blockdiag_dist itself with one mistake in its convolution or gated delta rule.
 | `mixer_summary_bf16`       | continuing documents' summaries exchanged and folded in bfloat16      | fail (float32)   |
 | `mixer_conv_unmasked`      | the convolution's history is not masked by document                   | fail             |
 | `mixer_history_wrong_rank` | the history is the previous rank's last rows (right only for contiguous shards of long pieces) | fail |
+| `mixer_ssd_no_decay`       | the SSD's fold drops the transitions (a state crossing a piece held elsewhere is not decayed) | fail |
 
 Classed by ``verify.classify`` (as third-party code is): ``off_by_one``, ``no_grad_reduce``,
 ``leak_across_docs``, ``nonzero_padding``, ``short_straddle``, ``kv_scale`` and the three variant bugs

@@ -1,7 +1,9 @@
-"""Planted bugs in the per-document mixers: blockdiag_dist's own convolution and gated delta rule, each with one
-mistake that CP systems for hybrid models are known to make. Attention (and everything else) is blockdiag_dist's.
+"""Planted bugs in the per-document mixers: blockdiag_dist's own convolution, gated delta rule and Mamba2 SSD, each
+with one mistake that CP systems for hybrid models are known to make. Attention (and everything else) is
+blockdiag_dist's.
 
-``mixer_module(bug)`` returns ``(causal_conv, gated_delta_rule)``; the one the bug is not about is the correct one.
+``mixer_module(bug)`` returns ``(causal_conv, gated_delta_rule, ssd)``; those the bug is not about are the correct
+ones (the recurrence bugs apply to both recurrences).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from blockdiag_dist.docs import plan_documents
 from blockdiag_dist.exchange import halo_kv
 from blockdiag_dist.mixers import causal_conv as good_conv
 from blockdiag_dist.mixers import gated_delta_rule as good_gdr
+from blockdiag_dist.mixers import ssd as good_ssd
 from blockdiag_dist.mixers._common import active_state
 from blockdiag_dist.mixers.conv import ACTIVATIONS, conv_with_plan, plan_conv
 from blockdiag_dist.mixers.gated_delta import GatedDeltaRule, prepare_gated_delta
 from blockdiag_dist.mixers.recurrence import plan_recurrence, run_recurrence
+from blockdiag_dist.mixers.ssd import SSD, prepare_ssd
 from blockdiag_dist.plan import StepPlan
 from blockdiag_ref import DocLayout
 
@@ -26,6 +30,7 @@ MIXER_BUGS = {
     "summary_bf16": "continuing documents' summaries are merged (exchanged and folded) in bfloat16",
     "conv_unmasked": "the convolution's history is not masked by document: a document reads the previous one's tail",
     "history_wrong_rank": "the convolution's history is the previous rank's last rows, whatever the layout holds there",
+    "ssd_no_decay": "the SSD's fold drops the transitions: a state crossing a piece held elsewhere is not decayed by it",
 }
 
 
@@ -60,6 +65,33 @@ def _gated_delta(bug: str):
         return out.view(B, L, Hv, V).to(q.dtype)
 
     return gated_delta_rule
+
+
+class _NoDecaySSD(SSD):
+    def apply_transition(self, M: Tensor, S: Tensor) -> Tensor:
+        return S
+
+
+def _ssd(bug: str):
+    wrong = {"state_leak": _merged, "reset_late": _reset_late}.get(bug)
+
+    def ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None, *, state=None, **_) -> Tensor:
+        state = active_state(state, x, "ssd")
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        inputs = prepare_ssd(x, dt, A, B, C, compute)
+        plan, state_dtype, rec = None, compute, (_NoDecaySSD() if bug == "ssd_no_decay" else SSD())
+        if bug == "summary_bf16":
+            state_dtype = torch.bfloat16
+        elif wrong is not None:
+            plan = state.mixer_plan(("mutant ssd", bug), lambda: plan_recurrence(
+                plan_documents(wrong(state.plan.layout), state.plan.shards), state.rank, state.device))
+        Bsz, L, H, Dh = x.shape
+        y = run_recurrence(rec, inputs, state, state_dtype=state_dtype, plan=plan).view(Bsz, L, H, Dh)
+        if D is not None:
+            y = y + D.to(compute)[:, None] * x.to(compute) * (state.docs.doc_index >= 0).to(compute)[..., None, None]
+        return y
+
+    return ssd
 
 
 def _conv_unmasked(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None, *, state=None) -> Tensor:
@@ -104,7 +136,9 @@ def _conv_prev_rank(x: Tensor, weight: Tensor, bias: Tensor | None = None, activ
 def mixer_module(bug: str):
     assert bug in MIXER_BUGS, bug
     if bug == "conv_unmasked":
-        return _conv_unmasked, good_gdr
+        return _conv_unmasked, good_gdr, good_ssd
     if bug == "history_wrong_rank":
-        return _conv_prev_rank, good_gdr
-    return good_conv, _gated_delta(bug)
+        return _conv_prev_rank, good_gdr, good_ssd
+    if bug == "ssd_no_decay":
+        return good_conv, good_gdr, _ssd(bug)
+    return good_conv, _gated_delta(bug), _ssd(bug)

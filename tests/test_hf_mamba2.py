@@ -1,0 +1,152 @@
+"""Mamba2 hybrids (Nemotron-H; Bamba, Granite-4 hybrids, Zamba2 and Mamba2 itself, whose Mamba2 layer is
+Nemotron-H's line for line; Falcon-H1, with its multipliers and its optional norm) train
+under CP with the same few lines as Llama: the loss and every parameter's gradient equal each document run alone
+on one device, at CP 1, 2, 4 and DP 2 x CP 2, on every layout, in float64 (the truth with the Mamba2 layers in
+float64, see verify.model.hybrid), under bf16 autocast (within the rule: twice the single-device bf16 error plus
+a floor) and with activation checkpointing, reentrant and not. Outside a step the layer is transformers' own.
+
+What the models compute in float32 whatever their dtype, and what it costs here: Nemotron-H casts its logits to
+float32 (``lm_head(...).float()``; Mamba2 too), so its loss is a float32 sum (measured 4e-8 against the per-document sum); its
+RMSNorms (``x.float()``, ``weight.float()``) sum their weights' gradients over tokens in float32 (~1e-7); its MoE
+routes in float32 and accumulates the experts in float32 (every gradient of the MoE model ~1e-7)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
+
+from blockdiag_dist import make_cp_blockdiag_batch_and_ctx, plan_step  # noqa: E402
+from blockdiag_dist.mixers import plan_recurrence  # noqa: E402
+from verify.model.harness import compare, text_forward  # noqa: E402
+from verify.model.hybrid import build_tiny_hybrid, cp_parity_step, hybrid_batch, hybrid_docs, truth  # noqa: E402
+
+from test_hf_hybrid import kind_errors  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FLOAT64_LIMIT = 1e-10
+FLOAT32_LIMIT = 1e-6  # what the model itself computes in float32 (see the module docstring; measured <= 2e-7)
+BF16_FACTOR, BF16_FLOOR, BF16_GROSS = 2.0, 1e-3, 0.1
+TIMEOUT = 300.0
+FLOAT32_LOSS = ("nemotron_h", "nemotron_h_moe", "mamba2")  # logits cast to float32 by the model
+FLOAT32_EVERYWHERE = ("nemotron_h_moe",)  # float32 routing and expert accumulation: every gradient
+
+
+def float32_reduced(family: str, name: str) -> bool:
+    """Gradients the model sums in float32: Nemotron-H's RMSNorm weights outside the Mamba2 layers."""
+    return family.startswith("nemotron_h") and name.endswith("norm.weight") and ".mixer." not in name or (
+        family.startswith("nemotron_h") and name.endswith("norm_f.weight"))
+
+
+@functools.lru_cache(maxsize=None)
+def the_truth(family: str, **kw):
+    return truth(family, hybrid_docs(), **kw)
+
+
+def float64_problems(label: str, family: str, got) -> list[str]:
+    ref = the_truth(family)
+    c = compare(ref, got, build_tiny_hybrid(family), FLOAT64_LIMIT)
+    loss_limit = FLOAT32_LIMIT if family in FLOAT32_LOSS else FLOAT64_LIMIT
+    bad = [f"{label}: loss {c.loss_rel:.1e} > {loss_limit:g}"] if c.loss_rel > loss_limit else []
+    for name, err in c.per_param.items():
+        limit = FLOAT32_LIMIT if family in FLOAT32_EVERYWHERE or float32_reduced(family, name) else FLOAT64_LIMIT
+        if err > limit:
+            bad.append(f"{label}: {name} {err:.1e} > {limit:g} ({c.summary()})")
+    if not any("computed per document" in n and "ssd" in n for n in got.notes):
+        bad.append(f"{label}: the Mamba2 layers were not computed per document (notes {got.notes})")
+    return bad
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "bamba", "granitemoehybrid", "zamba2", "mamba2", "falcon_h1",
+                                    "falcon_h1_gate_first", "falcon_h1_nonorm"])
+def test_cp1_matches_each_document_alone(family):
+    """(Bamba, Granite-4 hybrids, Zamba2, Falcon-H1 and Mamba2 were refused by the guard before:
+    tests/test_never_silent.py.)"""
+    got = cp_parity_step(family)
+    assert not float64_problems(f"{family} cp1", family, got)
+
+
+CP_RUNS = {  # CP size -> (family, layout, checkpointing)
+    2: [("nemotron_h", "contiguous", None), ("nemotron_h", "balanced", None), ("nemotron_h", "auto", None),
+        ("nemotron_h", "contiguous", "reentrant"), ("nemotron_h", "balanced", "non_reentrant"),
+        ("nemotron_h_moe", "balanced", None), ("bamba", "balanced", None), ("granitemoehybrid", "contiguous", None),
+        ("zamba2", "balanced", None), ("mamba2", "auto", None), ("falcon_h1", "balanced", None),
+        ("falcon_h1_nonorm", "contiguous", None)],
+    4: [("nemotron_h", "contiguous", None), ("nemotron_h", "balanced", None), ("nemotron_h", "auto", None)],
+}
+
+
+@pytest.mark.parametrize("cp", sorted(CP_RUNS))
+def test_cp_matches_each_document_alone(pools, cp):
+    runs = CP_RUNS[cp]
+    calls = [((family,), {"layout": layout, "checkpointing": ck}) for family, layout, ck in runs]
+    names = [f"{family} cp{cp} {layout} ckpt={ck}" for family, layout, ck in runs]
+    outcomes = list(pools(cp).run_many(cp_parity_step, calls, timeout=TIMEOUT, names=names))
+    ids = hybrid_batch(hybrid_docs())["_packed_seq_ids"]
+    for layout in ("contiguous", "balanced"):  # documents cross ranks: summaries (with transitions at CP 4) move
+        docs = plan_step(ids, cp, layout).documents
+        assert any(plan_recurrence(docs, r).any_traffic for r in range(cp))
+    problems = []
+    for name, (family, _, _), per_rank in zip(names, runs, outcomes):
+        assert isinstance(per_rank, list), per_rank
+        problems += float64_problems(name, family, per_rank[0])
+    assert not problems, "\n".join(problems)
+
+
+def test_dp2_cp2_matches_each_document_alone(pools):
+    per_rank = pools(4).run(cp_parity_step, args=("nemotron_h",), kwargs={"layout": "balanced", "dp": 2},
+                            timeout=TIMEOUT, name="nemotron_h dp2 x cp2 balanced")
+    assert not float64_problems("dp2 x cp2 balanced", "nemotron_h", per_rank[0])
+
+
+def test_bf16_autocast_within_twice_the_single_device_error(pools):
+    """Under bf16 autocast (float32 weights), per module kind at most twice the stock model's error run per
+    document under the same autocast on one device, plus a floor; no parameter grossly wrong."""
+    base = the_truth("nemotron_h", stock_kernel=True, dtype=torch.float32, autocast=True)
+    ref = the_truth("nemotron_h")
+    got = pools(2).run(cp_parity_step, args=("nemotron_h",), kwargs={"dtype": "float32", "autocast": True,
+                       "layout": "balanced"}, timeout=TIMEOUT, name="nemotron_h bf16 autocast cp2")[0]
+    model = build_tiny_hybrid("nemotron_h")
+    e_base, e_got = kind_errors(ref, base, model), kind_errors(ref, got, model)
+    bad = [f"{k}: {e_got[k]:.2e} > 2 x {e:.2e} + {BF16_FLOOR}" for k, e in e_base.items()
+           if e_got[k] > BF16_FACTOR * e + BF16_FLOOR]
+    c_base, c_got = compare(ref, base, model, 1.0), compare(ref, got, model, 1.0)
+    assert c_got.loss_rel <= BF16_FACTOR * c_base.loss_rel + BF16_FLOOR
+    bad += [f"{n}: {e:.2e} (a wrong gradient, not rounding)" for n, e in c_got.per_param.items() if e > BF16_GROSS]
+    assert not bad, "\n".join(bad)
+
+
+def test_outside_a_step_the_layer_is_transformers_own():
+    model = build_tiny_hybrid("nemotron_h")
+    ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, hybrid_batch(hybrid_docs()))
+    with ctx():  # the guard installs the per-document forward on the class
+        text_forward(model, local)
+    layer = model.model.layers[0].mixer
+    stock = type(layer).forward._blockdiag_stock
+    h = torch.randn(2, 16, 32, dtype=torch.float64)
+    assert torch.equal(layer(h), stock(layer, h)), "outside a step the installed forward must call the stock one"
+
+
+def test_refuses_a_cache_or_a_mask_under_a_step():
+    from blockdiag_dist.integrations.hf_mixers import install_mamba2
+
+    layer = build_tiny_hybrid("nemotron_h").model.layers[0].mixer
+    install_mamba2(type(layer))
+    ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, hybrid_batch(hybrid_docs()), expect_attention=False)
+    h = torch.randn(*local["input_ids"].shape, 32, dtype=torch.float64)
+    with ctx():
+        with pytest.raises(ValueError, match=r"expected no cache under a CP step \(use_cache=False in training\), got object"):
+            layer(h, cache=object())
+        with pytest.raises(ValueError, match=r"expected no attention_mask under a CP step .*got a tensor of shape \(2, 64\)"):
+            layer(h, attention_mask=torch.ones(2, 64))
+
+
+def test_install_refuses_other_classes():
+    from blockdiag_dist.integrations.hf_mixers import install_mamba2
+
+    with pytest.raises(ValueError, match=r"install_mamba2: expected one of .*NemotronHMamba2Mixer.*, got Linear"):
+        install_mamba2(torch.nn.Linear)

@@ -1,0 +1,7 @@
+"""Planted bug `mixer_ssd_no_decay` (see ``verify.mutants``): blockdiag_dist with one mistake in a per-document mixer."""
+
+from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx  # noqa: F401
+
+from ._mixers import mixer_module
+
+causal_conv, gated_delta_rule, ssd = mixer_module("ssd_no_decay")
