@@ -327,6 +327,7 @@ class StepGuard:
         self.verdicts: dict[int, bool] = {}  # id(module) -> True: checked, inside a per-document mixer
         self.names: dict[int, str] = {}  # id(module) -> its name in the tree its scan started from
         self._modules: list[nn.Module] = []  # keeps the ids above valid for the step
+        self.per_document: list[str] = []  # classes of the known mixers computed per document this step
 
     def before_call(self, module: nn.Module, args: tuple) -> None:
         inside = self.verdicts.get(id(module))
@@ -344,6 +345,8 @@ class StepGuard:
                 raise UnsupportedLayerError(Finding(name, f.cls, f.kind, f.reason).message())
             if f is not None:
                 self.note(f"{f.cls}: computed per document ({f.per_document})")
+                if f.cls not in self.per_document:
+                    self.per_document.append(f.cls)
             self.verdicts[id(module)] = inside or f is not None
             self.names[id(module)] = name
             self._modules.append(module)

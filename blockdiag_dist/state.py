@@ -145,6 +145,16 @@ class StepState:
                 self.notes.append(message)
                 _log_once(message)
 
+    def _no_attention_hint(self) -> str:
+        """For a step whose sequence mixers the guard saw computed per document: what a model without any
+        softmax attention passes (safe: the guard still refuses every layer not computed per document)."""
+        mixers = self.guard.per_document
+        if not mixers:
+            return ""
+        return (f" This step computed its sequence mixers per document ({', '.join(mixers)}): if the model has no "
+                "softmax attention at all (a pure state-space model), build the step with expect_attention=False; "
+                "every layer not computed per document is still refused.")
+
     def check_attention_seen(self) -> None:
         """Raise when the step expects attention and none reached ``cp_blockdiag_sdpa`` (checked at context exit)."""
         if self.expect_attention and self.attention_calls == 0:
@@ -155,7 +165,7 @@ class StepState:
                 "attention interface, or a module that bound scaled_dot_product_attention by name before "
                 "sdpa_routing()) attends only within this rank's shard, across document ends: this step's "
                 "gradients are wrong. Route every attention call through cp_blockdiag_sdpa (sdpa_routing(), "
-                "register_transformers_attention())."
+                "register_transformers_attention())." + self._no_attention_hint()
             )
         if not self.shard_primary and self.decoder_entries == 0:
             raise DecoderEntryNotShardedError(

@@ -150,3 +150,23 @@ def test_install_refuses_other_classes():
 
     with pytest.raises(ValueError, match=r"install_mamba2: expected one of .*NemotronHMamba2Mixer.*, got Linear"):
         install_mamba2(torch.nn.Linear)
+
+
+def test_a_pure_mamba2_model_without_the_opt_out_is_told_which_mixers_ran_per_document():
+    """No attention reaches cp_blockdiag_sdpa in a pure Mamba2 model: the check still raises, and its message says
+    that the step computed Mamba2Mixer per document and what a model without softmax attention passes; a step whose
+    mixers the guard did not see gets no such hint."""
+    from blockdiag_dist import AttentionNotRoutedError
+
+    model = build_tiny_hybrid("mamba2")
+    ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, hybrid_batch(hybrid_docs()))
+    with pytest.raises(AttentionNotRoutedError, match=r"computed its sequence mixers per document \(Mamba2Mixer\).*"
+                                                      r"expect_attention=False; every layer not computed per document "
+                                                      r"is still refused"):
+        with ctx():
+            text_forward(model, local)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, hybrid_batch(hybrid_docs()))
+    with pytest.raises(AttentionNotRoutedError) as err:
+        with ctx():
+            pass
+    assert "expect_attention" not in str(err.value)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers", reason="verify model needs the hf extra (transformers)")
 
@@ -190,6 +191,18 @@ def test_a_gate_gradient_that_moves_with_the_chunking_is_judged_against_it(msess
     assert __import__(type(model).__module__, fromlist=["_"]).torch_chunk_gated_delta_rule is kernel
     assert r.cls == "pass", (r.why, r.details[-2000:])
     assert r.verdict["worst_grad"] > 1e-10  # the gates: passing by the chunking's limit, not by 1e-10
+
+
+def test_a_model_without_attention_is_stepped_without_the_attention_check(msession, prepared):
+    """Pure Mamba2 holds no attention module: its step is built with expect_attention=False and passes against the
+    truth; Llama's attention keeps the check (a step that routed none would raise)."""
+    from verify.model.check import has_attention
+    from verify.model.zoo import build
+
+    assert not has_attention(build(prepared("mamba2"), torch.float64, "eager"))
+    assert has_attention(build(prepared("llama"), torch.float64, "eager"))
+    (r,) = run(msession, prepared, "mamba2", cps=(2,))
+    assert r.cls == "pass", (r.why, r.message)
 
 
 # ---- the command line -----------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .harness import StepResult, cp_step
+from .harness import _VISION, StepResult, cp_step
 from .judge import compare_all, limit
 from .layouts import make_packed, model_rows
 from .multimodal import make_multimodal, multimodal_forward
@@ -141,6 +141,13 @@ def _attention_name(impl) -> str:
     return name
 
 
+def has_attention(model: nn.Module) -> bool:
+    """Whether the model (outside a vision tower) holds an attention module: a class named ``*Attention*``. A model
+    without one (pure Mamba2, say) routes no attention call, so its step is built with ``expect_attention=False``;
+    a wrong guess cannot pass a case silently, since the step is judged against the truth either way."""
+    return any("Attention" in type(m).__name__ for name, m in model.named_modules() if not _VISION.search(name))
+
+
 def run_model_case(case: dict, prepared: Prepared, weights: float) -> dict[str, Any]:
     """The step under CP on this rank (inside a pool worker); see the module docstring."""
     from ..pool import worker_info
@@ -162,6 +169,8 @@ def run_model_case(case: dict, prepared: Prepared, weights: float) -> dict[str, 
     options: dict[str, Any] = {}
     if case.sharding and "layout" in impl.options:
         options["layout"] = case.sharding
+    if "expect_attention" in impl.make_params and not has_attention(model):
+        options["expect_attention"] = False  # a pure state-space model: nothing to route (judged like any model)
     promote = Promote() if case.exact else contextlib.nullcontext()
     with promote:
         return _step_on_rank(case, prepared, model, recorder, impl, options, env)
