@@ -4,8 +4,9 @@ of the pinned transformers, trained with the README's recipe (``attn_implementat
 every rank at CP 1 and CP 2 with a message naming the layer or variant, before any gradient exists.
 
 Families computed per document instead (Gated DeltaNet, sinks, chunked attention, softcap, vision-language
-models; the Mamba2 layers of Nemotron-H, Bamba, Granite-4 hybrids, Zamba2, Falcon-H1 and Mamba2 itself) have
-parity tests of their own (test_hybrid*, test_hf_hybrid, test_hf_mamba2, test_attention_variants*, test_vlm)."""
+models; the Mamba2 layers of Nemotron-H, Bamba, Granite-4 hybrids, Zamba2, Falcon-H1 and Mamba2 itself; LFM2's
+short convolutions) have parity tests of their own (test_hybrid*, test_hf_hybrid, test_hf_mamba2,
+test_hf_short_conv, test_attention_variants*, test_vlm)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,6 @@ FAMILIES = [
                  "UnsupportedLayerError", r"\(FalconMambaMixer\).*Mamba selective-scan", id="falcon-mamba"),
     pytest.param("jamba", dict(_DECODER, num_experts=4, mamba_dt_rank=8, num_hidden_layers=5),
                  "UnsupportedLayerError", r"'model.layers.0.mamba' \(JambaMambaMixer\)", id="jamba-hybrid"),
-    pytest.param("lfm2", dict(_DECODER, layer_types=["conv", "full_attention"], num_hidden_layers=2),
-                 "UnsupportedLayerError", r"'model.layers.0.conv' \(Lfm2ShortConv\).*short causal convolution", id="lfm2-short-conv"),
-    pytest.param("lfm2_moe", dict(_DECODER, **_MOE, num_dense_layers=1, num_experts=4,
-                                  layer_types=["conv", "full_attention"], num_hidden_layers=2),
-                 "UnsupportedLayerError", r"\(Lfm2MoeShortConv\)", id="lfm2-moe-short-conv"),
     pytest.param("kimi_linear", dict(_DECODER, num_key_value_heads=4, **_MLA, **_MOE, num_local_experts=4,
                                      linear_head_dim=16, linear_num_heads=4, pad_token_id=127, bos_token_id=126,
                                      eos_token_id=125, layer_types=["linear_attention", "full_attention"],

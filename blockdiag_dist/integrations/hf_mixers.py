@@ -27,6 +27,12 @@ math elsewhere (``in_proj``; ``dt = clamp(softplus(dt + dt_bias), *time_step_lim
 (``mamba2_chunk_scan``: x, B, C, dt cast to float32) and its gated norm in float32; here they are computed in the
 model's dtype, float32 at least, as for Gated DeltaNet.
 
+LFM2's short convolutions (:data:`SHORT_CONV_CLASSES`: ``Lfm2ShortConv`` of ``lfm2`` / ``lfm2_vl``,
+``Lfm2MoeShortConv`` of ``lfm2_moe``, ``Lfm3ShortConv`` of ``lfm3``; one forward in transformers 5.24,
+:func:`install_short_conv`): ``B, C, x = in_proj(h)``, the depthwise causal convolution of ``B * x`` through
+:func:`~blockdiag_dist.mixers.causal_conv` (the history of documents continuing from other ranks), times ``C``,
+``out_proj``; the same ops and dtypes as the stock forward.
+
 Under a step the layer takes no cache (``use_cache=False`` in training) and no ``attention_mask`` (the
 documents and the padding come from the step); either raises ``ValueError`` on every rank before any collective.
 
@@ -46,7 +52,10 @@ from torch import Tensor, nn
 from .. import guard
 from ..mixers import causal_conv, gated_delta_rule, ssd
 
-__all__ = ["GATED_DELTA_NET_CLASSES", "MAMBA2_CLASSES", "install_gated_delta_net", "install_mamba2"]
+__all__ = [
+    "GATED_DELTA_NET_CLASSES", "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "install_gated_delta_net", "install_mamba2",
+    "install_short_conv",
+]
 
 CONV_ACTIVATIONS = ("silu", "swish")  # computed inside causal_conv; any other is applied after it, as ACT2FN does
 
@@ -82,7 +91,9 @@ def _refuse_cache_and_mask(self: nn.Module, cache: Any, attention_mask: Any) -> 
         )
 
 
-def _per_document_forward(self: nn.Module, project, state, hidden_states: Tensor, cache: Any, attention_mask: Any) -> Tensor:
+def _per_document_forward(
+    self: nn.Module, state, hidden_states: Tensor, cache: Any, attention_mask: Any, *, project
+) -> Tensor:
     """The layer's forward under ``state``: the stock forward with the convolution and the recurrence per document."""
     _refuse_cache_and_mask(self, cache, attention_mask)
     B, L, _ = hidden_states.shape
@@ -128,25 +139,9 @@ def install_gated_delta_net(cls: type) -> str:
     project = next((GATED_DELTA_NET_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in GATED_DELTA_NET_CLASSES), None)
     if project is None:
         raise ValueError(f"install_gated_delta_net: expected one of {sorted(GATED_DELTA_NET_CLASSES)}, got {cls.__name__}")
-    stock = cls.forward
-    if getattr(stock, "_blockdiag_stock", None) is not None:
-        return stock._blockdiag_how
-
-    @functools.wraps(stock)
-    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-        from ..runtime import _step_of_call
-
-        state = _step_of_call(hidden_states) if torch.is_tensor(hidden_states) else None
-        if state is None:
-            return stock(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        return _per_document_forward(self, project, state, hidden_states, kwargs.get("cache_params", cache), attention_mask)
-
     how = ("convolution with the history of documents continuing from other ranks and the gated delta rule with "
            "their states (blockdiag_dist.mixers: causal_conv, gated_delta_rule)")
-    forward._blockdiag_stock = stock
-    forward._blockdiag_how = how
-    cls.forward = forward
-    return how
+    return _install(cls, functools.partial(_per_document_forward, project=project), how)
 
 
 def _mamba2_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, attention_mask: Any) -> Tensor:
@@ -236,6 +231,33 @@ def install_mamba2(cls: type) -> str:
     a CP step and the class's own outside one; returns how (for the guard's notes)."""
     if _mamba2_adapter(cls) is None:
         raise ValueError(f"install_mamba2: expected one of {sorted(MAMBA2_CLASSES)}, got {cls.__name__}")
+    how = ("convolution with the history of documents continuing from other ranks and Mamba2's SSD with their "
+           "states (blockdiag_dist.mixers: causal_conv, ssd)")
+    return _install(cls, _mamba2_forward, how)
+
+
+SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")  # one forward in transformers 5.24
+
+
+def _short_conv_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, attention_mask: Any) -> Tensor:
+    """``Lfm2ShortConv.forward`` under ``state``: the gated depthwise convolution per document."""
+    _refuse_cache_and_mask(self, cache, attention_mask)
+    b, c, x = self.in_proj(hidden_states).chunk(3, dim=-1)  # [B, L, E] each
+    return self.out_proj(c * causal_conv(b * x, self.conv.weight, self.conv.bias, None, state=state))
+
+
+def install_short_conv(cls: type) -> str:
+    """Give ``cls`` (a class of :data:`SHORT_CONV_CLASSES`, or a subclass) a forward that is per document under a
+    CP step and the class's own outside one; returns how (for the guard's notes)."""
+    if not any(c.__name__ in SHORT_CONV_CLASSES for c in cls.__mro__):
+        raise ValueError(f"install_short_conv: expected one of {sorted(SHORT_CONV_CLASSES)}, got {cls.__name__}")
+    return _install(cls, _short_conv_forward, "the gated short convolution with the history of documents continuing "
+                    "from other ranks (blockdiag_dist.mixers.causal_conv)")
+
+
+def _install(cls: type, per_document, how: str) -> str:
+    """``cls.forward`` becomes ``per_document(self, state, hidden_states, cache, attention_mask)`` under a CP step
+    and the stock forward outside one (installed once; the stock forward kept as ``_blockdiag_stock``)."""
     stock = cls.forward
     if getattr(stock, "_blockdiag_stock", None) is not None:
         return stock._blockdiag_how
@@ -247,16 +269,16 @@ def install_mamba2(cls: type) -> str:
         state = _step_of_call(hidden_states) if torch.is_tensor(hidden_states) else None
         if state is None:
             return stock(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        return _mamba2_forward(self, state, hidden_states, kwargs.get("cache_params", cache), attention_mask)
+        return per_document(self, state, hidden_states, kwargs.get("cache_params", cache), attention_mask)
 
-    how = ("convolution with the history of documents continuing from other ranks and Mamba2's SSD with their "
-           "states (blockdiag_dist.mixers: causal_conv, ssd)")
     forward._blockdiag_stock = stock
     forward._blockdiag_how = how
     cls.forward = forward
     return how
 
 
+for _name in SHORT_CONV_CLASSES:
+    guard.register_installer(_name, "short_conv", install_short_conv)
 for _name in GATED_DELTA_NET_CLASSES:
     guard.register_installer(_name, "gated_delta_net", install_gated_delta_net)
 for _name in MAMBA2_CLASSES:

@@ -60,7 +60,11 @@ FAMILIES = {
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
     "falcon_h1_gate_first": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
     "falcon_h1_nonorm": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", "transformers.models.lfm2.modeling_lfm2"),
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", "transformers.models.lfm2_moe.modeling_lfm2_moe"),
 }
+# LFM2: short convolution (width 3), attention, short convolution; the MoE variant's last layer sparse
+SHORT_CONV_LAYERS = ("conv", "full_attention", "conv")
 LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention")
 # Nemotron-H's pattern "M*-M" (Mamba2, attention, MLP, Mamba2); with MoE "M*EM"
 FAMILY_LAYERS = {
@@ -133,6 +137,11 @@ def _config(family: str, layers: tuple[str, ...]):
     if family in FAMILY_LAYERS:
         return _mamba2_config(family, layers)
     cfg_cls = getattr(transformers, FAMILIES[family][0])
+    if family.startswith("lfm2"):
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=2) if family == "lfm2_moe" else {}
+        return cfg_cls(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=len(layers),
+                       num_attention_heads=2, num_key_value_heads=1, layer_types=list(layers), conv_L_cache=3,
+                       conv_bias=True, tie_word_embeddings=False, max_position_embeddings=4 * SEQ_LEN, **moe)
     kw = dict(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=len(layers), num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -155,10 +164,11 @@ def build_tiny_hybrid(family: str, dtype: torch.dtype = torch.float64, *, seed: 
 
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
-    layers = FAMILY_LAYERS.get(family, LAYER_TYPES) if layers is None else layers
+    if layers is None:
+        layers = SHORT_CONV_LAYERS if family.startswith("lfm2") else FAMILY_LAYERS.get(family, LAYER_TYPES)
     torch.manual_seed(seed)
     model_cls = getattr(transformers, FAMILIES[family][1])
-    moe = family in ("qwen3_5_moe", "nemotron_h_moe")
+    moe = family in ("qwen3_5_moe", "nemotron_h_moe", "lfm2_moe")
     extra = {"experts_implementation": "eager"} if moe else {}  # grouped_mm has no float64
     model = model_cls._from_config(_config(family, layers), attn_implementation=register_transformers_attention(),
                                    **extra).to(dtype)
