@@ -4,7 +4,8 @@ A bug anywhere makes every earlier parameter's gradient wrong, so gradients cann
 :class:`ModuleRecorder` hooks every module of a model and, while :meth:`ModuleRecorder.forward` is active,
 keeps each call's first tensor output and first tensor input, keyed ``(module name, call index)``, as
 ``[B, L, ...]`` views (a module's tensor is taken as sequence-aligned when its first two dims are the batch's
-``[B, L]``, or its first dim ``B * L`` or a multiple of it: flattened tokens, e.g. a router's logits). Tensors
+``[B, L]``, or its first dim ``B * L``: flattened tokens, e.g. a router's logits; a multiple of it is ambiguous,
+token-major or not, and is not kept). Tensors
 not aligned with the sequence (a convolution's ``[B, C, L + W - 1]``, a vision tower's patches) are not kept,
 nor any call of a module that was not aligned in one of its calls of the forward (an expert's activation over
 the tokens routed to it: its calls follow the data), and a key is compared only where every forward called the
@@ -68,8 +69,8 @@ def seq_view(t: Tensor | None, B: int, L: int) -> Tensor | None:
         return t
     if t.shape[0] == B * L:
         return t.reshape(B, L, *t.shape[1:])
-    if B * L > 1 and t.shape[0] % (B * L) == 0:
-        return t.reshape(B, L, t.shape[0] // (B * L), *t.shape[1:])
+    # a first dim k * B * L (k > 1) is ambiguous: token-major [B * L, k] or k-major [k, B * L] (Llama 4's routed
+    # inputs repeat the tokens once per expert); its rows cannot be named, so it is not kept
     return None
 
 
