@@ -100,15 +100,16 @@ def kind_errors(ref, got, model) -> dict[str, float]:
     return {k: (diff[k] / norm[k]) ** 0.5 for k in diff}
 
 
-def test_bf16_autocast_within_twice_the_single_device_error(pools):
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_bf16_autocast_within_twice_the_single_device_error(pools, family):
     """Under bf16 autocast (float32 weights) the error against the float64 truth is, per module kind, at most
     twice the error of the stock model run per document under the same autocast on one device, plus a floor;
     and no parameter's gradient is grossly wrong."""
-    base = the_truth("qwen3_next", stock_kernel=True, dtype=torch.float32, autocast=True)
-    ref = the_truth("qwen3_next")
-    got = pools(2).run(cp_parity_step, args=("qwen3_next",), kwargs={"dtype": "float32", "autocast": True,
-                       "layout": "balanced"}, timeout=TIMEOUT, name="bf16 autocast cp2")[0]
-    model = build_tiny_hybrid("qwen3_next")
+    base = the_truth(family, stock_kernel=True, dtype=torch.float32, autocast=True)
+    ref = the_truth(family)
+    got = pools(2).run(cp_parity_step, args=(family,), kwargs={"dtype": "float32", "autocast": True,
+                       "layout": "balanced"}, timeout=TIMEOUT, name=f"{family} bf16 autocast cp2")[0]
+    model = build_tiny_hybrid(family)
     e_base, e_got = kind_errors(ref, base, model), kind_errors(ref, got, model)
     bad = [f"{k}: {e_got[k]:.2e} > 2 x {e:.2e} + {BF16_FLOOR}" for k, e in e_base.items()
            if e_got[k] > BF16_FACTOR * e + BF16_FLOOR]
@@ -118,22 +119,33 @@ def test_bf16_autocast_within_twice_the_single_device_error(pools):
     assert not bad, "\n".join(bad)
 
 
-def test_outside_a_step_the_layer_is_transformers_own():
-    model = build_tiny_hybrid("qwen3_next")
+# family -> (the layer's path in the tiny model, its installer in blockdiag_dist.integrations.hf_mixers)
+INSTALLED = {
+    "qwen3_next": ("model.layers.0.linear_attn", "install_gated_delta_net"),
+    "nemotron_h": ("model.layers.0.mixer", "install_mamba2"),
+    "lfm2": ("model.layers.0.conv", "install_short_conv"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(INSTALLED))
+def test_outside_a_step_the_layer_is_transformers_own(family):
+    model = build_tiny_hybrid(family)
     ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, hybrid_batch(hybrid_docs()))
     with ctx():  # the guard installs the per-document forward on the class
         text_forward(model, local)
-    layer = model.model.layers[0].linear_attn
+    layer = model.get_submodule(INSTALLED[family][0])
     stock = type(layer).forward._blockdiag_stock
     h = torch.randn(2, 16, 32, dtype=torch.float64)
     assert torch.equal(layer(h), stock(layer, h)), "outside a step the installed forward must call the stock one"
 
 
-def test_refuses_a_cache_or_a_mask_under_a_step():
-    from blockdiag_dist.integrations.hf_mixers import install_gated_delta_net
+@pytest.mark.parametrize("family", sorted(INSTALLED))
+def test_refuses_a_cache_or_a_mask_under_a_step(family):
+    from blockdiag_dist.integrations import hf_mixers
 
-    layer = build_tiny_hybrid("qwen3_next").model.layers[0].linear_attn
-    install_gated_delta_net(type(layer))
+    path, installer = INSTALLED[family]
+    layer = build_tiny_hybrid(family).get_submodule(path)
+    getattr(hf_mixers, installer)(type(layer))
     ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, hybrid_batch(hybrid_docs()), expect_attention=False)
     h = torch.randn(*local["input_ids"].shape, 32, dtype=torch.float64)
     with ctx():
