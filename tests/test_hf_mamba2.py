@@ -12,8 +12,6 @@ routes in float32 and accumulates the experts in float32 (every gradient of the 
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -22,7 +20,9 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from blockdiag_dist import make_cp_blockdiag_batch_and_ctx, plan_step  # noqa: E402
 from blockdiag_dist.mixers import plan_recurrence  # noqa: E402
 from verify.model.harness import compare, text_forward  # noqa: E402
-from verify.model.hybrid import build_tiny_hybrid, cp_parity_step, hybrid_batch, hybrid_docs, truth  # noqa: E402
+from verify.model.hybrid import build_tiny_hybrid, cp_parity_step, hybrid_batch, hybrid_docs  # noqa: E402
+
+from test_hf_hybrid import the_truth  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,11 +37,6 @@ def float32_reduced(family: str, name: str) -> bool:
     """Gradients the model sums in float32: Nemotron-H's RMSNorm weights outside the Mamba2 layers."""
     return family.startswith("nemotron_h") and name.endswith("norm.weight") and ".mixer." not in name or (
         family.startswith("nemotron_h") and name.endswith("norm_f.weight"))
-
-
-@functools.lru_cache(maxsize=None)
-def the_truth(family: str, **kw):
-    return truth(family, hybrid_docs(), **kw)
 
 
 def float64_problems(label: str, family: str, got) -> list[str]:
