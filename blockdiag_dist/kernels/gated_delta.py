@@ -115,17 +115,28 @@ def _torch_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, met
     k_dec = kc * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [NC, H, 1, 1]
 
-    S = q.new_zeros(P, H, K, V) if initial is None else initial.index_select(0, meta.order)
-    outs = []
-    for n, off in zip(meta.active, meta.step_offset):
-        sl = slice(off, off + n)
-        S_run = S[:n]
+    def step(sl: slice, S_run: Tensor) -> tuple[Tensor, Tensor]:
         v_new = new_values[sl] - k_cumdecay[sl] @ S_run
-        outs.append(q_dec[sl] @ S_run + intra[sl] @ v_new)
-        S_next = S_run * chunk_decay[sl] + k_dec[sl].transpose(-1, -2) @ v_new
-        S = S_next if n == P else torch.cat([S_next, S[n:]])
-    out = torch.cat(outs).transpose(1, 2).reshape(meta.num_chunks * C, H, V).index_select(0, meta.dest)
+        return q_dec[sl] @ S_run + intra[sl] @ v_new, S_run * chunk_decay[sl] + k_dec[sl].transpose(-1, -2) @ v_new
+
+    S0 = q.new_zeros(P, H, K, V) if initial is None else initial.index_select(0, meta.order)
+    outs, S = _carry_chunks(meta, S0, step)
+    out = outs.transpose(1, 2).reshape(meta.num_chunks * C, H, V).index_select(0, meta.dest)
     return out, (S.index_select(0, meta.inverse) if want_final else None)
+
+
+def _carry_chunks(meta: ChunkMeta, S: Tensor, step) -> tuple[Tensor, Tensor]:
+    """Carry the pieces' states ``S [P, ...]`` (in ``meta.order``) through their chunks, one chunk of every active
+    piece per step: ``step(sl, S_run)`` gets the chunk rows ``sl`` of the ``n`` pieces active at that step and their
+    states ``S_run [n, ...]`` and returns ``(out [n, ...], S_next [n, ...])``. Returns every chunk's output in
+    chunk order (``[NC, ...]``) and the states leaving the pieces (``[P, ...]``, ``meta.order``)."""
+    outs = []
+    P = S.shape[0]
+    for n, off in zip(meta.active, meta.step_offset):
+        out, S_next = step(slice(off, off + n), S[:n])
+        outs.append(out)
+        S = S_next if n == P else torch.cat([S_next, S[n:]])
+    return torch.cat(outs), S
 
 
 @functools.lru_cache(maxsize=1)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .gated_delta import ChunkMeta, _to_chunks
+from .gated_delta import ChunkMeta, _carry_chunks, _to_chunks
 
 __all__ = ["SSD_CHUNK", "chunk_ssd"]
 
@@ -50,13 +50,10 @@ def chunk_ssd(x: Tensor, a: Tensor, B: Tensor, C: Tensor, meta: ChunkMeta, initi
     c_dec = Cc * cum.exp()[..., None]  # reads the entering state
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [NC, H, 1, 1]
 
-    S = x.new_zeros(NP, H, Dh, N) if initial is None else initial.index_select(0, meta.order)
-    outs = []
-    for n, off in zip(meta.active, meta.step_offset):
-        sl = slice(off, off + n)
-        S_run = S[:n]
-        outs.append(y_diag[sl] + c_dec[sl] @ S_run.transpose(-1, -2))
-        S_next = S_run * chunk_decay[sl] + chunk_state[sl]
-        S = S_next if n == NP else torch.cat([S_next, S[n:]])
-    y = torch.cat(outs).transpose(1, 2).reshape(meta.num_chunks * Cl, H, Dh).index_select(0, meta.dest)
+    def step(sl: slice, S_run: Tensor) -> tuple[Tensor, Tensor]:
+        return y_diag[sl] + c_dec[sl] @ S_run.transpose(-1, -2), S_run * chunk_decay[sl] + chunk_state[sl]
+
+    S0 = x.new_zeros(NP, H, Dh, N) if initial is None else initial.index_select(0, meta.order)
+    outs, S = _carry_chunks(meta, S0, step)
+    y = outs.transpose(1, 2).reshape(meta.num_chunks * Cl, H, Dh).index_select(0, meta.dest)
     return y, (S.index_select(0, meta.inverse) if want_final else None)
