@@ -19,7 +19,7 @@ from blockdiag_ref import doc_ids_from_batch, normalize_window
 
 from .options import get_defaults, kernel_substitution, resolve_exchange, resolve_kernel, resolve_layout
 from .plan import plan_step
-from .sharding import shard_tensor, shard_visual_tokens
+from .sharding import check_visual_rows, shard_tensor, shard_visual_tokens
 from .state import StepState, activate
 
 __all__ = ["_cp_blockdiag_doc_ids", "make_cp_blockdiag_batch_and_ctx"]
@@ -137,13 +137,8 @@ def _validate_deepstack(batch: MutableMapping, doc_ids: Tensor) -> None:
         raise ValueError(
             f"{DEEPSTACK_KEY}: expected visual_pos_masks [B, S] beside it (the positions its rows belong to), got none"
         )
-    n_vis = int(vpm.sum())
-    for level, t in enumerate(deepstack):
-        if t.dim() != 2 or t.shape[0] != n_vis:
-            raise ValueError(
-                f"{DEEPSTACK_KEY}[{level}]: expected [n_vis, H] with n_vis = {n_vis}, one row per visual token of "
-                f"visual_pos_masks ({_visual_tokens_per_document(vpm, doc_ids)}), got shape {tuple(t.shape)}"
-            )
+    check_visual_rows(deepstack, vpm, DEEPSTACK_KEY, lambda: f", one row per visual token of visual_pos_masks "
+                      f"({_visual_tokens_per_document(vpm, doc_ids)})")
 
 
 def _visual_tokens_per_document(vpm: Tensor, doc_ids: Tensor) -> str:

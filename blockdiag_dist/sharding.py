@@ -11,13 +11,17 @@ Shape legend: B rows, S sequence length, Sp = W * L padded length, L rows of one
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .shard_plan import ShardPlan
 
-__all__ = ["gather_sequence", "local_visual_index", "shard_tensor", "shard_visual_tokens", "unshard"]
+__all__ = [
+    "check_visual_rows", "gather_sequence", "local_visual_index", "shard_tensor", "shard_visual_tokens", "unshard",
+]
 
 
 def shard_tensor(t: Tensor, dim: int, pad_value: object, shards: ShardPlan, rank: int) -> Tensor:
@@ -87,3 +91,12 @@ def gather_sequence(local: Tensor, state=None, *, dim: int = 1) -> Tensor:
         parts = [torch.empty_like(local) for _ in range(state.world)]
         dist.all_gather(parts, local.contiguous(), group=state.group)
     return unshard(parts, state.plan.shards, dim)
+
+
+def check_visual_rows(levels: Sequence[Tensor], visual_pos_masks: Tensor, name: str, why: Callable[[], str]) -> None:
+    """Each tensor of ``levels`` (deepstack features) holds one row per visual token of ``visual_pos_masks``,
+    ``[n_vis, H]``; else ``ValueError`` naming ``name[level]``, with ``why()`` after the expected count."""
+    n_vis = int(visual_pos_masks.sum())
+    for level, t in enumerate(levels):
+        if t.dim() != 2 or t.shape[0] != n_vis:
+            raise ValueError(f"{name}[{level}]: expected [n_vis, H] with n_vis = {n_vis}{why()}, got shape {tuple(t.shape)}")

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ..guard import register_scan_visitor
-from ..sharding import shard_tensor, shard_visual_tokens
+from ..sharding import check_visual_rows, shard_tensor, shard_visual_tokens
 from ..state import current_state
 
 __all__ = ["ENCODER_CONFIG_KEYS", "in_sharded_region", "unsharded_reason"]
@@ -145,13 +145,8 @@ def _shard_decoder_entry(module: nn.Module, args: tuple, kwargs: dict[str, Any])
                 f"{name} (decoder entry): visual_pos_masks: expected a bool [B, S] = [{B}, {S}] mask beside "
                 f"deepstack_visual_embeds, got {got}"
             )
-        n_vis = int(vpm.sum())
-        for level, t in enumerate(deepstack):
-            if t.dim() != 2 or t.shape[0] != n_vis:
-                raise ValueError(
-                    f"{name} (decoder entry): deepstack_visual_embeds[{level}]: expected [n_vis, H] with n_vis = "
-                    f"{n_vis} (the visual tokens of visual_pos_masks), got shape {tuple(t.shape)}"
-                )
+        check_visual_rows(deepstack, vpm, f"{name} (decoder entry): deepstack_visual_embeds",
+                          lambda: " (the visual tokens of visual_pos_masks)")
         new["deepstack_visual_embeds"] = [shard_visual_tokens(t, vpm, shards, rank) for t in deepstack]
     sharded = []
     for key, value in kwargs.items():
