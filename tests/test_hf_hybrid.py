@@ -62,20 +62,26 @@ CP_RUNS = {  # CP size -> (family, layout, checkpointing)
 }
 
 
-@pytest.mark.parametrize("cp", sorted(CP_RUNS))
-def test_cp_matches_each_document_alone(pools, cp):
-    runs = CP_RUNS[cp]
+def cp_problems(pools, cp: int, runs, problems_of, timeout: float = TIMEOUT) -> list[str]:
+    """One step of each ``(family, layout, checkpointing)`` of ``runs`` on the CP pool of ``cp`` ranks; what
+    ``problems_of(label, family, step)`` finds in each (rank 0's step: loss and gradients summed over the group)."""
     calls = [((family,), {"layout": layout, "checkpointing": ck}) for family, layout, ck in runs]
     names = [f"{family} cp{cp} {layout} ckpt={ck}" for family, layout, ck in runs]
-    outcomes = list(pools(cp).run_many(cp_parity_step, calls, timeout=TIMEOUT, names=names))
+    problems = []
+    for name, (family, _, _), per_rank in zip(names, runs, pools(cp).run_many(cp_parity_step, calls, timeout=timeout,
+                                                                               names=names)):
+        assert isinstance(per_rank, list), per_rank
+        problems += problems_of(name, family, per_rank[0])
+    return problems
+
+
+@pytest.mark.parametrize("cp", sorted(CP_RUNS))
+def test_cp_matches_each_document_alone(pools, cp):
+    problems = cp_problems(pools, cp, CP_RUNS[cp], float64_problems)
     ids = hybrid_batch(hybrid_docs())["_packed_seq_ids"]
     for layout in ("contiguous", "balanced"):  # the inputs make documents cross ranks: summaries and histories move
         plan = plan_step(ids, cp, layout)
         assert plan_recurrence(plan.documents, 0).any_traffic and plan_conv(plan, 1, 4).mode != "local"
-    problems = []
-    for name, (family, _, _), per_rank in zip(names, runs, outcomes):
-        assert isinstance(per_rank, list), per_rank
-        problems += float64_problems(name, family, per_rank[0])
     assert not problems, "\n".join(problems)
 
 

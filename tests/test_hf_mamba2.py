@@ -22,7 +22,7 @@ from blockdiag_dist.mixers import plan_recurrence  # noqa: E402
 from verify.model.harness import compare, text_forward  # noqa: E402
 from verify.model.hybrid import build_tiny_hybrid, cp_parity_step, hybrid_batch, hybrid_docs  # noqa: E402
 
-from test_hf_hybrid import the_truth  # noqa: E402
+from test_hf_hybrid import cp_problems, the_truth  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,18 +74,11 @@ CP_RUNS = {  # CP size -> (family, layout, checkpointing)
 
 @pytest.mark.parametrize("cp", sorted(CP_RUNS))
 def test_cp_matches_each_document_alone(pools, cp):
-    runs = CP_RUNS[cp]
-    calls = [((family,), {"layout": layout, "checkpointing": ck}) for family, layout, ck in runs]
-    names = [f"{family} cp{cp} {layout} ckpt={ck}" for family, layout, ck in runs]
-    outcomes = list(pools(cp).run_many(cp_parity_step, calls, timeout=TIMEOUT, names=names))
+    problems = cp_problems(pools, cp, CP_RUNS[cp], float64_problems, TIMEOUT)
     ids = hybrid_batch(hybrid_docs())["_packed_seq_ids"]
     for layout in ("contiguous", "balanced"):  # documents cross ranks: summaries (with transitions at CP 4) move
         docs = plan_step(ids, cp, layout).documents
         assert any(plan_recurrence(docs, r).any_traffic for r in range(cp))
-    problems = []
-    for name, (family, _, _), per_rank in zip(names, runs, outcomes):
-        assert isinstance(per_rank, list), per_rank
-        problems += float64_problems(name, family, per_rank[0])
     assert not problems, "\n".join(problems)
 
 
