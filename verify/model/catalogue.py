@@ -822,6 +822,7 @@ def main(args: argparse.Namespace) -> int:
     records = {e.name: records[e.name] for e in chosen if e.name in records}
     wall = time.perf_counter() - t0
     if earlier:  # --update: every type of the earlier sweep, the re-run ones replaced, in catalogue order
+        rerun = list(records)
         chosen, records = merge_update(earlier["records"], records)
     summary = summarise(records, cps)
     argv = ["python", "-m", "verify", "model", "--catalogue", "--cp", ",".join(map(str, cps))]
@@ -844,7 +845,7 @@ def main(args: argparse.Namespace) -> int:
         now = data["stamp"]
         data.update({k: earlier[k] for k in ("command", "stamp", "wall_seconds", "environment") if k in earlier})
         data["updates"] = [*earlier.get("updates", []),
-                           {"stamp": now, "seconds": round(wall, 1), "names": [e.name for e in select(csv_list(args.only))]}]
+                           {"stamp": now, "seconds": round(wall, 1), "names": rerun}]
     for cp in cps:
         counts = summary["counts"][str(cp)]
         console.print(f"CP {cp}: " + ", ".join(f"{c} {counts[c]}" for c in CLASSES if counts.get(c)), markup=False)
