@@ -4,6 +4,25 @@ dense kernel is as accurate as torch's SDPA run on the batch rows with the per-d
 Peaked softmax (scores of a few tens), float32, GQA 3:1, head dim 3: the regime where the fused CPU kernel's
 float32 gradient error depends on which ``exp`` (vectorized approximation or libm) each score goes through,
 and hence on the length a piece is padded to.
+
+Two claims, each with its own check:
+
+- Pieces of at most ``EXACT_UP_TO`` tokens run at their exact length: their outputs and gradients are
+  **bitwise** the stock kernel's. Padding them (the ~10x gradient error of the all-approximation ``exp``) fails
+  this check on every machine.
+- Longer pieces are computed differently from one stock call per document (padded to a size class; with a
+  window, as bands merged by log-sum-exp), so their float32 rounding differs. Their error is judged by the
+  tolerance principle of :mod:`verify.tolerances` (the flash-attention rule): at most ``FACTOR`` times the stock
+  error plus one unit roundoff of the largest magnitude.
+
+Why not a tighter ratio: both errors are a few float32 ulps (4e-7 to 3e-6 relative here), and where they land
+depends on the machine, not on the code. The float32 GEMMs inside torch's fused CPU kernel and the band merge go
+through MKL, which picks its sgemm code path by CPU model, not by ``ATEN_CPU_CAPABILITY``. On an AMD EPYC with
+AVX-512 the window-2 ratios varlen/stock of (out, dq, dk, dv) were (1.09, 0.66, 0.38, 0.84); the same machine with
+only MKL's code path changed (``MKL_CBWR=COMPATIBLE``) gave (1.09, 0.95, 1.04, 1.00); an Intel Xeon with AVX-512 / AMX
+gave (1.48, 0.95, 0.96, 0.42): its varlen output error 7.3e-7 (the worst element in a 17- or 40-token document, a
+band merge) against the stock kernel's 4.9e-7. A ratio limit of 1.25, tuned where it passed, failed there.
+``test_the_limit_stays_sharp`` proves that the principled limit still fails a kernel 1e-4 or 1e-5 relatively off.
 """
 
 from __future__ import annotations
@@ -15,9 +34,13 @@ import torch.nn.functional as F
 from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 from blockdiag_dist.kernels.varlen import EXACT_UP_TO
 from blockdiag_ref import DocLayout, reference_attention
+from verify.tolerances import TOLERANCES
 
 LENGTHS = (2, 1, 3, 2, 5, 7, 8, 9, 12, 15, 16, 17, 23, 40)  # every length up to EXACT_UP_TO is run exactly
 HQ, HKV, D, GAIN = 3, 1, 3, 4.0
+FACTOR = TOLERANCES["float32"].factor  # the flash-attention rule: at most twice the stock kernel's error ...
+FLOOR = torch.finfo(torch.float32).eps  # ... plus one unit roundoff of the largest reference magnitude
+QUANTITIES = ("out", "dq", "dk", "dv")
 
 
 def _inputs(seed: int) -> tuple[torch.Tensor, ...]:
@@ -65,28 +88,51 @@ def _varlen(window: int | None):
     return run
 
 
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("window", [None, 2], ids=["causal", "window2"])
-def test_varlen_is_as_accurate_as_stock_sdpa_on_exact_size_pieces(window):
-    assert max(LENGTHS) > EXACT_UP_TO >= 16
-    layout = DocLayout.from_doc_ids(torch.repeat_interleave(torch.arange(1, len(LENGTHS) + 1), torch.tensor(LENGTHS))[None])
+def _worst_errors(window: int | None, scale_out: float = 1.0) -> tuple[dict[str, list[float]], int]:
+    """Worst relative errors of (out, dq, dk, dv) over six seeds, varlen and stock, against the float64 reference;
+    and the number of short pieces whose results differ from the stock kernel's bitwise. ``scale_out`` plants a
+    relative error in the varlen kernel's output (and so in its gradients) for the sharpness test."""
+    ids = torch.repeat_interleave(torch.arange(1, len(LENGTHS) + 1), torch.tensor(LENGTHS))[None]
+    layout = DocLayout.from_doc_ids(ids)
     win = None if window is None else (window, 0)
     short = torch.cat([torch.full((n,), n <= EXACT_UP_TO) for n in LENGTHS])
-    worst = {"varlen": [0.0] * 4, "stock": [0.0] * 4}
+    varlen = _varlen(window)
+    worst, not_bitwise = {"varlen": [0.0] * 4, "stock": [0.0] * 4}, 0
     for seed in range(6):
         q, k, v, grad = _inputs(seed)
         ref = _grads(lambda a, b, c: reference_attention(a, b, c, layout, enable_gqa=True, window_size=win), q, k, v, grad, torch.float64)
-        got = _grads(_varlen(window), q, k, v, grad, torch.float32)
+        got = _grads(lambda a, b, c: varlen(a, b, c) * scale_out, q, k, v, grad, torch.float32)
         stock = _grads(lambda a, b, c: _per_document(a, b, c, window), q, k, v, grad, torch.float32)
-        for i in range(4):  # pieces run at their exact length: bitwise the stock kernel's result
-            assert torch.equal(got[i][:, :, short], stock[i][:, :, short]), f"quantity {i}, seed {seed}"
+        not_bitwise += sum(not torch.equal(got[i][:, :, short], stock[i][:, :, short]) for i in range(4))
         scale = max(t.abs().max().item() for t in ref[1:])
         for name, res in (("varlen", got), ("stock", stock)):
             for i in range(4):
                 s = ref[0].abs().max().item() if i == 0 else scale
                 worst[name][i] = max(worst[name][i], (res[i] - ref[i]).abs().max().item() / s)
-    for i, name in enumerate(("out", "dq", "dk", "dv")):
-        assert worst["varlen"][i] <= 1.25 * worst["stock"][i] + 1e-7, (name, worst)
+    return worst, not_bitwise
+
+
+def _over_limit(worst: dict[str, list[float]], impl: str) -> list[str]:
+    """The quantities whose error exceeds ``FACTOR`` x the stock error + ``FLOOR``."""
+    return [name for i, name in enumerate(QUANTITIES) if worst[impl][i] > FACTOR * worst["stock"][i] + FLOOR]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("window", [None, 2], ids=["causal", "window2"])
+def test_varlen_is_as_accurate_as_stock_sdpa_on_exact_size_pieces(window):
+    assert max(LENGTHS) > EXACT_UP_TO >= 16
+    worst, not_bitwise = _worst_errors(window)
+    assert not_bitwise == 0, "pieces run at their exact length must give the stock kernel's results bitwise"
+    assert _over_limit(worst, "varlen") == [], worst
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("rel", [1e-4, 1e-5])
+def test_the_limit_stays_sharp(rel):
+    """A kernel whose output (and hence every gradient) is ``rel`` relatively off fails the check of every
+    quantity; the same measurement without the planted error passes (the test above)."""
+    worst, _ = _worst_errors(2, scale_out=1.0 + rel)
+    assert _over_limit(worst, "varlen") == list(QUANTITIES), worst
 
 
 ROWS = ((2, 5), (4, 1, 2), (7,), (1, 6))  # documents per row; every row 7 tokens (shorter than one 8-float lane)
@@ -120,5 +166,4 @@ def test_dense_is_as_accurate_as_stock_sdpa_per_row():
             for i in range(4):
                 s = ref[0].abs().max().item() if i == 0 else scale
                 worst[name][i] = max(worst[name][i], (res[i] - ref[i]).abs().max().item() / s)
-    for i, name in enumerate(("out", "dq", "dk", "dv")):
-        assert worst["dense"][i] <= 1.25 * worst["stock"][i] + 1e-7, (name, worst)
+    assert _over_limit(worst, "dense") == [], worst
