@@ -9,7 +9,7 @@ sequence mixer reads the step's documents from ``current_state().docs`` (:class:
 from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
 from .docs import DocPlan, Piece, RankDocs, plan_documents
 from .mixers import causal_conv, gated_delta_rule, ssd
-from .options import configure_cp_varlen
+from .options import CPOptions, configure_cp_varlen
 from .plan import ExchangePlan, ShardPlan, StepPlan, choose_layout, plan_exchange, plan_shards, plan_step
 from .runtime import cp_blockdiag_sdpa, sdpa_routing
 from .sharding import gather_sequence, shard_tensor, unshard
@@ -17,6 +17,7 @@ from .state import AttentionNotRoutedError, PlanMismatchError, StepState, curren
 
 __all__ = [
     "AttentionNotRoutedError",
+    "CPOptions",
     "DocPlan",
     "ExchangePlan",
     "PlanMismatchError",

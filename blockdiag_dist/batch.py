@@ -17,7 +17,7 @@ from torch import Tensor
 
 from blockdiag_ref import doc_ids_from_batch, normalize_window
 
-from .options import get_defaults, kernel_substitution, resolve_exchange, resolve_kernel, resolve_layout
+from .options import CPOptions, kernel_substitution
 from .plan import plan_step
 from .sharding import check_visual_rows, shard_tensor, shard_visual_tokens
 from .state import StepState, activate
@@ -155,6 +155,20 @@ def _visual_tokens_per_document(vpm: Tensor, doc_ids: Tensor) -> str:
     return ", ".join(parts) or "none"
 
 
+def _options(options: CPOptions | None, keywords: dict[str, Any]) -> CPOptions:
+    """The step's options: ``options`` when given (no keyword option may then differ from its default), else the
+    keywords, validated by :class:`CPOptions`."""
+    if options is None:
+        return CPOptions(**keywords)
+    if not isinstance(options, CPOptions):
+        raise ValueError(f"options: expected a blockdiag_dist.CPOptions or None, got {type(options).__name__}")
+    defaults = CPOptions()
+    both = sorted(k for k, v in keywords.items() if v != getattr(defaults, k))
+    if both:
+        raise ValueError(f"options: expected the keyword options left at their defaults when options= is given, got {both} too")
+    return options
+
+
 def make_cp_blockdiag_batch_and_ctx(
     cp_mesh: Any,
     tp_mesh: Any,
@@ -171,6 +185,7 @@ def make_cp_blockdiag_batch_and_ctx(
     shard_primary: bool = True,
     shard_vision: bool = False,
     conv_widths: Sequence[int] | None = None,
+    options: CPOptions | None = None,
 ) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
     """Shard a packed batch for block-diagonal CP and build the step state.
 
@@ -220,6 +235,9 @@ def make_cp_blockdiag_batch_and_ctx(
         conv_widths: the widths of the model's causal convolutions (:func:`blockdiag_dist.mixers.causal_conv`):
             their history exchanges are planned here, and a convolution wider than the widest is refused
             (default: any width, planned on its first use in the step).
+        options: all of the above (and ``padding_token_id``) as one validated :class:`~blockdiag_dist.CPOptions`,
+            as a trainer integration or a config file holds them; given together with any of the keyword options
+            above set to a non-default value it is refused (one source for each option).
 
     Returns:
         ``(train_ctx, batch)``: ``train_ctx()`` is a context manager activating the step state (run forward
@@ -228,32 +246,18 @@ def make_cp_blockdiag_batch_and_ctx(
     Raises:
         ValueError: naming expected vs got, before the batch is touched.
     """
-    defaults = get_defaults()
-    kv_exchange = resolve_exchange(defaults["kv_exchange"] if kv_exchange is None else kv_exchange)
-    kernel_requested = defaults.get("kernel_requested", defaults["kernel"]) if kernel is None else kernel
-    kernel_name = resolve_kernel(kernel_requested)
-    layout = resolve_layout(layout)
-    lefts = [-1] if window_sizes is None else sorted({normalize_window(w) for w in window_sizes})
-    if not isinstance(expect_attention, bool):
-        raise ValueError(f"expect_attention: expected a bool, got {type(expect_attention).__name__}")
-    if not isinstance(padding_token_id, int):
-        raise ValueError(f"padding_token_id: expected an int, got {type(padding_token_id).__name__}")
-    if not isinstance(shard_primary, bool):
-        raise ValueError(f"shard_primary: expected a bool, got {type(shard_primary).__name__}")
-    if not isinstance(shard_vision, bool):
-        raise ValueError(f"shard_vision: expected a bool, got {type(shard_vision).__name__}")
-    if shard_vision and shard_primary:
-        raise ValueError(
-            "shard_vision=True: expected shard_primary=False (the model's own forward runs its vision tower under "
-            "the step), got shard_primary=True"
-        )
+    opts = _options(options, dict(
+        kv_exchange=kv_exchange, kernel=kernel, layout=layout, window_sizes=window_sizes, check_consensus=check_consensus,
+        expect_attention=expect_attention, shard_primary=shard_primary, shard_vision=shard_vision,
+        conv_widths=conv_widths, padding_token_id=padding_token_id,
+    ))
+    kv_exchange, layout, padding_token_id = opts.resolved_exchange(), opts.layout, opts.padding_token_id
+    kernel_name, kernel_requested = opts.resolved_kernel()
+    lefts = [-1] if opts.window_sizes is None else sorted({normalize_window(w) for w in opts.window_sizes})
+    expect_attention, shard_primary, shard_vision = opts.expect_attention, opts.shard_primary, opts.shard_vision
+    check_consensus, conv_widths = opts.check_consensus, opts.conv_widths
     if not shard_primary:
         from .integrations import vlm  # noqa: F401  (registers the scan visitor that hooks decoder entries)
-    if conv_widths is not None and (
-        isinstance(conv_widths, (str, bytes)) or not isinstance(conv_widths, Sequence) or not conv_widths
-        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in conv_widths)
-    ):
-        raise ValueError(f"conv_widths: expected None or a non-empty sequence of convolution widths >= 1, got {conv_widths!r}")
     group, world, rank = _mesh_info(cp_mesh)
     key, B, S, device = _validate_batch(batch, loss_mask)
     doc_ids = _cp_blockdiag_doc_ids(batch, S, device, B)

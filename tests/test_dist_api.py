@@ -188,3 +188,41 @@ def test_configure_cp_varlen_accepts_synonyms_and_per_call_options_win():
 def test_public_api_is_exported():
     for name in ("make_cp_blockdiag_batch_and_ctx", "_cp_blockdiag_doc_ids", "cp_blockdiag_sdpa", "sdpa_routing", "configure_cp_varlen"):
         assert name in blockdiag_dist.__all__ and callable(getattr(blockdiag_dist, name))
+
+
+# ---- CPOptions: the batch function's keyword options as one validated object ------------------------------
+def test_options_object_gives_the_same_step_as_the_keywords():
+    from blockdiag_dist import CPOptions
+
+    ids = torch.tensor([[1, 1, 1, 2, 2, 0]])
+    kw = dict(kernel="dense", layout="balanced", window_sizes=[(2, 0)], check_consensus=False)
+    ctx_a, a = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids.clone(), "_packed_seq_ids": ids.clone()}, **kw)
+    ctx_b, b = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids.clone(), "_packed_seq_ids": ids.clone()},
+                                               options=CPOptions(**kw))
+    assert ctx_a.state.kernel == ctx_b.state.kernel == "dense"
+    assert ctx_a.state.plan.shards.layout == ctx_b.state.plan.shards.layout == "balanced"
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("values, match", [
+    pytest.param({"layout": "zigzag"}, "layout: expected one of", id="bad-layout"),
+    pytest.param({"kernel": "xformers"}, "kernel: expected one of", id="bad-kernel"),
+    pytest.param({"window_sizes": [(2, 1)]}, "window_size", id="bad-window"),
+    pytest.param({"conv_widths": [0]}, "conv_widths: expected", id="bad-conv-width"),
+    pytest.param({"shard_vision": True}, "shard_vision=True: expected shard_primary=False", id="vision-needs-full-rows"),
+    pytest.param({"layuot": "auto"}, r"CPOptions: expected keys among .* got unknown \['layuot'\]", id="unknown-key"),
+])
+def test_options_object_refuses_bad_values(values, match):
+    from blockdiag_dist import CPOptions
+
+    with pytest.raises(ValueError, match=match):
+        CPOptions.from_mapping(values)
+
+
+def test_options_object_and_keywords_together_are_refused_before_mutating():
+    from blockdiag_dist import CPOptions
+
+    batch = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"left at their defaults when options= is given, got \['layout'\]"):
+        make_cp_blockdiag_batch_and_ctx(None, None, batch, layout="balanced", options=CPOptions())
+    assert sorted(batch) == ["input_ids"] and batch["input_ids"].shape == (1, 4)
