@@ -30,19 +30,20 @@ KNOWN_PADS: dict[str, object] = {
     "inputs_embeds": 0.0,
     "input_ids": "padding_token_id",
     "labels": -100,
+    "shift_labels": -100,  # pre-shifted targets (transformers' loss and TRL's fused head score them unshifted)
     "position_ids": 0,
     "_packed_seq_ids": 0,
     "loss_mask": 0,
     "padding_mask": True,
     "visual_pos_masks": False,
 }
-EXACT_BS_KEYS = ("input_ids", "labels", "_packed_seq_ids", "loss_mask", "padding_mask", "visual_pos_masks")
+EXACT_BS_KEYS = ("input_ids", "labels", "shift_labels", "_packed_seq_ids", "loss_mask", "padding_mask", "visual_pos_masks")
 # Tensors of a multimodal batch that are not sequence-aligned, whatever their shape: never sharded.
 UNSHARDED_KEYS = frozenset({
     "pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts",
 })
 # What the loss reads beside the logits: sharded even with shard_primary=False (the logits come out sharded).
-TARGET_KEYS = ("labels", "loss_mask", "padding_mask", "_packed_seq_ids")
+TARGET_KEYS = ("labels", "shift_labels", "loss_mask", "padding_mask", "_packed_seq_ids")
 DEEPSTACK_KEY = "_deepstack_visual_embeds"  # a list of [n_vis, H], one per level, indexed by visual token
 
 
