@@ -44,29 +44,82 @@ def documents(n: int, seed: int = 0, longest: int = 40) -> list[list[int]]:
     return [torch.randint(2, VOCAB, (k - 1,), generator=g).tolist() + [1] for k in lengths]
 
 
-def tiny_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """A tiny causal LM of ``model_type`` from its config, with blockdiag's attention registered."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def tiny_model(model_type: str, dtype: torch.dtype = torch.float32):
+    """A tiny causal LM of ``model_type`` (the verifier's tiny config of it: verify.model.zoo), with blockdiag's
+    attention registered; the same weights on every rank and every call."""
     from blockdiag_dist.integrations import register_transformers_attention
+    from verify.model.zoo import build, resolve
 
-    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    extra = {
-        "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
-                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                             linear_conv_kernel_dim=4),
-        "nemotron_h": dict(hybrid_override_pattern="M*", layers_block_type=["mamba", "attention"], mamba_num_heads=4,
-                           mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4, mamba_chunk_size=8),
-        "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, block_ff_dim=64),
-        "gpt_oss": dict(num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
-                        layer_types=["sliding_attention", "full_attention"]),
-    }
     name = {"qwen3_5": "qwen3_5_text"}.get(model_type, model_type)
-    kw = {k: v for k, v in (small | extra.get(name, {})).items()}
-    config = AutoConfig.for_model(name, **kw)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=register_transformers_attention(), dtype=dtype)
+    return build(resolve(name, tiny=True), dtype, register_transformers_attention())
+
+
+def promoted(model: torch.nn.Module, on: bool = True):
+    """While active (and ``on``), ``model``'s whole forward computes in float64, its loss included: transformers'
+    RMSNorms, rotary angles and loss cast to float32 whatever the model's dtype (verify.model.precision.Promote)."""
+    import contextlib
+
+    from verify.model.precision import float64_modules
+
+    return float64_modules(model, lambda m: m is model) if on else contextlib.nullcontext()
+
+
+def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, packing_strategy: str = "bfd",
+            max_length: int = 64, rows: int = 4, record_first_step: bool = False, output_dir: str | None = None,
+            resume_from_checkpoint: str | None = None, save_steps: int | None = None, lr: float = 1e-3,
+            trainer: str = "sft", float64: bool = False) -> dict:
+    """Train ``model_type`` at CP ``cp`` (every process of the default group, or one process) with TRL's
+    ``BlockdiagSFTTrainer`` (``trainer="sft"``: TRL packs ``rows`` rows of ``max_length``) or transformers'
+    ``BlockdiagTrainer`` (``trainer="hf"``: ``rows`` documents per step flattened into one row by transformers'
+    ``DataCollatorWithFlattening``). Returns the logged losses and, with ``record_first_step``, the first step's full
+    batch (this rank's, before sharding) and every parameter's gradient before the optimizer step. ``float64``: the
+    whole forward in float64 (:func:`promoted`), for float64 parity tests."""
+    from datasets import Dataset
+    from transformers import DataCollatorWithFlattening, TrainerCallback, TrainingArguments
+    from trl import SFTConfig
+
+    from blockdiag_dist.integrations.trainer import BlockdiagSFTTrainer, BlockdiagTrainer
+
+    dist = torch.distributed
+    if dist.is_initialized():  # accelerate reads the launch from the environment; the group already exists
+        world, rank = str(dist.get_world_size()), str(dist.get_rank())
+        os.environ.update(WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    common = dict(
+        output_dir=output_dir or tempfile.mkdtemp(prefix="blockdiag-sft-"), max_steps=steps,
+        per_device_train_batch_size=rows, learning_rate=lr, logging_steps=1, report_to=[],
+        use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0, dataloader_drop_last=True, disable_tqdm=True,
+        max_grad_norm=0.0, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        bf16=dtype == "bf16-mixed", fp16=False,  # transformers turns bf16 autocast on by default where the CPU has it
+    )
+    if trainer == "sft":
+        args = SFTConfig(packing=True, packing_strategy=packing_strategy, max_length=max_length, **common)
+        cls, extra = BlockdiagSFTTrainer, {"processing_class": tiny_tokenizer()}
+    else:
+        args = TrainingArguments(remove_unused_columns=False, **common)
+        cls, extra = BlockdiagTrainer, {"data_collator": DataCollatorWithFlattening(return_tensors="pt")}
+    recorded: dict = {}
+
+    class FirstStep(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if record_first_step and "grads" not in recorded:
+                recorded["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    weights = torch.float32 if dtype == "bf16-mixed" else getattr(torch, dtype)
+    trainer = cls(model=tiny_model(model_type, weights), args=args,
+                  train_dataset=Dataset.from_dict({"input_ids": documents(200)}), cp_size=cp, callbacks=[FirstStep()], **extra)
+    if record_first_step:
+        prepare = trainer._prepare_context_parallel_inputs
+
+        def keep_batch(model, inputs):
+            recorded.setdefault("batch", {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            return prepare(model, inputs)
+
+        trainer._prepare_context_parallel_inputs = keep_batch
+    with promoted(trainer.model, float64):
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    return {"losses": losses, **recorded}
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -76,29 +129,13 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--packing-strategy", default="bfd", help="TRL's: bfd (padding-free rows) or wrapped")
     p.add_argument("--max-length", type=int, default=64, help="tokens per packed row")
+    p.add_argument("--dtype", default="float32", help="float32 | float64 | bf16-mixed (float32 weights, bf16 autocast)")
     p.add_argument("--out", default=None, help="write the logged losses here as JSON (rank 0)")
     a = p.parse_args(argv)
-
-    from datasets import Dataset
-    from trl import SFTConfig
-
-    from blockdiag_dist.integrations.trainer import BlockdiagSFTTrainer
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend)
-    args = SFTConfig(
-        output_dir=tempfile.mkdtemp(prefix="blockdiag-sft-"), max_steps=a.steps, per_device_train_batch_size=4,
-        learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], packing=True,
-        packing_strategy=a.packing_strategy, max_length=a.max_length, use_cpu=not torch.cuda.is_available(),
-        seed=0, data_seed=0, dataloader_drop_last=True, disable_tqdm=True,
-    )
-    train = Dataset.from_dict({"input_ids": documents(200)})
-    trainer = BlockdiagSFTTrainer(model=tiny_model(a.model), args=args, train_dataset=train,
-                                  processing_class=tiny_tokenizer(), cp_size=a.cp)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    if trainer.args.process_index == 0:
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    losses = run_sft(a.model, a.cp, a.steps, a.dtype, packing_strategy=a.packing_strategy, max_length=a.max_length)["losses"]
+    if int(os.environ.get("RANK", "0")) == 0:
         for i, loss in enumerate(losses, 1):
             print(f"step {i:3d} loss {loss:.6f}")
         if a.out:

@@ -46,7 +46,7 @@ ATTENTION_NAME = "blockdiag_cp"
 # - do not change what attention computes (bookkeeping of the model's forward):
 NEUTRAL_KWARGS = frozenset({
     "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
-    "output_router_logits", "num_items_in_batch", "return_dict", "layer_idx", "past_key_values", "past_key_value",
+    "output_router_logits", "num_items_in_batch", "shift_labels", "return_dict", "layer_idx", "past_key_values", "past_key_value",
     "cache",
 })
 # - describe the documents of the rows as given; under a step blockdiag takes them from the batch function

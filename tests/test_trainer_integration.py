@@ -1,0 +1,152 @@
+"""TRL's SFTTrainer (packing on) and transformers' Trainer with block-diagonal CP (``BlockdiagSFTTrainer``).
+
+- after one step, every parameter's gradient equals the one of each document run alone on one device (float64),
+  at CP 1 in this process and at CP 2 and DP 2 x CP 2 in process groups: text (Llama), hybrid (Qwen3.5's Gated
+  DeltaNet, Nemotron-H's Mamba2, LFM2's short convolutions) and sinks (gpt-oss);
+- the losses the Trainer logs over several steps at CP 2 equal CP 1's;
+- what would train silently wrong is refused at construction or at the first step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="trl is not installed (the 'trainer' extra: pip install -e '.[trainer]')")
+
+from examples.trl_sft import run_sft, tiny_model, tiny_tokenizer  # noqa: E402
+from trainer_checks import per_document_truth, sft_on_rank, worst_gradient_error  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TIMEOUT_S = 240.0  # per run on every rank: a deadline for hangs, not a speed limit
+FLOAT64_LIMIT = 1e-10
+FAMILIES = ["llama", "qwen3_5", "nemotron_h", "lfm2", "gpt_oss"]
+# transformers' models compute parts of a float64 model in float32 (RMSNorms, rotary angles, the loss's logits, MoE
+# routing; the stock Gated DeltaNet / Mamba2 gates): runs and truths here compute the whole forward in float64
+# (examples.trl_sft.promoted; measured <= 3.2e-14 at CP 2 for every family). As written, a float64 hidden state that
+# differs from the truth's in its last bits can round to another float32: measured 1.5e-7 (Llama, DP 2 x CP 2).
+# TRL 1.16's SFTTrainer scores tokens with its fused LM head in float32 whatever the model's dtype
+# (trl/kernels/chunked_logprob.py): measured 3.9e-7 (Llama) and 6.2e-7 (Qwen3.5) at CP 2 against the float64 truth.
+TRL_FLOAT32_HEAD_LIMIT = 1e-6
+# The Trainer logs the loss through a float32 accumulator (its tr_loss): logged losses agree to float32.
+LOGGED_LOSS_LIMIT = 1e-6
+
+
+def _check_first_step(model_type: str, run: dict, limit: float = FLOAT64_LIMIT) -> None:
+    truth = per_document_truth(model_type, run["batch"])
+    assert sorted(run["grads"]) == sorted(truth)
+    err, name = worst_gradient_error(run["grads"], truth)
+    assert err <= limit, f"{model_type}: gradient of {name} off by {err:.3g} relative (limit {limit:g})"
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_trainer_at_cp2_first_step_gradients_equal_each_document_alone(pools, model_type):
+    """transformers' Trainer with DataCollatorWithFlattening (documents = position_ids restarts), float64."""
+    runs = pools(2).run(sft_on_rank, args=(model_type, 2, 1, "float64", True, "hf"), timeout=TIMEOUT_S,
+                        name=f"Trainer {model_type} at CP 2")
+    _check_first_step(model_type, runs[0])
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "llama"])
+def test_sft_trainer_at_cp2_first_step_gradients_equal_each_document_alone(pools, model_type):
+    """TRL's SFTTrainer, packing bfd (padding-free rows), float64 model (TRL's head in float32), TRL's default
+    gradient checkpointing."""
+    runs = pools(2).run(sft_on_rank, args=(model_type, 2, 1, "float64", True, "sft"), timeout=TIMEOUT_S,
+                        name=f"SFTTrainer {model_type} at CP 2")
+    _check_first_step(model_type, runs[0], TRL_FLOAT32_HEAD_LIMIT)
+
+
+def test_trainer_at_cp1_in_one_process_first_step_gradients_equal_each_document_alone():
+    run = run_sft("qwen3_5", 1, 1, "float64", record_first_step=True, trainer="hf", rows=8, float64=True)
+    _check_first_step("qwen3_5", run)
+
+
+def test_dp2_x_cp2_first_step_gradients_equal_each_document_alone(pools):
+    """Two DP groups of two CP ranks: each DP group trains on its own batches; the gradient of the step is that of
+    both groups' documents, each alone, over all their targets."""
+    runs = pools(4).run(_dp_cp_on_rank, args=("llama",), timeout=TIMEOUT_S, name="Trainer llama at DP 2 x CP 2")
+    batches = [runs[0]["batch"], runs[2]["batch"]]  # rank 0 leads DP group 0, rank 2 DP group 1
+    assert not torch.equal(batches[0]["input_ids"], batches[1]["input_ids"]), "DP groups must read different batches"
+    assert torch.equal(runs[1]["batch"]["input_ids"], batches[0]["input_ids"]), "a CP group must read one batch"
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
+    truth: dict[str, torch.Tensor] = {}
+    for b, n in zip(batches, counts):  # per_document_truth divides by its own batch's targets: rescale to the step's
+        for name, g in per_document_truth("llama", b).items():
+            truth[name] = truth.get(name, 0) + g * n / sum(counts)
+    err, name = worst_gradient_error(runs[0]["grads"], truth)
+    assert err <= FLOAT64_LIMIT, f"gradient of {name} off by {err:.3g} relative"
+
+
+def _dp_cp_on_rank(model_type: str) -> dict:
+    return run_sft(model_type, 2, 1, "float64", record_first_step=True, trainer="hf", float64=True)
+
+
+@pytest.mark.parametrize("trainer", ["hf", "sft"])
+def test_cp2_losses_over_steps_equal_cp1(pools, trainer):
+    """The logged losses (float32: the Trainer's accumulator) of 5 steps at CP 2 and CP 1."""
+    steps, limit = 5, LOGGED_LOSS_LIMIT
+    cp1 = run_sft("qwen3_5", 1, steps, "float64", trainer=trainer, float64=trainer == "hf")["losses"]
+    runs = pools(2).run(sft_on_rank, args=("qwen3_5", 2, steps, "float64", False, trainer), timeout=TIMEOUT_S,
+                        name=f"{trainer} qwen3_5 at CP 2, {steps} steps")
+    assert len(cp1) == steps
+    for r in runs:
+        assert r["losses"] == pytest.approx(cp1, rel=limit, abs=0), (r["losses"], cp1)
+
+
+# ---- refusals --------------------------------------------------------------------------------------------------
+def _sft(**kw):
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from blockdiag_dist.integrations.trainer import BlockdiagSFTTrainer
+    from examples.trl_sft import documents
+
+    args = SFTConfig(output_dir=kw.pop("output_dir"), max_steps=1, report_to=[], use_cpu=True, packing=True,
+                     max_length=32, disable_tqdm=True, **kw.pop("config", {}))
+    return BlockdiagSFTTrainer(model=tiny_model("llama"), args=args, train_dataset=Dataset.from_dict({"input_ids": documents(20)}),
+                               processing_class=tiny_tokenizer(), **kw)
+
+
+@pytest.mark.parametrize("config, kw, match", [
+    pytest.param({"label_smoothing_factor": 0.1}, {}, r"label_smoothing_factor: expected 0 under blockdiag CP, got 0.1", id="label-smoothing"),
+    pytest.param({}, {"compute_loss_func": lambda *a, **k: None}, "compute_loss_func: expected None", id="compute-loss-func"),
+    pytest.param({}, {"cp_size": 3}, "cp_size: expected a divisor of the world size 1, got 3", id="cp-not-divisor"),
+    pytest.param({}, {"cp_size": 0}, r"cp_size: expected an int >= 1, got 0", id="cp-zero"),
+    pytest.param({}, {"cp_options": {"layout": "auto"}}, "cp_options: expected a blockdiag_dist.CPOptions", id="options-type"),
+])
+def test_trainer_refuses_what_would_train_wrong(tmp_path, config, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _sft(output_dir=str(tmp_path), config=config, **kw)
+
+
+def test_a_packed_batch_without_documents_is_refused_before_the_model_runs(tmp_path):
+    trainer = _sft(output_dir=str(tmp_path))
+    batch = {"input_ids": torch.randint(2, 90, (1, 16)), "labels": torch.randint(2, 90, (1, 16))}
+    with pytest.raises(ValueError, match=r"expected documents named by _packed_seq_ids, restarting position_ids or a 4-D mask"):
+        trainer._prepare_context_parallel_inputs(trainer.model, batch)
+
+
+def test_accelerates_own_cp_is_refused(tmp_path):
+    """accelerate's CP replaces every mask by is_causal=True: refused where the trainer checks its config."""
+    from types import SimpleNamespace
+
+    trainer = _sft(output_dir=str(tmp_path))
+    trainer.accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=True, cp_size=2))
+    with pytest.raises(ValueError, match="parallelism_config: expected cp_size=1 .* got accelerate's cp_size=2"):
+        trainer._check_config()
+
+
+def test_step_inputs_are_sharded_with_shifted_labels_and_no_row_descriptions(tmp_path):
+    """The batch handed to the model: labels pre-shifted on the full row (a document's last token has no target),
+    the collator's cu_seq_lens / seq_idx gone, per-document positions kept."""
+    trainer = _sft(output_dir=str(tmp_path))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    labels = torch.tensor([[-100, 6, 7, -100, 9, 10, 11]])
+    inputs = {"input_ids": ids, "labels": labels, "position_ids": pos, "seq_idx": torch.tensor([[0, 0, 0, 1, 1, 1, 1]]),
+              "cu_seq_lens_q": torch.tensor([0, 3, 7], dtype=torch.int32), "max_length_q": 4}
+    ctx, batch = trainer._prepare_context_parallel_inputs(trainer.model, inputs)
+    assert sorted(batch) == ["input_ids", "labels", "position_ids", "shift_labels"]
+    assert batch["shift_labels"].tolist() == [[6, 7, -100, 9, 10, 11, -100]]
+    assert ctx.state.plan.layout.seqlens == [[3, 4]]
