@@ -1,4 +1,4 @@
-# blockdiag — every target creates .venv when missing and installs the project with its test and hf extras.
+# blockdiag — every target creates .venv when missing and installs the project with its test, bench, hf and trainer extras.
 # torch is pinned to 2.13.0: its CPU build lies on this machine's disk; an unpinned torch pulls a CUDA build.
 
 PYTHON ?= python3
@@ -16,7 +16,7 @@ LONG_BUDGET   ?= 600
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test,bench,hf]" --config-settings editable_mode=compat
+	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test,bench,hf,trainer]" --config-settings editable_mode=compat
 	@touch $@
 
 install: $(STAMP)

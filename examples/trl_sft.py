@@ -67,13 +67,14 @@ def promoted(model: torch.nn.Module, on: bool = True):
 def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, packing_strategy: str = "bfd",
             max_length: int = 64, rows: int = 4, record_first_step: bool = False, output_dir: str | None = None,
             resume_from_checkpoint: str | None = None, save_steps: int | None = None, lr: float = 1e-3,
-            trainer: str = "sft", float64: bool = False) -> dict:
+            trainer: str = "sft", float64: bool = False, accumulate: int = 1, evaluate: bool = False) -> dict:
     """Train ``model_type`` at CP ``cp`` (every process of the default group, or one process) with TRL's
     ``BlockdiagSFTTrainer`` (``trainer="sft"``: TRL packs ``rows`` rows of ``max_length``) or transformers'
     ``BlockdiagTrainer`` (``trainer="hf"``: ``rows`` documents per step flattened into one row by transformers'
     ``DataCollatorWithFlattening``). Returns the logged losses and, with ``record_first_step``, the first step's full
     batch (this rank's, before sharding) and every parameter's gradient before the optimizer step. ``float64``: the
-    whole forward in float64 (:func:`promoted`), for float64 parity tests."""
+    whole forward in float64 (:func:`promoted`), for float64 parity tests. ``accumulate``: gradient accumulation
+    steps; ``evaluate``: also return the evaluation loss on held-out documents after training."""
     from datasets import Dataset
     from transformers import DataCollatorWithFlattening, TrainerCallback, TrainingArguments
     from trl import SFTConfig
@@ -91,6 +92,7 @@ def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, pac
         use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0, dataloader_drop_last=True, disable_tqdm=True,
         max_grad_norm=0.0, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         bf16=dtype == "bf16-mixed", fp16=False,  # transformers turns bf16 autocast on by default where the CPU has it
+        gradient_accumulation_steps=accumulate, per_device_eval_batch_size=rows,
     )
     if trainer == "sft":
         args = SFTConfig(packing=True, packing_strategy=packing_strategy, max_length=max_length, **common)
@@ -107,7 +109,9 @@ def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, pac
 
     weights = torch.float32 if dtype == "bf16-mixed" else getattr(torch, dtype)
     trainer = cls(model=tiny_model(model_type, weights), args=args,
-                  train_dataset=Dataset.from_dict({"input_ids": documents(200)}), cp_size=cp, callbacks=[FirstStep()], **extra)
+                  train_dataset=Dataset.from_dict({"input_ids": documents(200)}),
+                  eval_dataset=Dataset.from_dict({"input_ids": documents(24, seed=1)}) if evaluate else None,
+                  cp_size=cp, callbacks=[FirstStep()], **extra)
     if record_first_step:
         prepare = trainer._prepare_context_parallel_inputs
 
@@ -119,6 +123,9 @@ def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, pac
     with promoted(trainer.model, float64):
         trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    if evaluate:
+        with promoted(trainer.model, float64):
+            recorded["eval_loss"] = float(trainer.evaluate()["eval_loss"])
     return {"losses": losses, **recorded}
 
 

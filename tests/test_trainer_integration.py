@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("trl", reason="trl is not installed (the 'trainer' extra: pip install -e '.[trainer]')")
 
 from examples.trl_sft import run_sft, tiny_model, tiny_tokenizer  # noqa: E402
-from trainer_checks import per_document_truth, sft_on_rank, worst_gradient_error  # noqa: E402
+from trainer_checks import per_document_truth, run_on_rank, sft_on_rank, worst_gradient_error  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,6 +92,29 @@ def test_cp2_losses_over_steps_equal_cp1(pools, trainer):
     assert len(cp1) == steps
     for r in runs:
         assert r["losses"] == pytest.approx(cp1, rel=limit, abs=0), (r["losses"], cp1)
+
+
+def test_gradient_accumulation_and_evaluation_at_cp2_equal_cp1(pools):
+    """Two micro-batches per step (one step context each, the loss over both micro-batches' targets) and the
+    evaluation loss after training: CP 2 as CP 1. A large learning rate makes a wrong gradient move the next loss."""
+    kw = dict(trainer="hf", float64=True, accumulate=2, evaluate=True, lr=0.05)
+    cp1 = run_sft("llama", 1, 3, "float64", **kw)
+    runs = pools(2).run(run_on_rank, args=("llama", 2, 3, kw), timeout=TIMEOUT_S, name="Trainer llama at CP 2, accumulation 2")
+    for r in runs:
+        assert r["losses"] == pytest.approx(cp1["losses"], rel=LOGGED_LOSS_LIMIT, abs=0)
+        assert r["eval_loss"] == pytest.approx(cp1["eval_loss"], rel=1e-12, abs=0)
+
+
+def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(pools, tmp_path):
+    """At CP 2: 4 steps saving at step 2; then a run resumed from checkpoint-2 (its log history carries steps 1, 2
+    from the checkpoint) logs the same losses for steps 3, 4."""
+    whole = dict(trainer="hf", float64=True, lr=0.05, output_dir=str(tmp_path / "a"), save_steps=2)
+    first = pools(2).run(run_on_rank, args=("llama", 2, 4, whole), timeout=TIMEOUT_S, name="Trainer at CP 2, saving")[0]
+    resumed = dict(whole, output_dir=str(tmp_path / "b"), resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    second = pools(2).run(run_on_rank, args=("llama", 2, 4, resumed), timeout=TIMEOUT_S, name="Trainer at CP 2, resumed")[0]
+    assert len(first["losses"]) == len(second["losses"]) == 4
+    assert second["losses"] == pytest.approx(first["losses"], rel=LOGGED_LOSS_LIMIT, abs=0)
+    assert len(set(first["losses"])) == 4, "the steps must train (distinct losses)"
 
 
 # ---- refusals --------------------------------------------------------------------------------------------------

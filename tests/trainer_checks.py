@@ -15,6 +15,7 @@ def sft_on_rank(model_type: str, cp: int, steps: int, dtype: str, record: bool, 
     transformers' Trainer: the whole forward in float64 (``float64``), as in the truth. TRL's SFTTrainer as it runs
     (its float32 LM head; its default gradient checkpointing, whose recompute would run outside the promotion)."""
     out = run_sft(model_type, cp, steps, dtype, record_first_step=record, trainer=trainer, float64=trainer == "hf")
+    out.pop("eval_loss", None)
     if torch.distributed.get_rank() != 0:
         out = {"losses": out["losses"]}
     return out
@@ -61,3 +62,9 @@ def worst_gradient_error(got: dict[str, torch.Tensor], truth: dict[str, torch.Te
         if err > worst:
             worst, name = err, n
     return worst, name
+
+
+def run_on_rank(model_type: str, cp: int, steps: int, kwargs: dict) -> dict:
+    """``run_sft`` on one rank with keyword arguments (losses and what they ask for)."""
+    out = run_sft(model_type, cp, steps, "float64", **kwargs)
+    return {k: v for k, v in out.items() if k in ("losses", "eval_loss")}
