@@ -42,6 +42,7 @@ GENERATED = {
     (ROOT / re.sub(r"\$\((\w+)\)", lambda m: MAKE_DEFAULTS.get(m.group(1), m.group(0)), p)).resolve()
     for p in re.findall(r"--md\s+(\S+)", MAKEFILE)
 }
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 
 def test_readme_has_python_examples():
@@ -141,7 +142,7 @@ def test_docs_index_lists_every_page():
 
 # ---- shell commands ---------------------------------------------------------------------------------------
 SHELL_BLOCK = re.compile(r"^```bash( run)?[ \t]*\n(.*?)^```", re.S | re.M)
-PROGRAMS = ("python", "python3", "torchrun", "make")  # what the pages' commands may start with (after VAR=value)
+PROGRAMS = ("python", "python3", "torchrun", "make", "source")  # what the pages' commands start with (after VAR=value)
 RUN_DEADLINE = 280.0  # seconds, one command of a ```bash run block
 
 
@@ -231,6 +232,11 @@ def test_shell_command(page, command, run, shims):
     words = shlex.split(command)
     program = next((w for w in words if not re.match(r"\w+=", w)), "")
     assert program in PROGRAMS, f"{page}: {command!r}: expected a command starting with one of {PROGRAMS}, got {program!r}"
+    if program == "source":  # the venv's activation: the script `make install` creates
+        venv = MAKE_DEFAULTS.get("VENV")
+        assert words == ["source", f"{venv}/bin/activate"] and "-m venv $(VENV)" in MAKEFILE, (
+            f"{page}: {command!r}: expected 'source {venv}/bin/activate', the venv the Makefile creates")
+        return
     env = {**os.environ, "PATH": f"{shims[run]}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ['PYTHONPATH']}" if os.environ.get("PYTHONPATH") else str(ROOT)}
     env.pop("RANK", None)
@@ -248,3 +254,33 @@ def test_shell_command(page, command, run, shims):
     assert proc.returncode == 0, f"{page}: {command!r} {what}: expected exit 0, got {proc.returncode}\n{output[-4000:]}"
     if before is not None:
         assert _git_status() == before, f"{page}: {command!r} changed the clone:\n{_git_status()}"
+
+
+# ---- counts the README quotes, from the tables they count ----------------------------------------------
+def _table_rows(text: str, section: str) -> list[str]:
+    body = text.split(section, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([a-z0-9_-]+)` \|", body, re.M)
+
+
+def test_readme_counts_match_their_tables():
+    readme = (ROOT / "README.md").read_text()
+    malformed = len(_table_rows((ROOT / "docs" / "faults.md").read_text(), "## Malformed input"))
+    assert f"{malformed} kinds of malformed input" in readme, f"README: expected '{malformed} kinds of malformed input' (docs/faults.md's table)"
+
+    catalogue = (ROOT / "docs" / "models.md").read_text()
+    classes = {c: [int(n) for n in re.findall(rf"^\| {c} \| (\d+) \| (\d+) \|$", catalogue, re.M)[0]]
+               for c in ("pass", "refused", "wrong", "cannot build", "cannot run on CPU", "crash", "hang")}
+    per_cp = {c: n[0] for c, n in classes.items()}
+    assert all(n[0] == n[1] for n in classes.values()), f"docs/models.md: CP 1 and CP 2 differ: {classes}"
+    silent = per_cp["wrong"] + per_cp["crash"] + per_cp["hang"]
+    quoted = (f"{sum(per_cp.values())} models at CP 1 and 2: {per_cp['pass']} pass, {per_cp['refused']} refused naming "
+              f"the layer, {per_cp['cannot build'] + per_cp['cannot run on CPU']} cannot build or run on CPU, "
+              f"**{silent} silently wrong**")
+    assert quoted in readme, f"README: expected the catalogue's counts as in docs/models.md: {quoted!r}"
+
+    presets = re.findall(r"^\| `\w+` \| [^|]+ \| (\S+) \| (\S+) \|", (ROOT / "MODELS.md").read_text(), re.M)
+    passed = sum(cells == ("pass", "pass") for cells in presets)
+    refused = sum(cells == ("unsupp.", "unsupp.") for cells in presets)
+    quoted = f"a training step of {len(presets)} presets"
+    assert quoted in readme and f"presets: {passed} pass" in readme and f"{refused} refused;" in readme, (
+        f"README: expected {len(presets)} presets, {passed} pass, {refused} refused (MODELS.md)")
