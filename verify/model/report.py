@@ -8,6 +8,7 @@ from typing import Any
 
 from ..conformance import SHORT
 from .check import MODEL_CLASSES
+from .harness import describe_exercised
 
 __all__ = ["write_markdown"]
 
@@ -121,6 +122,14 @@ def write_markdown(path: str, data: dict[str, Any]) -> None:
         if kinds:
             lines.append(f"- worst gradient error per module kind at CP {max(cps)}: "
                          + ", ".join(f"{k} {e:.1e}" for k, e in sorted(kinds.items())))
+        by_layout: dict[str, set[str]] = {}
+        for r in rs:
+            text = describe_exercised(r.get("exercised") or {})
+            if text:
+                by_layout.setdefault(text, set()).add(r["case"]["layout"])
+        if by_layout:
+            lines.append("- exercised (the step's attention calls and per-document mixers): " + " | ".join(
+                f"{text} ({', '.join(sorted(lays))})" if len(by_layout) > 1 else text for text, lays in by_layout.items()))
         seen = set()
         for r in rs:
             if r["class"] == "pass":
