@@ -237,9 +237,9 @@ def test_shell_command(page, command, run, shims):
         assert words == ["source", f"{venv}/bin/activate"] and "-m venv $(VENV)" in MAKEFILE, (
             f"{page}: {command!r}: expected 'source {venv}/bin/activate', the venv the Makefile creates")
         return
-    env = {**os.environ, "PATH": f"{shims[run]}{os.pathsep}{os.environ.get('PATH', '')}",
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k not in ("RANK", "WORLD_SIZE")}
+    env = {**clean, "PATH": f"{shims[run]}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ['PYTHONPATH']}" if os.environ.get("PYTHONPATH") else str(ROOT)}
-    env.pop("RANK", None)
     before = _git_status() if run else None
     deadline = RUN_DEADLINE if run else 120.0
     proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
