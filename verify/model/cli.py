@@ -222,6 +222,8 @@ def _environment() -> dict[str, Any]:
 def _summary(console, results, names, infos, wall: float) -> None:
     from rich.table import Table
 
+    from .harness import describe_exercised
+
     table = Table(title="verify model: per model, CP size and dtype (worst over layouts)")
     for col in ("model", "CP", "dtype", "cases", "class", "worst grad err", "exercised", "first wrong / refusal"):
         table.add_column(col)
@@ -236,8 +238,6 @@ def _summary(console, results, names, infos, wall: float) -> None:
         what = ""
         if bad is not None:
             what = bad.message or bad.why
-        from .harness import describe_exercised
-
         done = sorted({describe_exercised(r.exercised) for r in rs if r.exercised} - {""})
         table.add_row(model, str(cp), dtype, str(len(rs)), ", ".join(f"{c} {n}" for c, n in counts.items()),
                       "-" if worst is None else f"{worst:.2e}", " | ".join(done) or "-", clip(what))
