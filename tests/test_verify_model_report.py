@@ -62,7 +62,7 @@ def test_clip_cuts_at_a_word_boundary(text, width, want):
 
 def test_summary_table_cell_does_not_cut_a_word():
     c, buf = console()
-    _summary(c, results(n_cp=(1,), dtypes=("float64",), layouts=("many-short",)), ["jamba"], {"jamba": {}}, 1.0)
+    _summary(c, results(n_cp=(1,), dtypes=("float64",), layouts=("many-short",)), ["jamba"], {"jamba": {}})
     assert "computed per docu\\n" not in buf.getvalue().replace("\n", "\\n")
     assert "..." in buf.getvalue()
 

@@ -188,8 +188,11 @@ def main(args: argparse.Namespace, session=None) -> int:
         if own:
             session.close()
     wall = time.perf_counter() - t0
-    _summary(console, results, names, infos, wall)
+    _summary(console, results, names, infos)
     _refusals(console, results, layers)
+    counts = Counter(r.cls for r in results)
+    console.print(f"verify model: {len(results)} cases in {wall:.1f} s: " + ", ".join(f"{c} {k}" for c, k in counts.items()),
+                  markup=False)
     data = {"impl": args.impl, "wall_seconds": round(wall, 1), "cps": cps, "layouts": layouts, "dtypes": dtypes,
             "environment": _environment(), "models": {n: infos[n] for n in names},
             "results": [r.to_dict() for r in results]}
@@ -219,7 +222,7 @@ def _environment() -> dict[str, Any]:
             "device": "cpu", "backend": "gloo"}
 
 
-def _summary(console, results, names, infos, wall: float) -> None:
+def _summary(console, results, names, infos) -> None:
     from rich.table import Table
 
     from .harness import describe_exercised
@@ -249,9 +252,6 @@ def _summary(console, results, names, infos, wall: float) -> None:
             console.print(f"{n}: computes below float64 in " + "; ".join(ops)
                           + (f" (cost: worst gradient {cost:.1e} against the same model all in float64)" if cost is not None else ""),
                           markup=False, soft_wrap=True, highlight=False)
-    counts = Counter(r.cls for r in results)
-    console.print(f"verify model: {len(results)} cases in {wall:.1f} s: " + ", ".join(f"{c} {k}" for c, k in counts.items()),
-                  markup=False)
 
 
 def report_result(console, r, seen: set[str]) -> None:
