@@ -42,20 +42,26 @@ test: $(STAMP) $(PEERS_STAMP)
 verify: $(STAMP)
 	$(PY) -m verify $(ARGS)
 
+# Generated reports go under results/ (ignored by git), so these targets leave the clone clean. Name a tracked page
+# to rewrite it: make verify-models MODELS_MD=MODELS.md; make models-catalogue CATALOGUE_MD=docs/models.md.
+MODELS_MD    ?= results/MODELS.md
+CATALOGUE_MD ?= results/models.md
+
 # Whole models: every preset (tiny Llama, Qwen3, Mistral, Gemma 3, Qwen3-MoE, DeepSeek-V3, Qwen3-Next, Nemotron-H,
 # Qwen2.5-VL, Qwen3-VL, gpt-oss, Llama 4, Gemma 2, BLOOM) at CP 1 and 2, four layouts, float64 and float32, against
-# each document run alone (docs/verify-model.md): MODELS.md and results/models.json. A refusal is reported, not failed.
+# each document run alone (docs/verify-model.md): $(MODELS_MD) and results/models.json. A refusal is reported, not failed.
 verify-models: $(STAMP)
-	$(PY) -m verify model --presets --cp 1,2 --allow-unsupported --md MODELS.md --json results/models.json $(ARGS)
+	$(PY) -m verify model --presets --cp 1,2 --allow-unsupported --md $(MODELS_MD) --json results/models.json $(ARGS)
 
 models-md: verify-models
 
 # The whole catalogue: every causal-LM and image-text-to-text model type of the installed transformers, tiny, float64,
 # one packed row at CP 1 and 2, each classed pass / refused / wrong / cannot build / cannot run / crash / hang
-# (verify/model/catalogue.py): docs/models.md (its generated part) and results/catalogue.json. Exit 1 only when a
-# model is wrong (a silent failure), crashed or hung. About 10-30 minutes on 2 busy cores.
+# (verify/model/catalogue.py): $(CATALOGUE_MD) (the generated part of an existing page, or a new page) and
+# results/catalogue.json. Exit 1 only when a model is wrong (a silent failure), crashed or hung. About 10-30
+# minutes on 2 busy cores.
 models-catalogue: $(STAMP)
-	$(PY) -m verify model --catalogue --cp 1,2 --md docs/models.md --json results/catalogue.json $(ARGS)
+	$(PY) -m verify model --catalogue --cp 1,2 --md $(CATALOGUE_MD) --json results/catalogue.json $(ARGS)
 
 # Hypothesis-drawn cases; a failure is shrunk and printed as a replay command.
 fuzz: $(STAMP)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 
@@ -11,6 +10,8 @@ import torch.distributed as dist
 
 from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 from verify.pool import worker_info
+
+from .memory import peak_bytes, reset_peak
 
 from verify.workloads import D, H, HKV, layout_of, long_tail
 
@@ -96,15 +97,18 @@ def timed_steps(S: int, seed: int, configs: list[dict], reps: int) -> dict:
 
 
 def peak_memory(S: int, seed: int) -> dict:
-    """Peak resident memory of this rank after one varlen + needed-only step at sequence length ``S``."""
+    """Peak resident memory of this rank over one varlen + needed-only step at sequence length ``S`` (its plans
+    and inputs included): the high-water mark reset first, so that what its parent held when it spawned the rank
+    does not count (:mod:`bench.memory`)."""
     mesh = worker_info()["cp_mesh"]
+    reset_peak()
     ids = layout_of(long_tail(S, seed)).doc_ids
     state, step = _step_fn(ids, mesh, {"kv_exchange": "auto", "kernel": "varlen"}, seed)
     t0 = time.perf_counter()
     step()
     seconds = time.perf_counter() - t0
     return {
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_bytes(),
         "mode": state.window_plan(-1).mode,
         "local_len": state.local_len,
         "seconds": seconds,

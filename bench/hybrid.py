@@ -19,14 +19,14 @@ would receive the rank's other ranks' ``xBC`` and ``dt``).
 
 Figures: bytes each rank receives per forward (blockdiag's: histories and summaries, flat in S), the CP 2 step
 against the single-device layer on the same cores (one process with both threads), and each rank's peak memory
-at CP 4 against a quarter of the single-device layer's (each in a fresh process: peak RSS minus RSS before).
+at CP 4 against a quarter of the single-device layer's (each in a fresh process: its resident high-water mark,
+reset once the step's plans and inputs exist, minus its RSS then; :mod:`bench.memory` says why not ``ru_maxrss``).
 
 Shape legend: S sequence, W CP size, L = S / W, C = 2 Hk K + Hv V channels, Hk / Hv key / value heads.
 """
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 
@@ -39,6 +39,8 @@ from blockdiag_dist.mixers import causal_conv, gated_delta_rule, plan_recurrence
 from blockdiag_dist.plan import plan_step
 from verify.pool import WorkerPool, worker_info
 
+from .memory import peak_bytes, reset_peak, rss_bytes
+
 from verify.workloads import layout_of, long_tail
 
 __all__ = ["HK", "HV", "K", "V", "SSD_LAYER", "WIDTH", "bench_hybrid", "ssd_bytes", "ssd_plan_bytes"]
@@ -47,11 +49,6 @@ HK, HV, K, V, WIDTH = 4, 8, 32, 32, 4
 C = 2 * HK * K + HV * V
 METHODS = ("blockdiag", "allgather", "a2a_heads")
 SSD_LAYER = {"H": 8, "Dh": 32, "G": 2, "N": 32}  # Mamba2 heads, head dim, groups, state size (width WIDTH)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def _ids(S: int, seed: int) -> torch.Tensor:
@@ -172,18 +169,22 @@ def single_times(S: int, seed: int, reps: int, threads: int) -> float:
 
 
 def peak_memory(S: int, seed: int, method: str = "blockdiag") -> dict:
-    """Peak RSS increase of one step in a fresh process (a pool rank, or the single device with no pool): from the
-    RSS once the step's plans and inputs exist to the process's peak after forward and backward (the plans'
-    own transient peak, if higher, is reported as ``setup_peak_bytes``)."""
+    """Peak resident memory of one step in a fresh process (a pool rank, or the single device with no pool): from
+    the RSS once the step's plans and inputs exist to the process's high-water mark after forward and backward,
+    reset in between (the plans' own transient peak, if higher, is reported as ``setup_peak_bytes``)."""
     env = worker_info()
     torch.set_num_threads(1)
-    start = _rss_bytes()
+    start = rss_bytes()
+    reset_peak()
     step = _Step(method, S, seed, env.get("cp_mesh") if env else None)
-    before = _rss_bytes()
-    setup_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = rss_bytes()
+    setup_peak = peak_bytes()
+    if not reset_peak():
+        raise RuntimeError("expected /proc/self/clear_refs to reset the resident high-water mark (Linux), got none: "
+                           "the step's peak cannot be told from the process's")
     t0 = time.perf_counter()
     step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_bytes()
     return {"peak_increase_bytes": peak - before, "setup_bytes": before - start, "setup_peak_bytes": setup_peak - start,
             "step_above_setup_peak": peak > setup_peak, "seconds": time.perf_counter() - t0}
 

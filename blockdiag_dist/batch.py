@@ -111,6 +111,14 @@ def _validate_batch(batch: Any, loss_mask: Tensor | None) -> tuple[str, int, int
         ):
             got = tuple(pos.shape) if isinstance(pos, Tensor) else type(pos).__name__
             raise ValueError(f"position_ids: expected [B, S] = {[B, S]} or [n, B, S] (e.g. 3 for mRoPE), got {got}")
+        _check_positions(pos)
+    labels = batch.get("labels")
+    if labels is not None and (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):
+        raise ValueError(f"labels: expected integer token ids [B, S] (next-token targets, -100 = ignored), got dtype "
+                         f"{labels.dtype}")
+    if batch.get("_packed_seq_ids") is not None and batch.get("attention_mask") is not None:
+        # the doc ids take precedence, so the mask is not read for documents; it is checked as when it stands alone
+        doc_ids_from_batch({"attention_mask": batch["attention_mask"]}, S, B)
     vpm = batch.get("visual_pos_masks")
     if vpm is not None and vpm.dtype != torch.bool:
         raise ValueError(f"visual_pos_masks: expected a bool tensor [B, S] (True = visual token), got dtype {vpm.dtype}")
@@ -126,6 +134,14 @@ def _validate_batch(batch: Any, loss_mask: Tensor | None) -> tuple[str, int, int
     if len(devices) > 1:
         raise ValueError(f"batch: expected every tensor on one device, got {sorted(str(d) for d in devices)}")
     return key, B, S, x.device
+
+
+def _check_positions(pos: Tensor) -> None:
+    """Integer positions >= 0, whether or not they are read for documents (doc ids or a mask take precedence)."""
+    if pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
+        raise ValueError(f"position_ids: expected integer positions, got dtype {pos.dtype}")
+    if pos.numel() and int(pos.min()) < 0:
+        raise ValueError(f"position_ids: expected positions >= 0, got {int(pos.min())}")
 
 
 def _validate_deepstack(batch: MutableMapping, doc_ids: Tensor) -> None:
@@ -198,7 +214,8 @@ def make_cp_blockdiag_batch_and_ctx(
             ``position_ids [B, S]`` or ``[n, B, S]`` (mRoPE), ``_packed_seq_ids``, ``attention_mask``,
             ``loss_mask``, and for a vision-language model its inputs (``pixel_values``, ``image_grid_thw``, ...,
             never sharded), ``visual_pos_masks [B, S]`` and ``_deepstack_visual_embeds``.
-            Mutated in place, after all validation: ``attention_mask`` is dropped, ``padding_mask [B, S]``
+            Mutated in place, after all validation, and returned (the same dict; pass ``dict(batch)`` to keep
+            yours: values are replaced, never written into): ``attention_mask`` is dropped, ``padding_mask [B, S]``
             (True = pad) is added, every sequence-aligned tensor is padded to ``W * L`` and sliced to this
             rank's ``L`` rows. ``inputs_embeds`` is sliced differentiably, so grads reach the full tensor.
             Labels must already be aligned with positions (next-token targets), as for any sharded loss.

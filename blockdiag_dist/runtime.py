@@ -114,6 +114,7 @@ def cp_blockdiag_sdpa(
     query, key, value = _autocast_like_sdpa(query, key, value)
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)
     wp = state.agreed_window_plan(left, chunk)
+    state.attention_kinds.add((left, chunk, sinks is not None, None if softcap is None else float(softcap)))
     B, Hq, L, D = query.shape
     Hkv, Dv = key.shape[1], value.shape[-1]
     kv_tok = torch.cat(

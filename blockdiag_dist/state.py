@@ -97,6 +97,8 @@ class StepState:
         self.check_consensus = check_consensus
         self.expect_attention = expect_attention
         self.attention_calls = 0  # calls of cp_blockdiag_sdpa that computed under this step
+        # what those calls computed: (window left, chunk length, with sinks, softcap), -1 = none (for reports)
+        self.attention_kinds: set[tuple[int, int, bool, float | None]] = set()
         self.shard_primary = shard_primary  # False: the model's inputs stay full, sharded at its decoder's entry
         self.padding_token_id = padding_token_id
         self.shard_vision = shard_vision  # vision towers run on this rank's share of the images (integrations)

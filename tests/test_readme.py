@@ -1,8 +1,25 @@
-"""The Python snippets of README.md and docs/*.md run as written (each block in a fresh namespace), and every
-relative link of those pages (and of the generated pages at the root) resolves to a file and, with ``#anchor``,
-to a heading of it."""
+"""The pages run as written, from a fresh clone's point of view (after ``make install`` and ``source
+.venv/bin/activate``):
 
+- every ```` ```python ```` block of README.md and docs/*.md runs (each in a fresh namespace); a block whose
+  first line is ``# from examples/NAME.py`` is an excerpt of that file and must appear in it, line for line;
+- every command of a ```` ```bash ```` block is checked: ``make TARGET`` names a target (``make -n``), ``python -m
+  MODULE ARGS`` (also under ``torchrun`` or after ``VAR=value``) imports and parses its arguments, and so does a
+  script. A block opened with ```` ```bash run ```` is run as written, each command within a deadline, and must
+  exit 0 and leave every tracked file as it was;
+- every relative link of those pages (and of the generated pages at the root) resolves to a file and, with
+  ``#anchor``, to a heading of it; the counts the README quotes match the tables they count.
+
+``python``, ``python3`` and ``torchrun`` are this interpreter's (the venv's, as activated).
+"""
+
+import os
 import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +31,17 @@ BLOCKS = [
     for page in PAGES
     for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
 ]
-# pages whose links are checked: the docs, and the generated reports at the root (BENCHMARKS.md, MODELS.md, ...)
+EXCERPT = re.compile(r"# from (examples/[\w/]+\.py)\n")
+# pages whose links are checked: the docs, and the generated pages at the root (BENCHMARKS.md, MODELS.md, ...)
 LINK_PAGES = sorted({*PAGES, *ROOT.glob("*.md")})
-# pages a make target generates (`--md PATH` in the Makefile): a link to one is right before it is first generated
-GENERATED = {(ROOT / p).resolve() for p in re.findall(r"--md\s+(\S+)", (ROOT / "Makefile").read_text())}
+MAKEFILE = (ROOT / "Makefile").read_text()
+MAKE_DEFAULTS = dict(re.findall(r"^([A-Z_]+)\s*\?=\s*(\S+)", MAKEFILE, re.M))
+# pages a make target generates (`--md PATH` in the Makefile, with its variables' defaults): a link to one is right
+# before it is first generated
+GENERATED = {
+    (ROOT / re.sub(r"\$\((\w+)\)", lambda m: MAKE_DEFAULTS.get(m.group(1), m.group(0)), p)).resolve()
+    for p in re.findall(r"--md\s+(\S+)", MAKEFILE)
+}
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 
@@ -27,6 +51,13 @@ def test_readme_has_python_examples():
 
 @pytest.mark.parametrize("page, index, code", BLOCKS, ids=[f"{page}-block{i}" for page, i, _ in BLOCKS])
 def test_readme_block_runs(page, index, code, capsys):
+    excerpt = EXCERPT.match(code)
+    if excerpt:
+        source = [line.strip() for line in (ROOT / excerpt.group(1)).read_text().splitlines()]
+        lines = [line.strip() for line in code[excerpt.end():].rstrip().splitlines()]
+        found = any(source[i : i + len(lines)] == lines for i in range(len(source) - len(lines) + 1))
+        assert found, f"{page} block {index}: expected an excerpt of {excerpt.group(1)}, line for line; it is not one"
+        return
     if "# readme-test: skip" in code:
         pytest.skip("block marked '# readme-test: skip': it needs a launcher (torchrun) or several processes")
     if "from transformers" in code or "import transformers" in code:
@@ -107,3 +138,149 @@ def test_docs_index_lists_every_page():
     listed = {path for _, path, _ in links(index) if path is not None}
     missing = [p.name for p in PAGES if p.parent == index.parent and p != index and p not in listed]
     assert not missing, f"docs/README.md does not link {missing}"
+
+
+# ---- shell commands ---------------------------------------------------------------------------------------
+SHELL_BLOCK = re.compile(r"^```bash( run)?[ \t]*\n(.*?)^```", re.S | re.M)
+PROGRAMS = ("python", "python3", "torchrun", "make", "source")  # what the pages' commands start with (after VAR=value)
+RUN_DEADLINE = 280.0  # seconds, one command of a ```bash run block
+
+
+def shell_commands(text: str) -> list[tuple[str, bool]]:
+    """``(command, run)`` of every command of the ```` ```bash ```` blocks of ``text``, in order: continuation
+    lines joined, comments and blank lines dropped; ``run`` for a block opened with ```` ```bash run ````."""
+    found = []
+    for m in SHELL_BLOCK.finditer(text):
+        for line in m.group(2).replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                found.append((shlex.join(words), bool(m.group(1))))
+    return found
+
+
+COMMANDS = [(page.relative_to(ROOT).as_posix(), cmd, run) for page in PAGES for cmd, run in shell_commands(page.read_text())]
+
+# `python ...` that only parses: argparse's parse_args exits 0 once the arguments parsed; nothing else runs
+PARSE_ONLY = '''
+import argparse, os, runpy, sys
+parse = argparse.ArgumentParser.parse_args
+def parse_args(self, args=None, namespace=None):
+    parse(self, args, namespace)
+    raise SystemExit(0)
+argparse.ArgumentParser.parse_args = parse_args
+argv = sys.argv[1:]
+if argv[:1] == ["-m"]:
+    sys.argv, sys.path[0] = argv[1:], os.getcwd()
+    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+else:
+    sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
+    runpy.run_path(argv[0], run_name="__main__")
+sys.exit(f"expected {argv} to parse its arguments with argparse; it finished without parsing any")
+'''
+# `torchrun ...` that only parses: torchrun's own options, then the module's or script's as above
+TORCHRUN_PARSE_ONLY = '''
+import os, sys
+from torch.distributed.run import get_args_parser
+args = get_args_parser().parse_args(sys.argv[1:])
+os.execv(sys.executable, [sys.executable, sys.argv[0].replace("torchrun_parse.py", "parse_only.py"),
+                          *(["-m"] if args.module else []), args.training_script, *args.training_script_args])
+'''
+
+
+@pytest.fixture(scope="module")
+def shims(tmp_path_factory) -> dict[bool, Path]:
+    """Two directories to put first on PATH: ``python``, ``python3``, ``torchrun`` and ``make`` as this
+    interpreter (the activated venv) runs them (``True``), and the same that only parse (``False``)."""
+    base = tmp_path_factory.mktemp("shims")
+    (base / "parse_only.py").write_text(PARSE_ONLY)
+    (base / "torchrun_parse.py").write_text(TORCHRUN_PARSE_ONLY)
+    make = shutil.which("make") or "make"
+    exe = sys.executable
+    scripts = {
+        True: {"python": f'exec "{exe}" "$@"', "python3": f'exec "{exe}" "$@"',
+               "torchrun": f'exec "{exe}" -m torch.distributed.run "$@"', "make": f'exec "{make}" "$@"'},
+        False: {"python": f'exec "{exe}" "{base}/parse_only.py" "$@"', "python3": f'exec "{exe}" "{base}/parse_only.py" "$@"',
+                "torchrun": f'exec "{exe}" "{base}/torchrun_parse.py" "$@"', "make": f'exec "{make}" -n "$@"'},
+    }
+    dirs = {}
+    for run, table in scripts.items():
+        d = base / ("run" if run else "parse")
+        d.mkdir()
+        for name, body in table.items():
+            (d / name).write_text(f"#!/bin/sh\n{body}\n")
+            (d / name).chmod(0o755)
+        dirs[run] = d
+    return dirs
+
+
+def _git_status() -> str | None:
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        return None
+    return subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def test_shell_commands_are_found():
+    """The extractor itself, and the pages: commands are found, and at least one block of README.md runs."""
+    text = "x\n```bash run\nmake a  # c\npython -m m \\\n  --x 1\n```\n```bash\n# only a comment\nmake b\n```\n"
+    assert shell_commands(text) == [("make a", True), ("python -m m --x 1", True), ("make b", False)]
+    assert any(page == "README.md" and run for page, _, run in COMMANDS), "README.md has no ```bash run block"
+
+
+@pytest.mark.parametrize("page, command, run", COMMANDS,
+                         ids=[f"{page}:{'run' if run else 'parse'}:{cmd[:70]}" for page, cmd, run in COMMANDS])
+def test_shell_command(page, command, run, shims):
+    words = shlex.split(command)
+    program = next((w for w in words if not re.match(r"\w+=", w)), "")
+    assert program in PROGRAMS, f"{page}: {command!r}: expected a command starting with one of {PROGRAMS}, got {program!r}"
+    if program == "source":  # the venv's activation: the script `make install` creates
+        venv = MAKE_DEFAULTS.get("VENV")
+        assert words == ["source", f"{venv}/bin/activate"] and "-m venv $(VENV)" in MAKEFILE, (
+            f"{page}: {command!r}: expected 'source {venv}/bin/activate', the venv the Makefile creates")
+        return
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k not in ("RANK", "WORLD_SIZE")}
+    env = {**clean, "PATH": f"{shims[run]}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ['PYTHONPATH']}" if os.environ.get("PYTHONPATH") else str(ROOT)}
+    before = _git_status() if run else None
+    deadline = RUN_DEADLINE if run else 120.0
+    proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the command's whole group: launchers' workers too
+        proc.communicate()
+        pytest.fail(f"{page}: {command!r} did not finish within {deadline:.0f} s (its process group was killed)")
+    what = "ran" if run else "parsed (nothing run)"
+    assert proc.returncode == 0, f"{page}: {command!r} {what}: expected exit 0, got {proc.returncode}\n{output[-4000:]}"
+    if before is not None:
+        assert _git_status() == before, f"{page}: {command!r} changed the clone:\n{_git_status()}"
+
+
+# ---- counts the README quotes, from the tables they count ----------------------------------------------
+def _table_rows(text: str, section: str) -> list[str]:
+    body = text.split(section, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([a-z0-9_-]+)` \|", body, re.M)
+
+
+def test_readme_counts_match_their_tables():
+    readme = (ROOT / "README.md").read_text()
+    malformed = len(_table_rows((ROOT / "docs" / "faults.md").read_text(), "## Malformed input"))
+    assert f"{malformed} kinds of malformed input" in readme, f"README: expected '{malformed} kinds of malformed input' (docs/faults.md's table)"
+
+    catalogue = (ROOT / "docs" / "models.md").read_text()
+    classes = {c: [int(n) for n in re.findall(rf"^\| {c} \| (\d+) \| (\d+) \|$", catalogue, re.M)[0]]
+               for c in ("pass", "refused", "wrong", "cannot build", "cannot run on CPU", "crash", "hang")}
+    per_cp = {c: n[0] for c, n in classes.items()}
+    assert all(n[0] == n[1] for n in classes.values()), f"docs/models.md: CP 1 and CP 2 differ: {classes}"
+    silent = per_cp["wrong"] + per_cp["crash"] + per_cp["hang"]
+    quoted = (f"{sum(per_cp.values())} models at CP 1 and 2: {per_cp['pass']} pass, {per_cp['refused']} refused naming "
+              f"the layer, {per_cp['cannot build'] + per_cp['cannot run on CPU']} cannot build or run on CPU, "
+              f"**{silent} silently wrong**")
+    assert quoted in readme, f"README: expected the catalogue's counts as in docs/models.md: {quoted!r}"
+
+    presets = re.findall(r"^\| `\w+` \| [^|]+ \| (\S+) \| (\S+) \|", (ROOT / "MODELS.md").read_text(), re.M)
+    passed = sum(cells == ("pass", "pass") for cells in presets)
+    refused = sum(cells == ("unsupp.", "unsupp.") for cells in presets)
+    quoted = f"a training step of {len(presets)} presets"
+    assert quoted in readme and f"presets: {passed} pass" in readme and f"{refused} refused;" in readme, (
+        f"README: expected {len(presets)} presets, {passed} pass, {refused} refused (MODELS.md)")

@@ -67,8 +67,17 @@ def inspect(doc_ids: torch.Tensor, cp: int, *, window: int = -1, layout: str = "
     }
 
 
-def _mb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.3f}"
+def _bytes(n: int | None) -> str:
+    """A byte count in the unit that shows it: '0 B', '512 B', '4.0 KiB', '2.50 MiB', '1.25 GiB'."""
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    for unit, scale in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30)):
+        if n < 1024 * scale or unit == "GiB":
+            value = n / scale
+            return f"{value:.1f} {unit}" if value >= 10 else f"{value:.2f} {unit}"
+    raise AssertionError(n)
 
 
 def main(args) -> int:
@@ -86,17 +95,17 @@ def main(args) -> int:
     title = (f"plan: S={info['seq_len']} (padded {info['padded_len']}), CP {info['cp']}, layout {info['layout']}, "
              f"window {info['window']}; K/V bytes per token {info['bytes_per_token']}")
     table = Table(title=title)
-    for col in ("rank", "rows", "real tokens", "attention work", "needed tokens", "MiB all-gather", "MiB halo", "MiB a2a", "MiB minimum"):
+    for col in ("rank", "rows", "real tokens", "attention work", "needed tokens", "K/V all-gather", "K/V halo", "K/V a2a", "K/V minimum"):
         table.add_column(col, justify="right")
     for r in info["ranks"]:
         rows = f"{r['rows'][0]}..{r['rows'][1]}" if info["layout"] == "contiguous" else f"{len(r['rows'])} positions"
         b = r["bytes"]
         table.add_row(str(r["rank"]), rows, str(r["tokens"]), str(r["work"]), str(r["needed_tokens"]),
-                      _mb(b["allgather"]), _mb(b["halo"]), _mb(b["a2a"]), _mb(b["minimum"]))
+                      _bytes(b["allgather"]), _bytes(b["halo"]), _bytes(b["a2a"]), _bytes(b["minimum"]))
     console.print(table)
     t = info["total_bytes"]
     console.print(f"auto picks {info['auto']['mode']}: {info['auto']['reason']}", markup=False)
-    console.print(f"received in all: all-gather {_mb(t['allgather'])} MiB, needed-only {_mb(t['a2a'])} MiB "
-                  f"(minimum {_mb(t['minimum'])} MiB); max/mean attention work {info['work_max_over_mean']:.3f}, "
+    console.print(f"K/V received in all: all-gather {_bytes(t['allgather'])}, needed-only {_bytes(t['a2a'])} "
+                  f"(minimum {_bytes(t['minimum'])}); max/mean attention work {info['work_max_over_mean']:.3f}, "
                   f"max/mean tokens {info['tokens_max_over_mean']:.3f}", markup=False)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -129,6 +130,7 @@ def write_json(path: str, results: Sequence[CaseResult], wall: float, impl: str,
     if path == "-":
         sys.stdout.write(text + "\n")
     else:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # results/ is not in a fresh clone
         with open(path, "w") as f:
             f.write(text + "\n")
 

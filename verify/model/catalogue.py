@@ -685,7 +685,7 @@ def generated(data: dict[str, Any]) -> str:
         "",
         "## The sweep",
         "",
-        f"Regenerate with `make models-catalogue` (`{data['command']}`). Measured {stamp}: transformers "
+        f"Regenerate with `{data['command']}` (`make models-catalogue` with `CATALOGUE_MD` set to its `--md` path). Measured {stamp}: transformers "
         f"{env['transformers']}, torch {env['torch']}, Python {env['python']}, CPU / gloo, {len(records)} models "
         f"({data['types']} model types of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` and "
         "`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`; a type both map to different classes is listed under both), "

@@ -188,7 +188,8 @@ def _step_on_rank(case: ModelCase, prepared: Prepared, model: nn.Module, recorde
         packed = make_packed(case.rows, _vocab(prepared), case.seed)
         res = cp_step(model, packed.batch, env["cp_mesh"], make_batch_and_ctx=impl.make, embed=case.impl != OURS,
                       track_rows=True, recorder=recorder, **options)
-    out: dict[str, Any] = {"rank": env["rank"], "loss": res.loss, "targets": res.targets, "notes": res.notes}
+    out: dict[str, Any] = {"rank": env["rank"], "loss": res.loss, "targets": res.targets, "notes": res.notes,
+                           "exercised": res.exercised}
     if env["rank"] == 0:
         out["grads"] = res.grads
     if res.rows is None or not res.records:
@@ -217,6 +218,7 @@ class ModelResult:
     verdict: dict[str, Any] = field(default_factory=dict)  # numbers (see _compare_all)
     packed: dict[str, Any] = field(default_factory=dict)  # the packed stock run on one device
     notes: list[str] = field(default_factory=list)
+    exercised: dict[str, Any] = field(default_factory=dict)  # what the step computed (harness.exercised)
     seconds: float = 0.0
     details: str = ""  # tracebacks of a crash
 
@@ -228,6 +230,7 @@ class ModelResult:
         v = {k: (list(val) if isinstance(val, tuple) else val) for k, val in self.verdict.items()}
         return {"case": self.case.to_dict(), "label": self.case.label(), "class": self.cls, "why": self.why,
                 "message": self.message, "verdict": v, "packed": self.packed, "notes": self.notes,
+                "exercised": self.exercised,
                 "seconds": round(self.seconds, 3), "reproduce": self.case.command(),
                 "details": self.details[-4000:] if self.details else ""}
 
@@ -284,9 +287,10 @@ def judge(case: ModelCase, ref: Reference, per_rank: list[dict[str, Any]]) -> Mo
             v["other_truth"] = {"truth": "mixers64", "worst_grad": other["worst_grad"],
                                 "first_wrong_module": other.get("first_wrong_module")}
     stock = ref.packed_stock(rows)
+    exercised = first.get("exercised") or {}
     if v["ok"]:
-        return ModelResult(case, "pass", verdict=v, packed=stock, notes=notes)
-    return ModelResult(case, "bug", why=_why(v, stock), verdict=v, packed=stock, notes=notes)
+        return ModelResult(case, "pass", verdict=v, packed=stock, notes=notes, exercised=exercised)
+    return ModelResult(case, "bug", why=_why(v, stock), verdict=v, packed=stock, notes=notes, exercised=exercised)
 
 
 def _why(v: dict[str, Any], stock: dict[str, Any] | None) -> str:

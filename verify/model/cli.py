@@ -24,7 +24,32 @@ from typing import Any
 
 from ..argtext import csv_list
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "clip", "main", "report_result"]
+
+# Where a refusal's reader finds what is planned and how to extend it, by the refusal's exception
+GUIDES = {
+    "UnsupportedLayerError": "what is planned: docs/hybrid.md#what-is-not-here-yet; how to add a mixer: "
+                             "docs/hybrid.md#adding-a-recurrence-the-extension-point (a layer your code computes per "
+                             "document: declare_per_document)",
+    "UnsupportedAttentionError": "what is carried and what stays refused, and why: "
+                                 "docs/attention-variants.md#what-stays-refused-and-why",
+}
+REFUSED = ("unsupported", "unavailable")  # classes whose message is the same for many cases: printed once
+CELL = 110  # characters of a table cell quoting a message
+
+
+def clip(text: str, width: int = CELL) -> str:
+    """``text`` cut at a word boundary to at most ``width`` characters, '...' marking the cut."""
+    text = " ".join(text.split())
+    if len(text) <= width:
+        return text
+    cut = text[: width - 3].rsplit(" ", 1)[0].rstrip(" ,;:")
+    return cut + "..."
+
+
+def guide(message: str) -> str | None:
+    """The doc pages for a refusal's exception (``message`` starts with its name), or None."""
+    return GUIDES.get(message.split(":", 1)[0].strip())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -146,23 +171,28 @@ def main(args: argparse.Namespace, session=None) -> int:
     t0 = time.perf_counter()
     results = []
 
+    seen: set[str] = set()
+
     def on_result(r) -> None:
         results.append(r)
-        if r.cls != "pass":
-            console.print(f"{r.cls.upper()} {r.case.label()}: {r.why}" + (f" -- {r.message}" if r.message else ""),
-                          markup=False, soft_wrap=True, highlight=False)
-            console.print(f"  reproduce: {r.case.command()}", markup=False, soft_wrap=True)
+        report_result(console, r, seen)
 
     own = session is None
     session = session or ModelSession(case_timeout=args.case_timeout, backend=args.backend or "gloo")
     try:
         session.run(cases, prepared, on_result=on_result)
         infos = {name: model_info(session.reference(prepared[name], args.seed)) for name in names}
+        layers = {name: _refused_layers(session.reference(prepared[name], args.seed))
+                  for name in names if any(r.case.model == name and r.cls == "unsupported" for r in results)}
     finally:
         if own:
             session.close()
     wall = time.perf_counter() - t0
-    _summary(console, results, names, infos, wall)
+    _summary(console, results, names, infos)
+    _refusals(console, results, layers)
+    counts = Counter(r.cls for r in results)
+    console.print(f"verify model: {len(results)} cases in {wall:.1f} s: " + ", ".join(f"{c} {k}" for c, k in counts.items()),
+                  markup=False)
     data = {"impl": args.impl, "wall_seconds": round(wall, 1), "cps": cps, "layouts": layouts, "dtypes": dtypes,
             "environment": _environment(), "models": {n: infos[n] for n in names},
             "results": [r.to_dict() for r in results]}
@@ -192,11 +222,13 @@ def _environment() -> dict[str, Any]:
             "device": "cpu", "backend": "gloo"}
 
 
-def _summary(console, results, names, infos, wall: float) -> None:
+def _summary(console, results, names, infos) -> None:
     from rich.table import Table
 
+    from .harness import describe_exercised
+
     table = Table(title="verify model: per model, CP size and dtype (worst over layouts)")
-    for col in ("model", "CP", "dtype", "cases", "class", "worst grad err", "first wrong / refusal"):
+    for col in ("model", "CP", "dtype", "cases", "class", "worst grad err", "exercised", "first wrong / refusal"):
         table.add_column(col)
     groups: dict[tuple, list] = {}
     for r in results:
@@ -209,8 +241,9 @@ def _summary(console, results, names, infos, wall: float) -> None:
         what = ""
         if bad is not None:
             what = bad.message or bad.why
+        done = sorted({describe_exercised(r.exercised) for r in rs if r.exercised} - {""})
         table.add_row(model, str(cp), dtype, str(len(rs)), ", ".join(f"{c} {n}" for c, n in counts.items()),
-                      "-" if worst is None else f"{worst:.2e}", what[:110])
+                      "-" if worst is None else f"{worst:.2e}", " | ".join(done) or "-", clip(what))
     console.print(table)
     for n in names:
         ops = infos[n].get("float32_ops") or []
@@ -219,6 +252,53 @@ def _summary(console, results, names, infos, wall: float) -> None:
             console.print(f"{n}: computes below float64 in " + "; ".join(ops)
                           + (f" (cost: worst gradient {cost:.1e} against the same model all in float64)" if cost is not None else ""),
                           markup=False, soft_wrap=True, highlight=False)
-    counts = Counter(r.cls for r in results)
-    console.print(f"verify model: {len(results)} cases in {wall:.1f} s: " + ", ".join(f"{c} {k}" for c, k in counts.items()),
-                  markup=False)
+
+
+def report_result(console, r, seen: set[str]) -> None:
+    """Print a case that did not pass as it arrives: its class, why, the message and a replay line; a refusal
+    (or a cannot-run) whose message is in ``seen`` is not printed again (the summary counts it)."""
+    if r.cls == "pass":
+        return
+    if r.cls in REFUSED and r.message:
+        if r.message in seen:
+            return
+        seen.add(r.message)
+    console.print(f"{r.cls.upper()} {r.case.label()}: {r.why}" + (f" -- {r.message}" if r.message else ""),
+                  markup=False, soft_wrap=True, highlight=False)
+    console.print(f"  reproduce: {r.case.command()}", markup=False, soft_wrap=True)
+
+
+def _refused_layers(ref) -> list[str]:
+    """The layers of the reference model the guard refuses under CP, by class: 'JambaMambaMixer x4 (mamba)'."""
+    from blockdiag_dist.guard import check_model
+
+    try:
+        model, _ = ref.model("float64")
+    except Exception:  # noqa: BLE001 - the refusal itself is reported either way
+        return []
+    counts: dict[tuple[str, str], int] = {}
+    for f in check_model(model):
+        if f.per_document is None:
+            counts[(f.cls, f.kind)] = counts.get((f.cls, f.kind), 0) + 1
+    return [f"{cls} x{n} ({kind})" for (cls, kind), n in counts.items()]
+
+
+def _refusals(console, results, layers: dict[str, list[str]]) -> None:
+    """Each distinct refusal once: how many cases gave it, which (CP, dtype, layout) they were, the layers of the
+    model the guard refuses, and the pages that say what is planned and how to extend."""
+    groups: dict[str, list] = {}
+    for r in results:
+        if r.cls in REFUSED and r.message:
+            groups.setdefault(r.message, []).append(r)
+    for message, rs in groups.items():
+        models = sorted({r.case.model for r in rs})
+        cps = sorted({r.case.cp for r in rs})
+        console.print(f"{rs[0].cls} in {len(rs)} case(s) of {', '.join(models)} (CP {', '.join(map(str, cps))}; "
+                      f"{', '.join(sorted({r.case.dtype for r in rs}))}; layouts {', '.join(sorted({r.case.layout for r in rs}))}): "
+                      f"{clip(message, 160)}", markup=False, soft_wrap=True, highlight=False)
+        kinds = sorted({k for m in models for k in layers.get(m, [])})
+        if kinds:
+            console.print(f"  layers refused under CP: {'; '.join(kinds)}", markup=False, soft_wrap=True, highlight=False)
+        pages = guide(message)
+        if pages:
+            console.print(f"  {pages}", markup=False, soft_wrap=True, highlight=False)

@@ -69,6 +69,7 @@ class StepResult:
     # tensor gives them; records: what a ModuleRecorder kept (one Records per forward)
     rows: np.ndarray | None = None
     records: list[Any] = field(default_factory=list)
+    exercised: dict[str, Any] = field(default_factory=dict)  # cp_step: what the step computed (see exercised())
 
 
 def param_grads(model: nn.Module) -> dict[str, np.ndarray]:
@@ -225,7 +226,43 @@ def cp_step(
         summed = flat[sum(sizes):]
     state = getattr(train_ctx, "state", None)
     return StepResult(loss=float(summed[0]), grads=grads, targets=int(summed[1]), notes=list(getattr(state, "notes", [])),
-                      rows=rows, records=records)
+                      rows=rows, records=records, exercised=exercised(state))
+
+
+def exercised(state: Any) -> dict[str, Any]:
+    """What a step computed, from its state (empty for an implementation whose state does not say): the windows,
+    chunk lengths, sinks and softcaps of its attention calls, and the sequence mixers it computed per document."""
+    kinds = getattr(state, "attention_kinds", None)
+    if kinds is None:
+        return {}
+    return {
+        "attention_calls": int(getattr(state, "attention_calls", 0)),
+        "windows": sorted({left for left, _, _, _ in kinds}),  # window left; -1 = none (causal over the document)
+        "chunks": sorted({chunk for _, chunk, _, _ in kinds if chunk > 0}),
+        "sinks": any(sinks for _, _, sinks, _ in kinds),
+        "softcaps": sorted({cap for _, _, _, cap in kinds if cap is not None}),
+        "mixers": list(getattr(getattr(state, "guard", None), "per_document", [])),
+    }
+
+
+def describe_exercised(ex: dict[str, Any]) -> str:
+    """'causal, window 7; chunks of 8; sinks; softcap 50; mixers Qwen3NextGatedDeltaNet' ('' when unknown)."""
+    if not ex:
+        return ""
+    parts = []
+    if ex.get("windows"):
+        parts.append(", ".join("causal" if w < 0 else f"window {w}" for w in ex["windows"]))
+    if ex.get("chunks"):
+        parts.append("chunks of " + ", ".join(map(str, ex["chunks"])))
+    if ex.get("sinks"):
+        parts.append("sinks")
+    if ex.get("softcaps"):
+        parts.append("softcap " + ", ".join(f"{c:g}" for c in ex["softcaps"]))
+    if ex.get("mixers"):
+        parts.append("mixers " + ", ".join(ex["mixers"]))
+    if not ex.get("attention_calls"):
+        parts.insert(0, "no attention call")
+    return "; ".join(parts)
 
 
 # ---- grouping and comparison ------------------------------------------------------------------------------
