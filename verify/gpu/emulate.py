@@ -34,7 +34,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["CALLS", "calls", "chunk_gated_delta_rule", "emulated", "flash_attn_varlen_func", "install", "uninstall"]
+__all__ = ["CALLS", "calls", "chunk_gated_delta_rule", "count_real_calls", "emulated", "flash_attn_varlen_func", "for_device",
+           "install", "uninstall"]
 
 CALLS: Counter = Counter()  # calls per emulated function (and "flash_sequences": sequences passed to flash)
 HALF = (torch.float16, torch.bfloat16)
@@ -226,6 +227,38 @@ def uninstall() -> None:
         varlen._flash_varlen_fn, varlen.FLASH_DEVICE_TYPES, varlen._device_capability = varlen._real_flash_fn
         gated_delta.fla_kernel, gated_delta.FLA_DEVICE_TYPES = gated_delta._real_fla
         del varlen._real_flash_fn, gated_delta._real_fla
+
+
+def _counted(name: str, fn):
+    def counted(*args, **kwargs):
+        CALLS[name] += 1
+        return fn(*args, **kwargs)
+    return counted
+
+
+def count_real_calls() -> None:
+    """Where the real packages are used (a GPU): count their calls in :data:`CALLS` too (idempotent)."""
+    from blockdiag_dist.kernels import gated_delta, varlen
+
+    if getattr(varlen, "_counting", False):
+        return
+    real_flash, real_fla = varlen._flash_varlen_fn, gated_delta.fla_kernel
+    varlen._flash_varlen_fn = lambda: None if real_flash() is None else _counted("flash_attn_varlen_func", real_flash())
+    gated_delta.fla_kernel = lambda: None if real_fla() is None else _counted("chunk_gated_delta_rule", real_fla())
+    varlen._counting = True
+
+
+def for_device(device: str) -> str:
+    """What a GPU-check step runs for flash-attn and fla on ``device``: the emulations on CPU (installed), the real
+    packages, counted, on CUDA. Returns a line for the report."""
+    if device == "cpu":
+        install()
+        return "emulated (verify.gpu.emulate, CPU dry run)"
+    count_real_calls()
+    from blockdiag_dist.kernels import gated_delta, varlen
+
+    have = [name for name, fn in (("flash-attn", varlen._flash_varlen_fn()), ("fla", gated_delta.fla_kernel())) if fn is not None]
+    return "real: " + (", ".join(have) if have else "neither flash-attn nor fla installed (their paths are not judged)")
 
 
 def calls() -> dict[str, int]:
