@@ -217,3 +217,11 @@ def test_summaries_show_failures_errors_and_partial_records():
     assert "EFFICIENT_ATTENTION': 3" in text and "['MATH']" in text
     for module in (env, kernels, matrix, mixers, multirank):  # a step killed before it saved anything
         assert isinstance(module.summarize({}), list)
+
+
+def test_staged_collectives_deliver_the_values_and_uninstall(session):
+    """verify.gpu.staging on a CP 3 group: each collective (the ring of point-to-point ops included) delivers the
+    values the probes expect through host copies, and every function is restored afterwards."""
+    import mp_checks
+
+    assert session.pool(3).run(mp_checks.staged_collectives, timeout=120, name="staged") == [list(PROBES)] * 3

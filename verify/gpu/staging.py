@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-__all__ = ["install", "installed"]
+__all__ = ["install", "installed", "uninstall"]
 
 _ORIGINAL: dict[tuple[object, str], object] = {}
 
@@ -112,6 +112,13 @@ def install() -> None:
     _patch(dist, "broadcast", _in_place)
     _patch(dist, "all_gather", _list_out)
     _patch(dist, "batch_isend_irecv", _p2p)
+
+
+def uninstall() -> None:
+    """Put every staged function back."""
+    for (owner, name), original in _ORIGINAL.items():
+        setattr(owner, name, original)
+    _ORIGINAL.clear()
 
 
 def installed() -> bool:
