@@ -94,6 +94,7 @@ def _run_step(name: str, out: Path, work: Path, device: str, quick: bool, second
     cmd = [sys.executable, "-m", "verify.gpu", name, "--out", str(result_file), "--device", device,
            "--seconds", f"{seconds:.1f}", *(["--quick"] if quick else []), *(["--inject", inject] if inject else [])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env.setdefault("TRITON_F32_DEFAULT", "ieee")  # float32 tl.dot in IEEE float32, not TF32 (fla; see mixers.py)
     t0 = time.monotonic()
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)

@@ -14,6 +14,7 @@ of its cases, run to show it. On CPU (the dry run) the same code runs, flash-att
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 
@@ -249,6 +250,8 @@ def _run_cp(ctx: StepContext, cp: int, backend: str, finish_by: float) -> None:
 
 def run(ctx: StepContext) -> str:
     gpus = torch.cuda.device_count() if ctx.device == "cuda" else 0
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # the ranks inherit it: fla's float32 as in step mixers
+    ctx.data["triton_f32_default"] = os.environ["TRITON_F32_DEFAULT"]
     ctx.data["cps"] = {}
     ctx.data["failed_cases"] = 0
     for i, cp in enumerate(CPS):
