@@ -45,7 +45,7 @@ ROOMY = ("--total", "1500", *(a for step in ("matrix", "mixers", "multirank", "k
 
 @pytest.mark.timeout(1200)
 def test_dry_run_runs_every_step_on_cpu(tmp_path):
-    rc, report, summary = _check(tmp_path, *ROOMY, block=("rich", "hypothesis"))
+    rc, report, summary = _check(tmp_path, *ROOMY, block=("rich", "hypothesis", "transformers"))
     steps = report["steps"]
     assert list(steps) == list(STEPS)
     assert {n: s["status"] for n, s in steps.items()} == dict.fromkeys(STEPS, "pass"), summary
