@@ -126,8 +126,10 @@ def cp_blockdiag_sdpa(
         out = dense_attention(q_tok, kv_buf, wp.kernel_meta, heads_kv=Hkv, dim_v=Dv, dropout_p=dropout_p, scale=scale,
                               sinks=sinks, softcap=softcap)
     else:
-        why_not = SINKS_NOT_FLASH if sinks is not None else flash_unusable_reason(q_tok, D, Dv)
-        if why_not is not None and q_tok.device.type == "cuda":
+        sequences = int(wp.kernel_meta.piece_q.shape[0])
+        why_not = SINKS_NOT_FLASH if sinks is not None else flash_unusable_reason(
+            q_tok, D, Dv, dropout_p=dropout_p, softcap=softcap, sequences=sequences)
+        if why_not is not None and q_tok.device.type == "cuda" and sequences:  # padding only: zeros, nothing runs
             state.note(f"varlen kernel: flash-attn not used ({why_not}); batched SDPA per size class instead")
         out = varlen_attention(
             q_tok, kv_buf, wp.kernel_meta, heads_kv=Hkv, dim_v=Dv, dropout_p=dropout_p, scale=scale,

@@ -20,6 +20,16 @@ def session():
 
 
 @pytest.fixture(scope="session")
+def emulated_session():
+    """A verifier session whose workers run blockdiag's CUDA branches on CPU tensors, through the strict
+    emulations of flash-attn and flash-linear-attention (``verify.gpu.emulate``)."""
+    from verify.gpu import emulate
+
+    with Session(case_timeout=120.0, worker_init=emulate.install) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
 def pools():
     """World size -> a persistent WorkerPool for training runs, spawned on first use, shared by the test files
     of this process, closed at the end of the session."""

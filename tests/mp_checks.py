@@ -187,3 +187,23 @@ def transformers_step_refusal(model_type: str, config_kwargs: dict) -> tuple[str
     except Exception as e:  # noqa: BLE001 - the refusal is the result
         return type(e).__name__, str(e)
     return "", ""
+
+
+def staged_collectives() -> list[str]:
+    """Every collective the exchanges use, staged through host memory (verify.gpu.staging), values checked by
+    the GPU check's own probes; the staging is removed afterwards (this pool serves other tests)."""
+    from blockdiag_dist.exchange import allgather
+    from verify.gpu import multirank, staging
+
+    real = (dist.all_to_all_single, dist.batch_isend_irecv, allgather.all_gather_tensor)
+    staging.install()
+    try:
+        assert dist.all_to_all_single is not real[0] and allgather.all_gather_tensor is not real[2], "not staged"
+        for op in multirank.PROBES:
+            for dtype in (torch.float32, torch.bfloat16):
+                multirank._probe_once(op, dtype, torch.device("cpu"))
+        assert dist.all_reduce(torch.ones(2), async_op=True).wait()
+    finally:
+        staging.uninstall()
+    assert (dist.all_to_all_single, dist.batch_isend_irecv, allgather.all_gather_tensor) == real, "not restored"
+    return list(multirank.PROBES)

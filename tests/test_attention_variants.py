@@ -353,7 +353,7 @@ def _flash_emulated(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_sc
 def test_flash_path_takes_softcap_and_chunks(kw, monkeypatch):
     calls = []
     monkeypatch.setattr(varlen, "_flash_varlen_fn", lambda: lambda *a, **k: calls.append(k.get("softcap")) or _flash_emulated(*a, **k))
-    monkeypatch.setattr(runtime, "flash_unusable_reason", lambda q_tok, d, dv: None)
+    monkeypatch.setattr(runtime, "flash_unusable_reason", lambda q_tok, d, dv, **kw: None)
     ids = torch.tensor([[1, 1, 1, 2, 2, 0, 3, 3, 3, 3, 3, 3, 3, 1, 1]])
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 15, 6, generator=g, dtype=F64) for h in (4, 2, 2))
@@ -366,7 +366,7 @@ def test_flash_path_takes_softcap_and_chunks(kw, monkeypatch):
 
 def test_sinks_never_go_to_flash_attn(monkeypatch):
     monkeypatch.setattr(varlen, "_flash_varlen_fn", lambda: pytest.fail("flash-attn called with sinks"))
-    monkeypatch.setattr(runtime, "flash_unusable_reason", lambda q_tok, d, dv: None)
+    monkeypatch.setattr(runtime, "flash_unusable_reason", lambda q_tok, d, dv, **kw: None)
     ids = _ids((1, 6), (2, 5))
     q = torch.randn(1, 2, 11, 4, dtype=F64)
     sinks = torch.randn(2, dtype=F64)

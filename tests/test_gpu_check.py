@@ -12,7 +12,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from verify.cases import SOURCES
-from verify.gpu import STEPS, main
+from verify.gpu import STEPS, main, multirank
+from verify.gpu import matrix as gpu_matrix
+from verify.gpu import mixers as gpu_mixers
 from verify.gpu.backends import BackendRecorder
 from verify.gpu.kernels import CONFIG
 from verify.gpu.multirank import NEEDS, PROBES, cases, exchange_mode
@@ -38,19 +40,24 @@ def _check(tmp_path: Path, *args: str, block: tuple[str, ...] = ()) -> tuple[int
 
 # The GPU's deadlines fit a quiet machine; on a shared one pool starts alone can take a minute, and this
 # test is about the steps' results (the harness's deadlines are tested below).
-ROOMY = ("--total", "1500", *(a for step in ("matrix", "multirank", "kernels") for a in ("--deadline", f"{step}=400")))
+ROOMY = ("--total", "1500", *(a for step in ("matrix", "mixers", "multirank", "kernels") for a in ("--deadline", f"{step}=300")))
 
 
 @pytest.mark.timeout(1200)
 def test_dry_run_runs_every_step_on_cpu(tmp_path):
-    rc, report, summary = _check(tmp_path, *ROOMY, block=("rich", "hypothesis"))
+    rc, report, summary = _check(tmp_path, *ROOMY, block=("rich", "hypothesis", "transformers"))
     steps = report["steps"]
     assert list(steps) == list(STEPS)
     assert {n: s["status"] for n, s in steps.items()} == dict.fromkeys(STEPS, "pass"), summary
     assert rc == 0 and report["verdict"] == "pass" and report["device"] == "cpu"
 
+    assert steps["env"]["data"]["flash_path"]["D=128"] == "used" and "> 256" in steps["env"]["data"]["flash_path"]["D=264"]
+
     matrix = steps["matrix"]["data"]
     assert matrix["run"] == matrix["planned"] > 0 and matrix["tf32"] == {"matmul": False, "cudnn": False}
+    # head dims 64 and 128 ran, bfloat16 / float16 varlen cases through flash-attn's strict emulation
+    assert {64, 128} <= {c.dim for c in gpu_matrix.cases(quick=True)} and matrix["flash_calls"] > 0
+    assert "emulated" in matrix["flash_attn"] and matrix["failed_cases"] == 0
     assert set(matrix["dtypes"]) == {"float32", "bfloat16", "float16"}
     for dtype, s in matrix["dtypes"].items():
         assert s["passed"] == s["cases"] > 0 and s["failed"] == [], dtype
@@ -58,14 +65,25 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
         assert 0 < s["max_err_over_limit"] <= 1 and s["worst"]["out"]["err"] > 0 and s["tolerance"]
         assert set(s["sdpa_backends"]) == {"baseline", "implementation varlen", "implementation dense"}
         assert sum(s["sdpa_backends"]["baseline"].values()) > 0 and sum(s["sdpa_backends"]["implementation dense"].values()) > 0
+        assert s["fully_masked_rows"] == dict.fromkeys(s["sdpa_backends"], 0), dtype
     # varlen calls no attention op under a window of 0 (a softmax over one key): the quick cases meet it in
     # some dtypes, so its calls are counted over all of them
     assert sum(sum(s["sdpa_backends"]["implementation varlen"].values()) for s in matrix["dtypes"].values()) > 0
+
+    mixers = steps["mixers"]["data"]
+    assert mixers["run"] == mixers["planned"] > 0 and mixers["failed_cases"] == 0 and mixers["triton_f32_default"] == "ieee"
+    assert set(mixers["layers"]) == {f"{layer} {dtype}" for layer in gpu_mixers.LAYERS for dtype in gpu_mixers.DTYPES}
+    assert mixers["fla_calls"] > 0 and "emulated" in mixers["fla"]  # float32 Gated DeltaNet through fla's emulation
 
     multi = steps["multirank"]["data"]
     assert set(multi["cps"]) == {"2", "4"}
     for cp, s in multi["cps"].items():
         assert s["backend"] == "gloo" and s["device"] == "cpu" and s["unsupported"] == {}
+        assert s["collectives"].startswith("through host memory")
+        ran = {c.name: c for c in multirank.cases(int(cp), quick=True)}
+        assert "padding-rank" in ran and {c.layer for c in multirank.cases(int(cp), quick=True)} == {"attention", "conv", "gated_delta", "mamba2"}
+        # flash-attn ran on the ranks holding tokens, never on the padding-only one (the last rank's)
+        assert sum(s["calls_per_rank"]["flash_attn_varlen_func"][:-1]) > 0 and sum(s["calls_per_rank"]["chunk_gated_delta_rule"]) > 0
         assert s["probe"] == {op: {"float32": "ok", "bfloat16": "ok"} for op in PROBES}, cp
         assert s["run"] == s["planned"] == s["passed"] > 0 and s["failed"] == []
         assert set(s["by_exchange"]) == {"auto", "allgather", "halo", "a2a"}
@@ -76,11 +94,11 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
         assert set(row["kernels"]) == {"varlen", "dense", "per_doc_sdpa"}
         for name, m in row["kernels"].items():
             assert m["seconds"] > 0 and m["useful_tflops"] > 0 and m["peak_bytes"] is None, (row["S"], name, m)
-            assert sum(m["sdpa_backends"].values()) > 0
+            assert sum(m["sdpa_backends"].values()) > 0 or (name == "varlen" and m["flash_calls"] > 0)  # bf16: flash-attn's
 
     for name in STEPS:
         assert f"[{name}] PASS" in summary
-    # what comes back from a GPU machine: at most 8 files, at most 2 folders down
+    # what comes back from a GPU machine: a few files, at most 2 folders down
     files = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
     assert files == sorted(["report.json", "summary.txt", *(f"logs/{n}.log" for n in STEPS)])
 
@@ -170,18 +188,21 @@ def test_an_exchange_whose_collective_fails_is_reported_unsupported(tmp_path, mo
     ctx = StepContext("cpu", True, time.monotonic() + 500, tmp_path / "step.json", {"cps": {}})
     multirank._run_cp(ctx, 2, "gloo", time.monotonic() + 500)
     out = ctx.data["cps"]["2"]
-    halo = [c for c in multirank.cases(2, quick=True) if multirank.exchange_mode(c) == "halo"]
-    assert halo and out["planned"] == len(multirank.cases(2, quick=True)) - len(halo)
+    every = multirank.cases(2, quick=True)
+    halo = [c for c in every if multirank.exchange_mode(c) == "halo"]
+    p2p = [c for c in every if "batch_isend_irecv" in NEEDS[multirank.exchange_mode(c)]]  # halo and the mixers
+    assert halo and len(p2p) > len(halo) and out["planned"] == len(every) - len(p2p)
     assert out["run"] == out["passed"] == out["planned"] and "halo" not in out["by_exchange"]
     u = out["unsupported"]["halo"]
     assert u["cases_not_run"] == len(halo) and u["collective_errors"] == {"batch_isend_irecv": "RuntimeError: planted: no p2p here"}
     assert u["example"]["status"] == "pass"  # on CPU the collective works: the example case passes
+    assert out["unsupported"]["mixer"]["cases_not_run"] == len(p2p) - len(halo)
     text = "\n".join(multirank.summarize(ctx.data))
     assert "batch_isend_irecv (float32: RuntimeError: planted" in text and "exchange halo unsupported here" in text
 
 
 def test_summaries_show_failures_errors_and_partial_records():
-    from verify.gpu import env, kernels, matrix, multirank
+    from verify.gpu import env, kernels, matrix, mixers, multirank
 
     row = {"S": 131072, "docs": 700, "longest_doc": 2048, "useful_tflop": 1.0, "kernels": {
         "varlen": {"seconds": 0.05, "useful_tflops": 20.0, "of_matmul": 0.03, "peak_bytes": 2**33},
@@ -194,5 +215,13 @@ def test_summaries_show_failures_errors_and_partial_records():
     text = "\n".join(matrix.summarize({"run": 2, "planned": 180, "stopped": "step deadline near", "dtypes": {"float32": s}}))
     assert "2 of 180 cases run (step deadline near)" in text and "FAILED one-long cp1: dq: err 1" in text and "torchrun ..." in text
     assert "EFFICIENT_ATTENTION': 3" in text and "['MATH']" in text
-    for module in (env, kernels, matrix, multirank):  # a step killed before it saved anything
+    for module in (env, kernels, matrix, mixers, multirank):  # a step killed before it saved anything
         assert isinstance(module.summarize({}), list)
+
+
+def test_staged_collectives_deliver_the_values_and_uninstall(session):
+    """verify.gpu.staging on a CP 3 group: each collective (the ring of point-to-point ops included) delivers the
+    values the probes expect through host copies, and every function is restored afterwards."""
+    import mp_checks
+
+    assert session.pool(3).run(mp_checks.staged_collectives, timeout=120, name="staged") == [list(PROBES)] * 3

@@ -15,7 +15,7 @@ import blockdiag_dist.runtime as runtime
 from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 from blockdiag_ref import reference_attention
 from examples.model import TinyConfig, TinyDecoder
-from test_flash_path import flash_attn_varlen_emulated
+from verify.gpu.emulate import flash_attn_varlen_func as flash_attn_varlen_emulated
 from verify.tolerances import judge
 
 CFG = TinyConfig(vocab_size=32, hidden=32, layers=2, heads=4, kv_heads=2, mlp_hidden=48)
@@ -72,14 +72,15 @@ def test_flash_path_engages_under_autocast(monkeypatch):
     """Under autocast the kernel receives the autocast dtype, which the flash-attn gate accepts on CUDA; the
     flash path (its documented semantics, emulated) then gives the per-document result."""
     monkeypatch.setattr(varlen, "_flash_varlen_fn", lambda: flash_attn_varlen_emulated)
+    monkeypatch.setattr(varlen, "_device_capability", lambda device: (9, 0))
     cuda_like = lambda dtype: types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), dtype=dtype)  # noqa: E731
     assert varlen.flash_unusable_reason(cuda_like(torch.bfloat16), 6, 6) is None
     assert "float32" in varlen.flash_unusable_reason(cuda_like(torch.float32), 6, 6)
     seen = []
 
-    def gate(q_tok, d, dv):
+    def gate(q_tok, d, dv, **kw):
         seen.append(q_tok.dtype)
-        return varlen.flash_unusable_reason(cuda_like(q_tok.dtype), d, dv)
+        return varlen.flash_unusable_reason(cuda_like(q_tok.dtype), d, dv, **kw)
 
     monkeypatch.setattr(runtime, "flash_unusable_reason", gate)
     ids = torch.tensor([[1, 1, 1, 2, 2, 0, 3, 3, 3, 3, 3]])

@@ -204,9 +204,13 @@ def _single_device(
         if sinks is not None or softcap is not None:
             attend = _variant_baseline(backend, device, mask, pad, sinks, softcap)
         else:
+            # padding rows see their row's first key: no row fully masked (CUDA backends may give NaN there);
+            # their output is replaced by 0, so they take and give exactly 0 gradient
+            sdpa_mask = mask | (pad & (torch.arange(mask.shape[-1], device=device) == 0))
+
             def attend(q, k, v):
                 with _forced(backend):
-                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, enable_gqa=True)
                 return torch.where(pad, 0.0, o)
 
     res = _block(case, x, ws, inputs["labels"].to(device), attend)

@@ -3,6 +3,7 @@ results into one verdict per case."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -92,9 +93,13 @@ class Session(PoolsByWorld):
         in_process: Callable[[Case], tuple[list[dict], dict]] | None = None,
         keep_after_uniform_error: bool = False,
         device: str | None = None,
+        worker_init: Callable[[], None] | None = None,
     ) -> None:
-        """``device``: where the pools' ranks keep their tensors (see :class:`WorkerPool`)."""
+        """``device``: where the pools' ranks keep their tensors (see :class:`WorkerPool`); the expected results
+        are computed on the same device (a baseline is the device's own). ``worker_init``: a picklable top-level
+        function every worker runs once after its warm-up (e.g. ``verify.gpu.emulate.install``)."""
         self.impl = impl
+        self.worker_init = worker_init
         self.case_timeout = case_timeout
         self.chunk = chunk
         self.backend = backend
@@ -116,7 +121,8 @@ class Session(PoolsByWorld):
         # one thread per rank: the cases' tensors are tiny, and intra-op threads on busy cores only add
         # barrier waits (a CP 1 rank with two threads ran its backward ~50x slower than the parent's)
         return WorkerPool(
-            cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout), init=warm_up,
+            cp, backend=self.backend, collective_timeout=max(60.0, 2 * self.case_timeout),
+            init=warm_up if self.worker_init is None else functools.partial(_run_all, (warm_up, self.worker_init)),
             threads_per_worker=1,
             keep_after_uniform_error=self.keep_after_uniform_error,
             device=self.device,
@@ -134,7 +140,8 @@ class Session(PoolsByWorld):
             by_cp.setdefault(c.cp, []).append(c)
         results: list[CaseResult] = []
         for cp in sorted(by_cp):
-            for r in self._run_cp(cp, by_cp[cp], impl or self.impl, reference or expected_results):
+            reference = reference or functools.partial(expected_results, device=self.device or "cpu")
+            for r in self._run_cp(cp, by_cp[cp], impl or self.impl, reference):
                 results.append(r)
                 if on_result:
                     on_result(r)
@@ -211,6 +218,12 @@ class Session(PoolsByWorld):
             t_last = t_done
             timing["run"] = run_before + t_done - t_run  # accumulates over calls of run()
             yield result
+
+
+def _run_all(fns: Sequence[Callable[[], None]]) -> None:
+    """Each of ``fns`` in order (a worker's init: picklable as a partial of this top-level function)."""
+    for fn in fns:
+        fn()
 
 
 KINDS = ("attention", "mixer")

@@ -26,12 +26,16 @@ __all__ = ["DenseMeta", "dense_attention", "plan_dense"]
 
 @dataclass(frozen=True, eq=False)
 class DenseMeta:
-    mask: Tensor  # bool [B, 1, L, Sk]
+    mask: Tensor  # bool [B, 1, L, Sk]: the pairs attention allows (none on a padding query)
     key_index: Tensor  # int64 [B * Sk] key-buffer row of each key slot (padded slots repeat row 0, masked)
     pad_q: Tensor  # bool [B, 1, L, 1], True on padding queries
+    # bool [B, 1, L, Sk]: what SDPA gets, ``mask`` plus the first key slot of every padding query: no row is
+    # fully masked (CUDA backends may return NaN there, in the output or the gradients); the padding rows'
+    # outputs are replaced by 0, so their gradient is exactly 0 and so is what they give their key
+    sdpa_mask: Tensor
 
     def to(self, device: torch.device) -> DenseMeta:
-        return DenseMeta(self.mask.to(device), self.key_index.to(device), self.pad_q.to(device))
+        return DenseMeta(self.mask.to(device), self.key_index.to(device), self.pad_q.to(device), self.sdpa_mask.to(device))
 
     def pairs(self) -> Tensor:
         """int64 ``[n, 2]``: (local query row, key-buffer row) of every pair the mask allows."""
@@ -63,7 +67,9 @@ def plan_dense(q_flat: Tensor, k_flat: Tensor, segments: Tensor, padded_len: int
     mask = (seg_q == seg_k) & (seg_q != 0) & (pos_k <= pos_q) & valid[:, None, :]
     if window_left >= 0:
         mask &= pos_k >= pos_q - window_left
-    return DenseMeta(mask=mask[:, None], key_index=key_index.flatten(), pad_q=(seg_q == 0)[:, None])
+    pad_q = (seg_q == 0)[:, None]
+    sdpa_mask = mask[:, None] | (pad_q & (torch.arange(Sk) == 0))
+    return DenseMeta(mask=mask[:, None], key_index=key_index.flatten(), pad_q=pad_q, sdpa_mask=sdpa_mask)
 
 
 def dense_attention(
@@ -83,5 +89,5 @@ def dense_attention(
     if sinks is not None or softcap is not None:
         out = explicit_attention(q, k, v, meta.mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     else:
-        out = stock_sdpa(q, k, v, attn_mask=meta.mask, dropout_p=dropout_p, scale=scale, enable_gqa=Hq != heads_kv)
+        out = stock_sdpa(q, k, v, attn_mask=meta.sdpa_mask, dropout_p=dropout_p, scale=scale, enable_gqa=Hq != heads_kv)
     return torch.where(meta.pad_q, 0.0, out).transpose(1, 2).reshape(B * L, Hq, dim_v)

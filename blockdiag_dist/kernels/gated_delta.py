@@ -14,7 +14,8 @@ tokens have ``k = v = q = 0``, ``beta = 0``, ``g = 0``: they leave the state unc
 
 On CUDA, with flash-linear-attention installed, :func:`chunk_gated_delta` calls its varlen kernel instead
 (``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` with ``cu_seqlens`` and per-piece initial states): same
-inputs, same outputs. Not exercised by this project's CPU tests.
+inputs, same outputs. The CPU tests run that branch through a strict emulation of fla's function
+(``verify.gpu.emulate``); only fla's Triton kernel itself is not exercised there.
 
 Shape legend: T packed tokens, P pieces, H heads, K key dim, V value dim, NC chunks of all pieces, C chunk length.
 """
@@ -31,6 +32,8 @@ from torch import Tensor
 __all__ = ["CHUNK", "ChunkMeta", "chunk_gated_delta", "fla_kernel", "plan_chunks"]
 
 CHUNK = 64  # transformers' and flash-linear-attention's chunk length
+FLA_DEVICE_TYPES = ("cuda",)  # where flash-linear-attention's kernels run (an emulation may add "cpu": verify.gpu.emulate)
+FLA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # its Triton kernels' (not float64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,7 +167,7 @@ def chunk_gated_delta(
     ``g, beta [T, H]``, ``initial [P, H, K, V]`` (None: zero) -> ``(out [T, H, V], final [P, H, K, V] | None)``.
     Every tensor in one dtype, the one computed in (float32 or float64; the caller casts). Differentiable in
     every input, ``initial`` included."""
-    fla = fla_kernel() if q.is_cuda and q.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+    fla = fla_kernel() if q.device.type in FLA_DEVICE_TYPES and q.dtype in FLA_DTYPES else None
     if fla is not None and meta.num_pieces:
         out, final = fla(q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=initial,
                          output_final_state=want_final, cu_seqlens=meta.cu_device, use_qk_l2norm_in_kernel=False)

@@ -24,8 +24,10 @@ op's logsumexp output).
 
 The fused op (``aten._scaled_dot_product_flash_attention_for_cpu``) takes CPU tensors with ``D == Dv`` and no
 dropout. Anything else runs the *masked* plan: pieces with a bottom-right-aligned causal (and window) mask,
-through torch's SDPA and autograd. On CUDA with flash-attn installed (fp16/bf16, D == Dv), pieces go to
-``flash_attn_varlen_func`` instead (bottom-right causal alignment, native GQA and windows).
+through torch's SDPA and autograd. On CUDA with flash-attn installed, pieces go to ``flash_attn_varlen_func``
+instead (bottom-right causal alignment, native GQA, windows and soft-cap) whenever every precondition flash-attn
+checks holds (:func:`flash_unusable_reason`: sm80+, fp16/bf16, D == Dv <= 256, no dropout with a soft-cap, at
+least one piece); a rank holding only padding never calls it.
 
 Shape legend: Tq local query tokens (B * L), Tk key-buffer tokens, P pieces, N blocks, n blocks in a bucket,
 Lq / Lk a bucket's padded query / key length, Hq / Hkv heads, D / Dv head dims.
@@ -42,7 +44,7 @@ from torch import Tensor
 from .._stock import stock_sdpa
 from .explicit import explicit_attention
 
-__all__ = ["VarlenMeta", "fused_unusable_reason", "plan_varlen", "size_class", "varlen_attention"]
+__all__ = ["VarlenMeta", "flash_unusable_reason", "fused_unusable_reason", "plan_varlen", "size_class", "varlen_attention"]
 
 EXACT_ABOVE = 1024  # pieces longer than this run at their exact length
 EXACT_UP_TO = 16  # ... and so do pieces this short (see size_class)
@@ -382,14 +384,39 @@ def _flash_varlen_fn():
     return flash_attn_varlen_func
 
 
-def flash_unusable_reason(q_tok: Tensor, dim: int, dim_v: int) -> str | None:
-    """Why flash-attn's varlen function cannot run these tensors (None when it can)."""
-    if q_tok.device.type != "cuda":
-        return f"device is {q_tok.device.type}, flash-attn needs cuda"
+FLASH_DEVICE_TYPES = ("cuda",)  # where flash-attn's kernels run (an emulation may add "cpu": verify.gpu.emulate)
+FLASH_MAX_HEAD_DIM = 256  # flash-attn 2: forward and backward, after rounding the head dim up to a multiple of 8
+FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2: Ampere or newer
+
+
+def _device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA device (None elsewhere)."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+
+
+def flash_unusable_reason(q_tok: Tensor, dim: int, dim_v: int, *, dropout_p: float = 0.0, softcap: float | None = None,
+                          sequences: int | None = None) -> str | None:
+    """Why flash-attn's varlen function cannot run these tensors (None when it can): every precondition that
+    flash-attn 2 checks itself (``flash_api.cpp``) and would raise on, checked here so that the call falls back
+    instead. ``sequences``: pieces of this rank (0 = padding only; flash-attn refuses an empty batch)."""
+    device = q_tok.device
+    if device.type not in FLASH_DEVICE_TYPES:
+        return f"device is {device.type}, flash-attn needs cuda"
     if q_tok.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype is {q_tok.dtype}, flash-attn needs float16 or bfloat16"
     if dim != dim_v:
-        return f"D={dim} != Dv={dim_v}"
+        return f"D={dim} != Dv={dim_v}, flash-attn needs equal head dims"
+    padded = -(-dim // 8) * 8  # flash-attn's python wrapper pads the head dim to a multiple of 8
+    if padded > FLASH_MAX_HEAD_DIM:
+        return f"head dim D={dim} (padded to {padded}) > {FLASH_MAX_HEAD_DIM}, the most flash-attn supports"
+    cap = _device_capability(device)
+    if cap is not None and tuple(cap) < FLASH_MIN_CAPABILITY:
+        return (f"compute capability sm{cap[0]}{cap[1]} < sm{FLASH_MIN_CAPABILITY[0]}{FLASH_MIN_CAPABILITY[1]}, "
+                "flash-attn needs an Ampere GPU or newer")
+    if softcap is not None and softcap > 0 and dropout_p > 0:
+        return f"softcap={softcap} with dropout_p={dropout_p}: flash-attn has no dropout with a soft-cap"
+    if sequences is not None and sequences < 1:
+        return "no sequence on this rank (padding only): flash-attn needs at least one"
     if _flash_varlen_fn() is None:
         return "flash_attn is not importable"
     return None
@@ -674,12 +701,12 @@ def varlen_attention(
     soft-cap itself; it has no sinks (``use_flash`` is never set with sinks).
     """
     Hq, D = q_tok.shape[1], q_tok.shape[2]
+    if not meta.blocks.buckets:  # this rank holds only padding: zeros that still reach q and the key buffer
+        return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v, sinks)  # (flash-attn refuses 0 sequences)
     if use_flash:
         kd = heads_kv * D
         k_buf, v_buf = kv_buf[:, :kd].unflatten(1, (heads_kv, D)), kv_buf[:, kd:].unflatten(1, (heads_kv, dim_v))
         return _flash_varlen(q_tok, k_buf, v_buf, meta, dropout_p=dropout_p, scale=scale, softcap=softcap)
-    if not meta.blocks.buckets:  # this rank holds only padding: zeros that still reach q and the key buffer
-        return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v, sinks)
     if meta.window_left == 0 and dropout_p == 0 and sinks is None:  # each query sees only its own key: softmax
         rows, keys = meta.self_keys(q_tok.device)  # of one (capped) score is 1
         v_own = kv_buf.index_select(0, keys)[:, heads_kv * D :].unflatten(1, (heads_kv, dim_v))

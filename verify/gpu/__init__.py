@@ -5,17 +5,25 @@ report into a folder, to be read afterwards.
     python -m verify gpu --out DIR --device cpu --quick         # the dry run: every step on CPU, tiny sizes
 
 Steps, each in its own process under its own deadline (a step that fails, hangs or dies is reported and the
-next one runs); the whole check stays under 8 minutes:
+next one runs; one that runs out of time keeps what it judged and leaves the verdict incomplete, not failed);
+the whole check stays under 8 minutes. Every expected result is computed on the device under test:
 
-    env        the machine: torch, CUDA, the GPU, enabled SDPA backends, whether flash-attn is installed
-    matrix     the verifier's CP 1 matrix on the device in float32 (TF32 off), bfloat16, float16: both
-               kernels, every doc-id source; per dtype the largest errors, the tolerance entry applied and
-               the SDPA backends the baseline and the implementation ran
-    multirank  CP 2 and 4 with the device's tensors, ranks sharing one GPU over gloo: which collectives
-               carry such tensors (probed), then the verifier's cases whose exchange can run
+    env        the machine: torch, CUDA, the GPU, enabled SDPA backends, flash-attn / fla / triton, and whether
+               the varlen kernel calls flash-attn at head dims 64, 128, 256, 264 (or why not)
+    matrix     CP 1 attention on the device in float32 (TF32 off), bfloat16, float16: head dims 64 and 128
+               first (fused masked backends, flash-attn), then the verifier's CP 1 matrix (head dims 3-5); per
+               dtype the largest errors, the tolerance entry, the SDPA backends of baseline and implementation,
+               fully masked rows handed to SDPA (none expected), flash-attn calls
+    mixers     CP 1 Gated DeltaNet (through fla when installed, TRITON_F32_DEFAULT=ieee), Mamba2, convolution
+    multirank  CP 2 and 4, ranks sharing one GPU with every collective staged through host memory over gloo
+               (verify.gpu.staging): probes, then flash-attn's path with a padding-only rank, the mixers, the
+               attention cases over every kernel x exchange x layout
     kernels    varlen vs dense vs torch SDPA per document, fwd+bwd, bfloat16, H=32, Hkv=8, D=128, long-tail
                documents at S = 32k and 128k: useful TFLOP/s against the bfloat16 matmul rate measured in
                the same run, peak device memory
+
+The dry run (``--device cpu``) runs the same code with flash-attn and fla replaced by their strict emulations
+(:mod:`verify.gpu.emulate`).
 
 Writes DIR/report.json (everything), DIR/summary.txt (a page), DIR/logs/<step>.log. Exit status 0 iff the
 verdict is pass. The CUDA branches are taken only when ``torch.cuda.is_available()`` (or ``--device cuda``).

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["BackendRecorder"]
+__all__ = ["BackendRecorder", "fully_masked_rows"]
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
 _ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -43,6 +43,22 @@ def _backend_name(args: tuple, kwargs: dict) -> str:
         return f"unknown ({type(exc).__name__}: {exc})"[:200]
 
 
+def fully_masked_rows(args: tuple, kwargs: dict) -> int:
+    """Query rows of an SDPA call that may attend to no key: all False in a bool mask, all -inf in an additive
+    one, or (``is_causal``) no key at all. CUDA's fused backends may return NaN for such a row, in the output or
+    in the gradients, whatever the caller does with it afterwards."""
+    q, k = args[0], args[1]
+    opts = dict(zip(_ARGS, args[3:]), **kwargs)
+    mask = opts.get("attn_mask")
+    if k.shape[-2] == 0:
+        return q.shape[-2]
+    if mask is None:
+        return 0
+    with torch._C.DisableTorchFunction():
+        empty = ~mask.any(-1) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1)
+        return int(empty.sum())
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, counts: Counter) -> None:
         super().__init__()
@@ -52,6 +68,9 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _SDPA:
             self.counts[f"{_backend_name(args, kwargs)}/{args[0].dtype}".replace("torch.", "")] += 1
+            empty = fully_masked_rows(args, kwargs)
+            if empty:
+                self.counts["fully masked rows"] += empty
         else:
             name = str(func)
             if name.startswith("aten.") and name.split(".")[1] in _FUSED_OPS:
@@ -66,6 +85,9 @@ class BackendRecorder:
         with rec.role("baseline"):
             ...                      # every SDPA call in here is counted under "baseline"
         rec.counts()                 # {"baseline": {"FLASH_ATTENTION/float32": 3}}
+
+    A role's ``"fully masked rows"`` counts the query rows its SDPA calls got with no key to attend to (none
+    expected: see :func:`fully_masked_rows`).
     """
 
     def __init__(self) -> None:

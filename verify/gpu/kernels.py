@@ -79,8 +79,11 @@ def run(ctx: StepContext) -> str:
     from ..workloads import attention_step, per_document_sdpa_step
     from ..workloads import long_tail, useful_pairs
 
+    from . import emulate
+
     cfg = CONFIG["quick" if ctx.quick else "full"]
     device = torch.device(ctx.device)
+    ctx.data["flash_attn"] = emulate.for_device(ctx.device)
     hq, hkv = cfg["heads"]
     d = ctx.data
     d.update(dtype="bfloat16", heads=[hq, hkv], head_dim=cfg["dim"], reps=cfg["reps"], rows=[],
@@ -104,6 +107,7 @@ def run(ctx: StepContext) -> str:
                 ok = False
                 continue
             t0 = time.perf_counter()
+            before = emulate.CALLS["flash_attn_varlen_func"]
             m = _measure(lambda: make(lengths), device, cfg["reps"])
             m["wall_s"] = time.perf_counter() - t0
             if "seconds" in m:
@@ -111,6 +115,7 @@ def run(ctx: StepContext) -> str:
                 m["of_matmul"] = m["useful_tflops"] / d["matmul_tflops"]
             else:
                 ok = False
+            m["flash_calls"] = emulate.CALLS["flash_attn_varlen_func"] - before
             row["kernels"][name] = m
             ctx.save()
         k = row["kernels"]
@@ -127,7 +132,8 @@ def summarize(d: dict) -> list[str]:
         for name, m in row["kernels"].items():
             if "seconds" in m:
                 mem = f", peak {m['peak_bytes'] / 2**30:.1f} GiB" if m.get("peak_bytes") is not None else ""
-                parts.append(f"{name} {m['seconds'] * 1e3:.1f} ms ({m['useful_tflops']:.3g} TFLOP/s = {m['of_matmul']:.2f} of matmul{mem})")
+                flash = " via flash-attn" if m.get("flash_calls") else ""
+                parts.append(f"{name}{flash} {m['seconds'] * 1e3:.1f} ms ({m['useful_tflops']:.3g} TFLOP/s = {m['of_matmul']:.2f} of matmul{mem})")
             else:
                 parts.append(f"{name} {m['error'][:120]}")
         speed = f"; varlen {row['varlen_speedup_over_dense']:.1f}x dense" if "varlen_speedup_over_dense" in row else ""

@@ -1,9 +1,13 @@
-"""Step ``matrix``: the verifier's CP 1 matrix on the device, in float32 (TF32 off), bfloat16 and float16.
+"""Step ``matrix``: the verifier's CP 1 attention cases on the device, in float32 (TF32 off), bfloat16 and float16.
 
-Every named layout, both kernels, every doc-id source (packed ids, 4-D mask, 2-D mask), with the rotation of
-heads, head dims, windows and checkpointing the verifier's matrix uses. Each case runs in this process
-(CP 1 needs no group) through the verifier's own runner and verdicts; per dtype the report gives the largest
-errors, the tolerance entry applied, and which SDPA backends the baseline and the implementation ran.
+First, head dims 64 and 128 (what models use: on CUDA the fused masked SDPA backends and flash-attn run them)
+over the layouts with padding, both kernels, windows and a soft-cap; then the verifier's own CP 1 matrix (every
+named layout, both kernels, every doc-id source, with the rotation of heads, head dims 3-5, windows and
+checkpointing the verifier uses: small, so fp16/bf16 masked calls run on the MATH backend there). Each case
+runs in this process (CP 1 needs no group) through the verifier's own runner and verdicts, the baseline on the
+same device; per dtype the report gives the largest errors, the tolerance entry applied, which SDPA backends
+the baseline and the implementation ran, and how many query rows reached SDPA fully masked (none expected).
+flash-attn's calls are counted (on CPU, the dry run, through its strict emulation).
 """
 
 from __future__ import annotations
@@ -16,26 +20,42 @@ from collections.abc import Iterable
 import torch
 
 from .. import tolerances
-from ..cases import SOURCES, Case, default_matrix
+from ..cases import NAMED_LAYOUTS, SOURCES, Case, default_matrix
 from ..runner import check_case, expected_results, impl_info, pack_expected, unpack_expected
 from ..session import CaseResult, merge_ranks
+from . import emulate
 from .backends import BackendRecorder
 from .step import StepContext
 
-__all__ = ["cases", "dtype_summary", "run", "summarize"]
+__all__ = ["cases", "dtype_summary", "run", "summarize", "wide_cases"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 KERNELS = ("varlen", "dense")
 QUICK_LAYOUTS = ("padding-rank",)
+WIDE_DIMS = (64, 128)
+WIDE_LAYOUTS = ("padding-rank", "middle-padding", "many-short", "two-rows", "one-long")
 IMPL = "blockdiag_dist"
 MAX_LISTED = 10  # failed cases listed per dtype (all are counted)
 
 
+def wide_cases(quick: bool) -> list[Case]:
+    """Head dims 64 and 128, 8 query heads on 2 key heads, windows and a soft-cap rotating."""
+    out, k = [], 0
+    for dim in WIDE_DIMS:
+        for name in WIDE_LAYOUTS[:1] if quick else WIDE_LAYOUTS:
+            for kernel in KERNELS:
+                for dtype in DTYPES:
+                    out.append(Case(rows=NAMED_LAYOUTS[name](1), cp=1, name=name, hq=8, hkv=2, dim=dim, kernel=kernel, dtype=dtype,
+                                    window=(-1, 8, -1)[k % 3], softcap=(0.0, 0.0, 0.0, 30.0)[k % 4], seed=k))
+                    k += 1
+    return out
+
+
 def cases(quick: bool) -> list[Case]:
-    """The CP 1 matrix, every case once per doc-id source."""
+    """The wide cases, then the CP 1 matrix, every case of it once per doc-id source."""
     base = default_matrix(cps=(1,), dtypes=DTYPES, kernels=KERNELS, exchanges=(None,), layouts=(None,))
     out = [dataclasses.replace(c, source=s) for c in base for s in SOURCES]
-    return [c for c in out if c.name in QUICK_LAYOUTS] if quick else out
+    return wide_cases(quick) + ([c for c in out if c.name in QUICK_LAYOUTS] if quick else out)
 
 
 def run_one(case: Case, device: torch.device, recorder: BackendRecorder) -> CaseResult:
@@ -44,7 +64,7 @@ def run_one(case: Case, device: torch.device, recorder: BackendRecorder) -> Case
     try:
         with recorder.role("baseline"):
             expected = expected_results(case, device)
-        with recorder.role(f"implementation {case.kernel}"):
+        with recorder.role(f"implementation {case.kernel or case.layer}"):
             mine = check_case(case, impl_info(IMPL), None, 0, 1, device, pack_expected(expected))
         return merge_ranks(case, [mine], unpack_expected(pack_expected(expected)), time.perf_counter() - t0, IMPL)
     except Exception:  # noqa: BLE001 - reported with the case
@@ -98,41 +118,53 @@ def run(ctx: StepContext) -> str:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     ctx.data["tf32"] = {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32}
+    ctx.data["flash_attn"] = emulate.for_device(ctx.device)
     todo = cases(ctx.quick)
-    ctx.data.update(planned=len(todo), run=0, dtypes={})
-    ok = True
-    for dtype in DTYPES:
-        recorder = BackendRecorder()
-        results = []
-        for case in (c for c in todo if c.dtype == dtype):
-            if ctx.time_left() <= 0:
-                ctx.data["stopped"] = f"step deadline near: {ctx.data['run']} of {len(todo)} cases run"
-                break
-            results.append(run_one(case, device, recorder))
-            ctx.data["run"] += 1
-        if results:
-            ctx.data["dtypes"][dtype] = dict(dtype_summary(dtype, results, ctx.device), sdpa_backends=recorder.counts())
-            ok &= all(r.ok for r in results)
-        ctx.save()
-        if "stopped" in ctx.data:
+    ctx.data.update(planned=len(todo), run=0, failed_cases=0, dtypes={})
+    results: dict[str, list[CaseResult]] = {d: [] for d in DTYPES}
+    recorders = {d: BackendRecorder() for d in DTYPES}
+    for case in todo:
+        if ctx.time_left() <= 0:
+            ctx.data["stopped"] = f"step deadline near: {ctx.data['run']} of {len(todo)} cases run"
             break
-    if not ok:
+        r = run_one(case, device, recorders[case.dtype])
+        results[case.dtype].append(r)
+        ctx.data["run"] += 1
+        ctx.data["failed_cases"] += not r.ok
+        if ctx.data["run"] % 8 == 0 or ctx.data["run"] == len(todo):
+            _save(ctx, results, recorders)
+    _save(ctx, results, recorders)
+    if ctx.data["failed_cases"]:
         return "fail"
     return "incomplete" if "stopped" in ctx.data else "pass"
 
 
+def _save(ctx: StepContext, results: dict[str, list[CaseResult]], recorders: dict[str, BackendRecorder]) -> None:
+    for dtype, rs in results.items():
+        if rs:
+            counts = recorders[dtype].counts()
+            ctx.data["dtypes"][dtype] = dict(dtype_summary(dtype, rs, ctx.device), sdpa_backends=counts,
+                                             fully_masked_rows={role: c.get("fully masked rows", 0) for role, c in counts.items()})
+    ctx.data["flash_calls"] = emulate.CALLS["flash_attn_varlen_func"]
+    ctx.save()
+
+
 def summarize(d: dict) -> list[str]:
-    lines = [f"{d.get('run', 0)} of {d.get('planned', '?')} cases run" + (f" ({d['stopped']})" if d.get("stopped") else "")]
+    lines = [f"{d.get('run', 0)} of {d.get('planned', '?')} cases run" + (f" ({d['stopped']})" if d.get("stopped") else "")
+             + (f"; flash-attn {d['flash_attn']}: {d.get('flash_calls', 0)} calls" if "flash_attn" in d else "")]
     for dtype, s in d.get("dtypes", {}).items():
         impl = {}
         for role, counts in s["sdpa_backends"].items():
             if role != "baseline":
                 for k, n in counts.items():
-                    impl[k.split("/")[0]] = impl.get(k.split("/")[0], 0) + n
-        base = {k.split("/")[0] for k in s["sdpa_backends"].get("baseline", {})}
+                    if "/" in k:
+                        impl[k.split("/")[0]] = impl.get(k.split("/")[0], 0) + n
+        base = {k.split("/")[0] for k in s["sdpa_backends"].get("baseline", {}) if "/" in k}
+        masked = sum(s.get("fully_masked_rows", {}).values())
         lines.append(
             f"{dtype}: {s['passed']}/{s['cases']} passed; worst error / limit {s['max_err_over_limit']:.2f}; "
             f"tolerance {s['tolerance']}; SDPA baseline {sorted(base)}, implementation {impl}"
+            + (f"; {masked} query rows reached SDPA fully masked" if masked else "")
         )
         lines += [f"  FAILED {f['label']}: {f['details'].splitlines()[-1] if f['details'] else f['status']}\n    {f['reproduce']}"
                   for f in s["failed"]]

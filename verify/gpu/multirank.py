@@ -1,15 +1,20 @@
 """Step ``multirank``: CP 2 and CP 4 with the device's tensors, on one machine.
 
-NCCL needs one GPU per rank; with fewer GPUs than ranks the ranks share the GPU and talk over gloo, which
-carries some collectives of CUDA tensors (staged through pinned host memory) and not others. So the step
-first probes, on the launched group, each collective the K/V exchanges use (with the exact functions
-``blockdiag_dist`` calls, in float32 and bfloat16, checking the values that arrive), then runs the verifier's
-cases whose exchange needs only collectives that passed. An exchange whose collective failed is reported as
-unsupported, with the collective's error and the error of one of its cases, run to show it.
+NCCL needs one GPU per rank. With fewer GPUs than ranks (one H200) the ranks share the GPU and every
+collective goes through host memory over gloo (:mod:`verify.gpu.staging`: gloo's support for CUDA tensors
+in all-to-all and point-to-point is not known, and a hang would cost the device window); the kernels stay on
+the GPU. The step first probes, on the launched group, each collective the K/V exchanges and the mixers use
+(with the exact functions ``blockdiag_dist`` calls, in float32 and bfloat16, checking the values that arrive),
+then runs the verifier's cases whose collectives passed, their expected results computed on the same device:
+flash-attn's path first (bfloat16, head dim 64, a padding-only rank, windows, a soft-cap), then the mixers
+(Gated DeltaNet, Mamba2, convolution), then the attention cases over every kernel x exchange x layout. An
+exchange whose collective failed is reported as unsupported, with the collective's error and the error of one
+of its cases, run to show it. On CPU (the dry run) the same code runs, flash-attn and fla emulated.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 
@@ -19,29 +24,44 @@ from blockdiag_dist.options import LAYOUTS
 from blockdiag_dist.plan import plan_step
 from blockdiag_dist.state import choose_exchange
 
-from ..cases import Case, default_matrix
+from ..cases import NAMED_LAYOUTS, Case, default_matrix, mixer_matrix
 from ..pool import PoolError, WorkerPool
 from ..session import CaseResult, Session
+from . import emulate, staging
 from .step import StepContext
 
-__all__ = ["PROBES", "exchange_mode", "probe", "run", "summarize"]
+__all__ = ["PROBES", "cases", "exchange_mode", "flash_cases", "probe", "run", "summarize"]
 
 CPS = (2, 4)
 KERNELS = ("varlen", "dense")
 EXCHANGES = ("auto", "allgather", "halo", "a2a")
 QUICK_LAYOUTS = ("padding-rank",)
+FLASH_LAYOUTS = ("padding-rank", "many-short", "middle-padding", "spans-every-rank")
 PROBE_DTYPES = ("float32", "bfloat16")
-# the collectives each exchange mode issues (forward and backward)
+# the collectives each exchange mode issues (forward and backward); "mixer": what the mixers' exchanges use
 NEEDS = {
     "local": (),
     "allgather": ("all_gather_into_tensor", "reduce_scatter_tensor"),
     "a2a": ("all_to_all_single",),
     "halo": ("batch_isend_irecv",),
+    "mixer": ("all_to_all_single", "batch_isend_irecv"),
 }
 PROBES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "batch_isend_irecv",
           "all_reduce", "broadcast", "all_gather")
 IMPL = "blockdiag_dist"
 CHUNK = 16  # cases submitted at once; the step checks its deadline between chunks
+
+
+def init_staged() -> None:
+    """A rank sharing the GPU: collectives through host memory, flash-attn's and fla's calls counted."""
+    staging.install()
+    emulate.count_real_calls()
+
+
+def init_staged_emulated() -> None:
+    """A rank of the CPU dry run: the same staging, flash-attn and fla emulated."""
+    staging.install()
+    emulate.install()
 
 
 # ---- on every rank -------------------------------------------------------------------------------------
@@ -118,8 +138,11 @@ def _last_line(text: str) -> str:
 
 
 def exchange_mode(case: Case) -> str | None:
-    """The exchange the implementation will run for this case (a function of the plan alone); None if the
-    requested exchange cannot serve the layout (halo where a rank needs keys beyond its left neighbour)."""
+    """The exchange the implementation will run for this case (a function of the plan alone; "mixer" for a
+    mixer case); None if the requested exchange cannot serve the layout (halo where a rank needs keys beyond
+    its left neighbour)."""
+    if case.layer != "attention":
+        return "mixer"
     plan = plan_step(torch.tensor(case.doc_ids()), case.cp, case.layout or "contiguous")
     try:
         return choose_exchange(plan.exchange(case.window), case.exchange or "auto")[0]
@@ -127,11 +150,25 @@ def exchange_mode(case: Case) -> str | None:
         return None
 
 
+def flash_cases(cp: int, quick: bool) -> list[Case]:
+    """flash-attn's path at this CP size: bfloat16, head dim 64, varlen, the padding-only rank's layout under
+    each sharding layout, windows and a soft-cap rotating."""
+    out, k = [], 0
+    for name in FLASH_LAYOUTS[:1] if quick else FLASH_LAYOUTS:
+        for layout in ("contiguous", "balanced"):
+            out.append(Case(rows=NAMED_LAYOUTS[name](cp), cp=cp, name=name, hq=8, hkv=2, dim=64, kernel="varlen", layout=layout,
+                            dtype="bfloat16", window=(-1, 8)[k % 2], softcap=(0.0, 0.0, 30.0)[k % 3], seed=k))
+            k += 1
+    return out
+
+
 def cases(cp: int, quick: bool) -> list[Case]:
-    """bfloat16 with the default exchange and layout, then float32 over every kernel x exchange x layout (the
-    first layout only when ``quick``)."""
+    """flash-attn's cases, the mixers (float32), bfloat16 with the default exchange and layout, then float32
+    over every kernel x exchange x layout (the first layout only when ``quick``)."""
     layouts = tuple(LAYOUTS)[:1] if quick else tuple(LAYOUTS)
-    out = [*default_matrix(cps=(cp,), dtypes=("bfloat16",), kernels=KERNELS, exchanges=("auto",), layouts=("contiguous",)),
+    out = [*flash_cases(cp, quick),
+           *mixer_matrix(cps=(cp,), dtypes=("float32",), layouts=("contiguous", "balanced")),
+           *default_matrix(cps=(cp,), dtypes=("bfloat16",), kernels=KERNELS, exchanges=("auto",), layouts=("contiguous",)),
            *default_matrix(cps=(cp,), dtypes=("float32",), kernels=KERNELS, exchanges=EXCHANGES, layouts=layouts)]
     out = [c for c in out if exchange_mode(c) is not None]
     return [c for c in out if c.name in QUICK_LAYOUTS] if quick else out
@@ -161,7 +198,10 @@ def _run_cp(ctx: StepContext, cp: int, backend: str, finish_by: float) -> None:
                  "by_exchange": {}, "failed": [], "unsupported": {}}
     ctx.data["cps"][str(cp)] = out  # saved as it grows
     t0 = time.monotonic()
-    with Session(IMPL, case_timeout=30 if ctx.device == "cuda" else 60, backend=backend, device=ctx.device) as session:
+    init = init_staged_emulated if ctx.device == "cpu" else init_staged if backend == "gloo" else emulate.count_real_calls
+    out["collectives"] = "through host memory (verify.gpu.staging)" if backend == "gloo" else f"{backend}, on the device"
+    with Session(IMPL, case_timeout=30 if ctx.device == "cuda" else 60, backend=backend, device=ctx.device,
+                 worker_init=init) as session:
         pool = session.pool(cp)
         pool.start_timeout = max(pool.start_timeout, finish_by - time.monotonic())  # a loaded machine starts slowly
         try:
@@ -193,6 +233,7 @@ def _run_cp(ctx: StepContext, cp: int, backend: str, finish_by: float) -> None:
             for r in session.run([c for c, _, _ in todo[i:i + CHUNK]]):
                 out["run"] += 1
                 out["passed"] += r.ok
+                ctx.data["failed_cases"] = ctx.data.get("failed_cases", 0) + (not r.ok)
                 ex = out["by_exchange"].setdefault(r.case.exchange or "auto", {"run": 0, "passed": 0})
                 ex["run"] += 1
                 ex["passed"] += r.ok
@@ -200,11 +241,19 @@ def _run_cp(ctx: StepContext, cp: int, backend: str, finish_by: float) -> None:
                     out["failed"].append(_short(r))
             out["seconds"]["cases"] = time.monotonic() - t0 - out["seconds"]["pool_start"] - out["seconds"]["probe"]
             ctx.save()
+        try:  # what ran in the ranks: flash-attn's and fla's calls (real or emulated)
+            per_rank = pool.run(emulate.calls, timeout=30, name="calls")
+            out["calls_per_rank"] = {name: [r.get(name, 0) for r in per_rank] for name in ("flash_attn_varlen_func", "chunk_gated_delta_rule")}
+        except PoolError as exc:
+            out["calls_per_rank"] = f"unknown: {exc}"[:300]
 
 
 def run(ctx: StepContext) -> str:
     gpus = torch.cuda.device_count() if ctx.device == "cuda" else 0
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # the ranks inherit it: fla's float32 as in step mixers
+    ctx.data["triton_f32_default"] = os.environ["TRITON_F32_DEFAULT"]
     ctx.data["cps"] = {}
+    ctx.data["failed_cases"] = 0
     for i, cp in enumerate(CPS):
         if ctx.time_left() <= 0:
             ctx.data["stopped"] = f"step deadline near: CP {cp} not run"
@@ -212,7 +261,8 @@ def run(ctx: StepContext) -> str:
         finish_by = time.monotonic() + ctx.time_left() / (len(CPS) - i)  # an equal share of what is left
         backend = "nccl" if ctx.device == "cuda" and gpus >= cp else "gloo"
         if ctx.device == "cuda" and backend == "gloo":
-            ctx.data["why_gloo"] = f"{gpus} GPU(s) for {cp} ranks: NCCL cannot run several ranks on one GPU"
+            ctx.data["why_gloo"] = (f"{gpus} GPU(s) for {cp} ranks: NCCL cannot run several ranks on one GPU; the ranks share "
+                                    "it, their collectives staged through host memory over gloo")
         _run_cp(ctx, cp, backend, finish_by)
         ctx.save()
     per_cp = ctx.data["cps"].values()
@@ -231,9 +281,12 @@ def summarize(d: dict) -> list[str]:
         bad = [f"{op} ({', '.join(f'{k}: {v}' for k, v in by.items() if v != 'ok')})"
                for op, by in s["probe"].items() if any(v != "ok" for v in by.values())]
         took = ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in s.get("seconds", {}).items())
-        lines.append(f"CP {cp} over {s['backend']} ({s['device']} tensors): {s['passed']}/{s['run']} cases passed "
-                     f"of {s['planned']} runnable ({took}); collectives failing: {'; '.join(bad) or 'none'}"
-                     + (f"; {s['stopped']}" if s.get("stopped") else ""))
+        calls = s.get("calls_per_rank")
+        calls = (f"; flash-attn calls per rank {calls['flash_attn_varlen_func']}, fla {calls['chunk_gated_delta_rule']}"
+                 if isinstance(calls, dict) else "")
+        lines.append(f"CP {cp} over {s['backend']} ({s['device']} tensors, collectives {s.get('collectives', '?')}): "
+                     f"{s['passed']}/{s['run']} cases passed of {s['planned']} runnable ({took}); collectives failing: "
+                     f"{'; '.join(bad) or 'none'}{calls}" + (f"; {s['stopped']}" if s.get("stopped") else ""))
         for mode, u in s["unsupported"].items():
             ex = u["example"]
             lines.append(f"  exchange {mode} unsupported here: {u['cases_not_run']} cases not run"

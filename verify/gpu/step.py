@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["INJECTIONS", "STEPS", "StepContext", "main"]
 
-STEPS = ("env", "matrix", "multirank", "kernels")  # modules of this package, in running order
+STEPS = ("env", "matrix", "mixers", "multirank", "kernels")  # modules of this package, in running order
 INJECTIONS = ("raise", "hang", "exit")  # faults a test plants in a step to check the harness
 
 
