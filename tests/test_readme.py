@@ -142,7 +142,7 @@ def test_docs_index_lists_every_page():
 
 # ---- shell commands ---------------------------------------------------------------------------------------
 SHELL_BLOCK = re.compile(r"^```bash( run)?[ \t]*\n(.*?)^```", re.S | re.M)
-PROGRAMS = ("python", "python3", "torchrun", "make", "source")  # what the pages' commands start with (after VAR=value)
+PROGRAMS = ("python", "python3", "torchrun", "accelerate", "make", "source")  # what the pages' commands start with (after VAR=value)
 RUN_DEADLINE = 280.0  # seconds, one command of a ```bash run block
 
 
@@ -186,21 +186,34 @@ os.execv(sys.executable, [sys.executable, sys.argv[0].replace("torchrun_parse.py
                           *(["-m"] if args.module else []), args.training_script, *args.training_script_args])
 '''
 
+# `accelerate launch ...` that only parses: accelerate's launch options, then the script's as above
+ACCELERATE_PARSE_ONLY = '''
+import os, sys
+from accelerate.commands.launch import launch_command_parser
+assert sys.argv[1] == "launch", sys.argv
+args = launch_command_parser().parse_args(sys.argv[2:])
+os.execv(sys.executable, [sys.executable, sys.argv[0].replace("accelerate_parse.py", "parse_only.py"),
+                          *(["-m"] if args.module else []), args.training_script, *args.training_script_args])
+'''
+
 
 @pytest.fixture(scope="module")
 def shims(tmp_path_factory) -> dict[bool, Path]:
-    """Two directories to put first on PATH: ``python``, ``python3``, ``torchrun`` and ``make`` as this
+    """Two directories to put first on PATH: ``python``, ``python3``, ``torchrun``, ``accelerate`` and ``make`` as this
     interpreter (the activated venv) runs them (``True``), and the same that only parse (``False``)."""
     base = tmp_path_factory.mktemp("shims")
     (base / "parse_only.py").write_text(PARSE_ONLY)
     (base / "torchrun_parse.py").write_text(TORCHRUN_PARSE_ONLY)
+    (base / "accelerate_parse.py").write_text(ACCELERATE_PARSE_ONLY)
     make = shutil.which("make") or "make"
     exe = sys.executable
     scripts = {
         True: {"python": f'exec "{exe}" "$@"', "python3": f'exec "{exe}" "$@"',
-               "torchrun": f'exec "{exe}" -m torch.distributed.run "$@"', "make": f'exec "{make}" "$@"'},
+               "torchrun": f'exec "{exe}" -m torch.distributed.run "$@"', "make": f'exec "{make}" "$@"',
+               "accelerate": f'exec "{exe}" -m accelerate.commands.accelerate_cli "$@"'},
         False: {"python": f'exec "{exe}" "{base}/parse_only.py" "$@"', "python3": f'exec "{exe}" "{base}/parse_only.py" "$@"',
-                "torchrun": f'exec "{exe}" "{base}/torchrun_parse.py" "$@"', "make": f'exec "{make}" -n "$@"'},
+                "torchrun": f'exec "{exe}" "{base}/torchrun_parse.py" "$@"', "make": f'exec "{make}" -n "$@"',
+                "accelerate": f'exec "{exe}" "{base}/accelerate_parse.py" "$@"'},
     }
     dirs = {}
     for run, table in scripts.items():
