@@ -15,7 +15,9 @@ import torch
 pytest.importorskip("trl", reason="trl is not installed (the 'trainer' extra: pip install -e '.[trainer]')")
 
 from examples.trl_sft import run_sft, tiny_model, tiny_tokenizer  # noqa: E402
-from trainer_checks import per_document_truth, run_on_rank, sft_on_rank, worst_gradient_error  # noqa: E402
+from trainer_checks import (  # noqa: E402
+    per_document_truth, perturbation_probe, run_on_rank, sft_on_rank, worst_gradient_error,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -115,6 +117,15 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(pools, tmp_path):
     assert len(first["losses"]) == len(second["losses"]) == 4
     assert second["losses"] == pytest.approx(first["losses"], rel=LOGGED_LOSS_LIMIT, abs=0)
     assert len(set(first["losses"])) == 4, "the steps must train (distinct losses)"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
+def test_perturbing_one_document_moves_only_its_logits_at_cp2(pools, model_type):
+    """trl #6843's reproducer through the trainer's step at CP 2: replace the tokens of the third of six packed
+    documents; every other document's logits stay bitwise the same, on every rank."""
+    runs = pools(2).run(perturbation_probe, args=(model_type, 2, 2), timeout=TIMEOUT_S, name=f"probe {model_type}")
+    assert max(r["inside"] for r in runs) > 1e-3, runs  # the perturbed document's logits moved
+    assert all(r["outside"] == 0.0 for r in runs), runs
 
 
 # ---- refusals --------------------------------------------------------------------------------------------------

@@ -68,3 +68,42 @@ def run_on_rank(model_type: str, cp: int, steps: int, kwargs: dict) -> dict:
     """``run_sft`` on one rank with keyword arguments (losses and what they ask for)."""
     out = run_sft(model_type, cp, steps, "float64", **kwargs)
     return {k: v for k, v in out.items() if k in ("losses", "eval_loss")}
+
+
+def perturbation_probe(model_type: str, cp: int, changed: int) -> dict:
+    """trl #6843's reproducer through the trainer's step: the logits of a packed row, then of the same row with
+    document ``changed``'s tokens replaced; per rank, the largest logit change inside and outside that document."""
+    import tempfile
+
+    from transformers import TrainingArguments
+
+    from blockdiag_dist.integrations.trainer import BlockdiagTrainer
+    from examples.trl_sft import documents
+
+    dist = torch.distributed
+    if dist.is_initialized():
+        world, rank = str(dist.get_world_size()), str(dist.get_rank())
+        import os
+
+        os.environ.update(WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True, bf16=False, disable_tqdm=True)
+    trainer = BlockdiagTrainer(model=tiny_model(model_type, torch.float64), args=args, cp_size=cp)
+    docs = documents(6, seed=3)
+    g = torch.Generator().manual_seed(4)
+    other = [d if i != changed else torch.randint(2, 90, (len(d),), generator=g).tolist() for i, d in enumerate(docs)]
+    out = []
+    for ds in (docs, other):
+        ids = torch.tensor([sum(ds, [])])
+        pos = torch.cat([torch.arange(len(d)) for d in ds])[None]
+        which = torch.cat([torch.full((len(d),), i + 1) for i, d in enumerate(ds)])[None]  # 1-based: 0 pads
+        ctx, batch = trainer._prepare_context_parallel_inputs(trainer.model, {"input_ids": ids, "position_ids": pos, "probe_doc": which})
+        which_local = batch.pop("probe_doc")
+        with ctx(), torch.no_grad():
+            logits = trainer.model(**batch, use_cache=False).logits
+        out.append((logits, which_local))
+    (a, w), (b, _) = out
+    diff = (a - b).abs().amax(dim=-1)[0]
+    inside, outside = w[0] == changed + 1, (w[0] != changed + 1) & (w[0] != 0)
+    return {"inside": float(diff[inside].max()) if inside.any() else 0.0,
+            "outside": float(diff[outside].max()) if outside.any() else 0.0}
