@@ -26,6 +26,7 @@ from .dist import consensus_cost, peak_memory, timed_steps
 from .hybrid import bench_hybrid
 from .kernel import bench_kernel, bench_scaling
 from .peers import bench_peers
+from .trainer import bench_trainer
 from .vision import vision_steps
 from .variants import bench_softcap
 from verify.workloads import D, H, HKV, attention_step, interleaved, layout_of, long_tail
@@ -169,6 +170,7 @@ def run(quick: bool, only: list[str] | None = None) -> dict:
         ("verifier", lambda: bench_verifier((2, 4), 60 if quick else 200)),
         ("vision", lambda: bench_vision("quick" if quick else "full", reps=2 if quick else 3)),
     ]
+    sections.append(("trainer", lambda: bench_trainer(steps=8 if quick else 12, rounds=1 if quick else 2)))
     if not quick:
         sections.append(("memory", lambda: bench_memory(131072, 4)))
     sections.append(("hybrid", lambda: bench_hybrid((4096,) if quick else (8192, 32768), reps=1,

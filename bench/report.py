@@ -194,6 +194,14 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows = [[str(m["S"]), str(m["cp"]), m["mode"], ", ".join(_gib(x) for x in m["peak_rss_bytes_per_rank"]), _gib(sum(m["peak_rss_bytes_per_rank"])),
                  _gib(m["dense_mask_bytes_per_rank"]), _gib(m["dense_scores_bytes_per_rank"]), f"{m['step_seconds']:.1f}"]]
         out.append(("Memory at scale: varlen + needed-only, float32", ["S", "CP", "exchange", "peak RSS per rank", "sum", "dense mask/rank", "dense scores/rank", "step s"], rows))
+    if "trainer" in res:
+        t = res["trainer"]
+        met = "met" if t["ratio"] <= t["goal"] else "NOT met"
+        out.append((f"Trainer step against the hand loop: BlockdiagTrainer vs docs/trainer.md's loop, tiny {t['model']}, "
+                    f"CP {t['cp']}, {t['rows']} documents per step, float32, median of {t['rounds']} x {t['steps'] - 2} steps",
+                    ["Trainer step", "hand loop step", "ratio"],
+                    [[f"{t['trainer_seconds'] * 1e3:.1f} ms", f"{t['loop_seconds'] * 1e3:.1f} ms",
+                      f"{t['ratio']:.3f} (goal <= {t['goal']:.2f}: {met})"]]))
     if "hybrid" in res:
         out += hybrid_tables(res["hybrid"])
     return out

@@ -1,0 +1,100 @@
+"""Bench section "trainer": a ``BlockdiagTrainer`` step against the hand-written loop of docs/trainer.md, at the
+same CP size, on the same work (the same tiny model, the same documents in the same order, flattened into one
+row per step by transformers' ``DataCollatorWithFlattening``), side by side in one pool: the Trainer's own cost
+around the step (its dataloader, loss scaling, logging, DDP) as a ratio. Goal: <= 1.05x."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from verify.pool import WorkerPool
+
+GOAL = 1.05
+
+
+def _rank_env() -> None:
+    dist = torch.distributed
+    world, rank = str(dist.get_world_size()), str(dist.get_rank())
+    os.environ.update(WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
+
+def trainer_steps(model_type: str, cp: int, steps: int, rows: int) -> list[float]:
+    """Seconds from one step's start to the next's of ``BlockdiagTrainer`` (one pool rank): its dataloader,
+    collation, step, logging and callbacks, as the hand loop's iteration counts its own."""
+    from datasets import Dataset
+    from transformers import DataCollatorWithFlattening, TrainerCallback, TrainingArguments
+
+    from blockdiag_dist.integrations.trainer import BlockdiagTrainer
+    from examples.trl_sft import documents, tiny_model
+
+    _rank_env()
+    stamps: list[float] = []
+
+    class Stamps(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+        def on_train_end(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=rows,
+                             learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
+                             disable_tqdm=True, save_strategy="no", remove_unused_columns=False,
+                             train_sampling_strategy="sequential", max_grad_norm=0.0)
+    trainer = BlockdiagTrainer(model=tiny_model(model_type), args=args, cp_size=cp, callbacks=[Stamps()],
+                               train_dataset=Dataset.from_dict({"input_ids": documents(steps * rows)}),
+                               data_collator=DataCollatorWithFlattening(return_tensors="pt"))
+    trainer.train()
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def loop_steps(model_type: str, cp: int, steps: int, rows: int) -> list[float]:
+    """Seconds of each step of the hand-written loop on the same batches (one pool rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import DataCollatorWithFlattening
+
+    from blockdiag_dist import make_cp_blockdiag_batch_and_ctx
+    from blockdiag_dist.integrations import all_reduce_grads, causal_lm_loss, global_token_count, shift_labels
+    from examples.trl_sft import documents, tiny_model
+
+    dist = torch.distributed
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    model = tiny_model(model_type)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    collate = DataCollatorWithFlattening(return_tensors="pt")
+    docs = documents(steps * rows)
+    out = []
+    for s in range(steps):
+        t = time.perf_counter()
+        batch = collate([{"input_ids": d} for d in docs[s * rows:(s + 1) * rows]])
+        batch["labels"] = shift_labels(batch["labels"])
+        ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, dict(batch))
+        n = global_token_count(batch["labels"], mesh["cp"])
+        with ctx():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+            causal_lm_loss(logits, batch["labels"], n).backward()
+        all_reduce_grads(model.parameters(), mesh)
+        opt.step()
+        opt.zero_grad()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def bench_trainer(model_type: str = "qwen3_5", cp: int = 2, steps: int = 12, rows: int = 8, rounds: int = 2,
+                  timeout: float = 900.0) -> dict:
+    """Median step seconds (first two steps of each run left out: warm-up) of both, alternating in one pool."""
+    trainer, loop = [], []
+    with WorkerPool(cp, collective_timeout=timeout) as pool:
+        for _ in range(rounds):
+            trainer += pool.run(trainer_steps, args=(model_type, cp, steps, rows), timeout=timeout, name="trainer")[0][2:]
+            loop += pool.run(loop_steps, args=(model_type, cp, steps, rows), timeout=timeout, name="loop")[0][2:]
+    t, h = statistics.median(trainer), statistics.median(loop)
+    return {"model": model_type, "cp": cp, "rows": rows, "steps": steps, "rounds": rounds, "trainer_seconds": t,
+            "loop_seconds": h, "ratio": t / h, "goal": GOAL}
