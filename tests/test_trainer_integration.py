@@ -16,7 +16,7 @@ pytest.importorskip("trl", reason="trl is not installed (the 'trainer' extra: pi
 
 from examples.trl_sft import run_sft, tiny_model, tiny_tokenizer  # noqa: E402
 from trainer_checks import (  # noqa: E402
-    per_document_truth, perturbation_probe, run_on_rank, sft_on_rank, worst_gradient_error,
+    per_document_truth, perturbation_probe, run_on_rank, sft_on_rank, vlm_on_rank, worst_gradient_error,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,6 +117,20 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(pools, tmp_path):
     assert len(first["losses"]) == len(second["losses"]) == 4
     assert second["losses"] == pytest.approx(first["losses"], rel=LOGGED_LOSS_LIMIT, abs=0)
     assert len(set(first["losses"])) == 4, "the steps must train (distinct losses)"
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_vision_language_model_at_cp2_first_step_gradients_equal_each_document_alone(pools, family):
+    """BlockdiagTrainer with MultimodalPackingCollator (documents with images in packed rows), the model's own forward
+    on the full rows (CPOptions(shard_primary=False)), vision tower included; the model takes no num_items_in_batch,
+    so its loss comes from its logits (the trainer's compute_loss_func). The truth: tests/test_vlm.py's."""
+    from test_vlm import truth
+
+    runs = pools(2).run(vlm_on_rank, args=(family, 2), timeout=TIMEOUT_S, name=f"Trainer {family} at CP 2")
+    _, ref = truth(family)
+    assert runs[0]["targets"] == ref.targets
+    err, name = worst_gradient_error(runs[0]["grads"], {n: torch.from_numpy(g) / ref.targets for n, g in ref.grads.items()})
+    assert err <= FLOAT64_LIMIT, f"{family}: gradient of {name} off by {err:.3g} relative"
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])

@@ -107,3 +107,43 @@ def perturbation_probe(model_type: str, cp: int, changed: int) -> dict:
     inside, outside = w[0] == changed + 1, (w[0] != changed + 1) & (w[0] != 0)
     return {"inside": float(diff[inside].max()) if inside.any() else 0.0,
             "outside": float(diff[outside].max()) if outside.any() else 0.0}
+
+
+def vlm_on_rank(family: str, cp: int) -> dict:
+    """One step of a tiny vision-language model by ``BlockdiagTrainer`` at CP ``cp``: its own forward on the full
+    rows (``shard_primary=False``), documents with images packed by ``MultimodalPackingCollator``, float64
+    throughout; every parameter's gradient before the optimizer step, and the step's targets."""
+    import os
+    import tempfile
+
+    from transformers import TrainerCallback, TrainingArguments
+
+    from blockdiag_dist import CPOptions
+    from blockdiag_dist.integrations import MultimodalPackingCollator
+    from blockdiag_dist.integrations.trainer import BlockdiagTrainer
+    from examples.vlm import IMAGE_TOKEN, MERGE, build_tiny_vlm
+    from verify.model.vlm_cases import SEQ_LEN, documents, float64_throughout
+
+    dist = torch.distributed
+    if dist.is_initialized():
+        world, rank = str(dist.get_world_size()), str(dist.get_rank())
+        os.environ.update(WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    docs = documents(1)
+    recorded: dict = {}
+
+    class Grads(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            recorded["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model = build_tiny_vlm(family)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=1, per_device_train_batch_size=len(docs),
+                             report_to=[], use_cpu=True, bf16=False, disable_tqdm=True, save_strategy="no",
+                             remove_unused_columns=False, train_sampling_strategy="sequential", max_grad_norm=0.0)
+    collate = MultimodalPackingCollator(seq_len=SEQ_LEN, image_token_id=IMAGE_TOKEN, spatial_merge_size=MERGE)
+    trainer = BlockdiagTrainer(model=model, args=args, train_dataset=docs, data_collator=collate, cp_size=cp,
+                               cp_options=CPOptions(shard_primary=False), callbacks=[Grads()])
+    with float64_throughout():  # as the truth (test_vlm.truth) computes
+        trainer.train()
+    batch = collate(docs)
+    return {"grads": recorded["grads"], "targets": int((batch["labels"] != -100).sum())}

@@ -14,18 +14,21 @@ What the mixin changes, and why each is right:
   ``("dp_replicate", "cp")`` mesh when it prepares a dataloader).
 - **The step** (``_prepare_context_parallel_inputs``, the hook ``Trainer.training_step`` and ``prediction_step``
   already call): labels are shifted on the full rows (``shift_labels``: the model and TRL's fused head then score
-  them without shifting a shard), per-document ``position_ids`` are added where the batch has none, the batch
+  them without shifting a shard; blockdiag's own collators, whose labels are already shifted, hand them on as
+  ``shift_labels``), per-document ``position_ids`` are added where the batch has none, the batch
   function shards every sequence-aligned tensor and returns the step context, inside which the Trainer runs the
   forward and the backward. The collator's own descriptions of the unsharded rows (``cu_seq_lens_q/k``,
   ``max_length_q/k``, ``seq_idx``) are dropped: the documents come from the full doc ids.
-- **Loss and gradients**: ``get_cp_size()`` returns the CP size, so the Trainer's ``num_items_in_batch`` counts
+- **Loss and gradients**: a model that takes no ``num_items_in_batch`` (``accepts_loss_kwargs = False``, e.g.
+  Qwen2.5-VL) gets its loss from its logits and the pre-shifted labels (the Trainer's ``compute_loss_func``, set
+  here). ``get_cp_size()`` returns the CP size, so the Trainer's ``num_items_in_batch`` counts
   every target of the DP x CP step once; each rank's loss is its shard's sum divided by it, multiplied by the
   world size (``average_tokens_across_devices``), and DDP / FSDP average over the world: the gradient is the sum
   of the ranks' partial gradients over the step's targets, and the logged loss (a mean over ranks) the step's.
 
 Refused at construction, on every rank (each would train silently wrong under CP): accelerate's own CP
 (``ParallelismConfig(cp_size > 1)``: it replaces every mask by ``is_causal``), ``average_tokens_across_devices=False``,
-a model whose forward takes no ``num_items_in_batch``, label smoothing and ``compute_loss_func`` (both shift the
+label smoothing and ``compute_loss_func`` (both shift the
 sharded labels again), ``compute_metrics`` at CP > 1 (the logits stay sharded). At a step: a batch that names no
 documents while ``require_documents`` (TRL packing or ``padding_free``: on by default) is refused before the model runs.
 """
@@ -49,7 +52,7 @@ __all__ = ["BlockdiagSFTTrainer", "BlockdiagTrainer", "BlockdiagTrainerMixin", "
 # Keys that describe the documents of the unsharded rows for other kernels; blockdiag takes them from the full doc ids.
 ROW_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 # Keys the batch function adds or keeps for the loss that are not model inputs.
-NOT_MODEL_INPUTS = ("padding_mask", "_packed_seq_ids")
+NOT_MODEL_INPUTS = ("padding_mask", "_packed_seq_ids", "loss_mask")
 # Keys from which the batch function reads documents (besides a 4-D attention_mask).
 DOCUMENT_SOURCES = ("_packed_seq_ids", "position_ids")
 
@@ -91,6 +94,32 @@ class _CPGroups:
         return None if self.mesh is None or self.cp_size == 1 else self.mesh["cp"]
 
 
+class _PreShiftedLabels:
+    """A blockdiag collator (``PackingCollator``, ``MultimodalPackingCollator``) whose ``labels`` are already
+    next-token targets: they are handed on as ``shift_labels`` too, which the Trainer counts and the loss scores
+    unshifted."""
+
+    def __init__(self, collate: Callable) -> None:
+        self.collate = collate
+
+    def __call__(self, features: Any) -> dict[str, Any]:
+        batch = self.collate(features)
+        batch["shift_labels"] = batch["labels"]
+        return batch
+
+
+def _shifted_causal_lm_loss(outputs: Any, labels: Tensor, num_items_in_batch: Any = None) -> Tensor:
+    """The Trainer's ``compute_loss_func`` for a model that takes no ``num_items_in_batch`` (``accepts_loss_kwargs =
+    False``, e.g. Qwen2.5-VL): this rank's share of the step's loss from its logits and its pre-shifted labels,
+    over the targets of the whole DP x CP step."""
+    from .training import causal_lm_loss
+
+    if num_items_in_batch is None:
+        raise ValueError("num_items_in_batch: expected the step's target count from the Trainer, got None")
+    logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+    return causal_lm_loss(logits, labels, num_items_in_batch)
+
+
 class BlockdiagTrainerMixin:
     """Block-diagonal CP for a ``transformers.Trainer`` subclass (``class T(BlockdiagTrainerMixin, Trainer)``).
 
@@ -114,7 +143,16 @@ class BlockdiagTrainerMixin:
         if require_documents is None:
             require_documents = bool(getattr(self.args, "packing", False) or getattr(self.args, "padding_free", False))
         self.require_documents = require_documents
+        from .multimodal import MultimodalPackingCollator
+        from .packing import PackingCollator
+
+        if isinstance(self.data_collator, (PackingCollator, MultimodalPackingCollator)):
+            self.data_collator = _PreShiftedLabels(self.data_collator)
         self._check_config()
+        # A model whose own loss would be a mean over this rank's shard: the loss from its logits, here
+        self._own_loss = not getattr(self, "model_accepts_loss_kwargs", False)
+        if self._own_loss:
+            self.compute_loss_func = _shifted_causal_lm_loss
 
     # ---- refusals at construction ------------------------------------------------------------------------------
     def _check_config(self) -> None:
@@ -128,11 +166,6 @@ class BlockdiagTrainerMixin:
             raise ValueError(
                 "average_tokens_across_devices: expected True (the loss of each rank divided by the targets of the "
                 "whole DP x CP step), got False: each rank's loss would be a mean over its shard"
-            )
-        if not getattr(self, "model_accepts_loss_kwargs", False):
-            raise ValueError(
-                f"model: expected a forward that takes num_items_in_batch (**kwargs), got {type(self.model).__name__} "
-                "without: its loss would be a mean over each rank's shard"
             )
         if getattr(self, "label_smoother", None) is not None:
             raise ValueError(
@@ -195,6 +228,8 @@ class BlockdiagTrainerMixin:
         train_ctx, batch = make_cp_blockdiag_batch_and_ctx(self._cp.cp_mesh, None, batch, options=self.cp_options)
         for key in NOT_MODEL_INPUTS:
             batch.pop(key, None)
+        if self._own_loss and batch.get("shift_labels") is not None:  # the Trainer hands labels to compute_loss_func
+            batch["labels"] = batch.pop("shift_labels")
         return train_ctx, batch
 
 
