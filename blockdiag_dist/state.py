@@ -25,8 +25,9 @@ from .docs import RankDocs
 from .exchange import TrafficLog, a2a_kv, allgather_kv, halo_kv
 from .exchange.allgather import all_gather_tensor
 from .kernels.dense import DenseMeta, plan_dense
-from .kernels.varlen import VarlenMeta, plan_varlen
+from .kernels.varlen import VarlenMeta, plan_varlen_pieces
 from .plan import ExchangePlan, StepPlan
+from .shard_plan import FlatIndex
 
 __all__ = [
     "AttentionNotRoutedError",
@@ -129,7 +130,7 @@ class StepState:
     @property
     def positions(self) -> Tensor:
         """int64 ``[L]``: global positions of this rank's rows (``>= seq_len`` = CP padding)."""
-        return self.plan.shards.positions[self.rank]
+        return self.plan.shards.rank_positions(self.rank)
 
     @property
     def docs(self) -> RankDocs:
@@ -226,8 +227,9 @@ class StepState:
         sp = self.plan.shards.padded_len
         if self.kernel == "dense":
             meta = plan_dense(local, key_flat, plan.segments, sp, window_left)
-        else:
-            meta = plan_varlen(local, key_flat, plan.segments, plan.doc_starts, sp, window_left)
+        else:  # this rank's pieces, from the step's piece table: no per-token tensor of the whole batch
+            meta = plan_varlen_pieces(plan.documents.kernel_pieces(self.rank), local.numel(), FlatIndex(key_flat), sp,
+                                      window_left)
         _log_once(f"kv_exchange={mode} (window left={window_left}{_chunk_text(chunk)}): {reason}")
         return WindowPlan(
             window_left=window_left,

@@ -1,0 +1,107 @@
+"""Bench section ``plan``: what one rank's per-step planning costs, on the host, as S and CP grow.
+
+Every rank plans every step in the batch function before any GPU work. Two parts are timed apart:
+
+- ``replicated``: what every rank computes for all ranks (pure, identical everywhere): ``plan_step`` (the layout
+  choice and the shard plan), the exchange plan of the unwindowed attention (``exchange(-1)``, its per-pair
+  counts) and the documents' pieces (``plan.documents``);
+- ``rank``: this rank's own token-level tensors, built from the replicated plan: its window plan (key buffer,
+  send rows, varlen kernel blocks) and its documents' view (``state.docs``). These grow with ``S / CP``, the
+  tokens the rank holds, which the kernel and the collective consume.
+
+One packed row of documents with exponential lengths: ``few`` = 64 documents, ``many`` = 8,192 documents (a fixed
+count at every S, so the growth ratio ``time(16M) / time(1M)`` compares equal document counts), and ``mean2k``
+(documents of mean 2,000 tokens, the issue's workload; the count grows with S).
+
+Run ``python -m bench --only plan`` (or :func:`time_plan` for one case)::
+
+    >>> from bench.plan import time_plan
+    >>> row = time_plan(1 << 17, 8, "few", "contiguous", reps=1)
+    >>> sorted(row) == ['cp', 'docs', 'layout', 'mix', 'rank_ms', 'replicated_ms', 'S', 'total_ms']
+    True
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from blockdiag_dist.plan import plan_step
+from blockdiag_dist.state import StepState
+
+MIXES = {"few": 64, "many": 8192}  # documents per row, at every S
+LAYOUTS = ("contiguous", "balanced", "auto")
+
+
+def doc_ids_of(S: int, mix: str, seed: int = 0) -> torch.Tensor:
+    """int64 ``[1, S]``: one row of documents with exponential lengths (``mix`` in ``MIXES`` or ``mean2k``)."""
+    rng = np.random.default_rng(seed)
+    n = max(1, S // 2000) if mix == "mean2k" else min(MIXES[mix], S)
+    w = rng.exponential(1.0, n)
+    lengths = np.maximum(1, np.floor(w / w.sum() * S).astype(np.int64))
+    lengths[-1] += S - lengths.sum()
+    while lengths[-1] < 1:  # the rounding took too much from the last one: give it back from the longest
+        k = int(np.argmax(lengths[:-1]))
+        lengths[k] -= 1
+        lengths[-1] += 1
+    ids = torch.repeat_interleave(torch.arange(1, n + 1), torch.from_numpy(lengths))
+    return ids[None]
+
+
+def _replicated(ids: torch.Tensor, world: int, layout: str):
+    plan = plan_step(ids, world, layout)
+    plan.exchange(-1).needed_tokens()
+    plan.documents  # noqa: B018
+    return plan
+
+
+def _rank(plan, rank: int) -> None:
+    state = StepState(plan, rank=rank, group=None, device=torch.device("cpu"), kv_exchange="auto", kernel="varlen")
+    state.window_plan(-1)
+    state.docs  # noqa: B018
+
+
+def time_plan(S: int, world: int, mix: str, layout: str, reps: int = 3, rank: int | None = None) -> dict:
+    """Median milliseconds of one rank's planning of one step (``rank``: default the last rank, which holds the
+    most document ends under contiguous sharding)."""
+    ids = doc_ids_of(S, mix)
+    rank = world - 1 if rank is None else rank
+    rep_t, rank_t = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        plan = _replicated(ids, world, layout)
+        t1 = time.perf_counter()
+        _rank(plan, rank)
+        t2 = time.perf_counter()
+        rep_t.append(t1 - t0)
+        rank_t.append(t2 - t1)
+    rep, rk = float(np.median(rep_t)) * 1e3, float(np.median(rank_t)) * 1e3
+    return {"S": S, "cp": world, "mix": mix, "docs": int(ids.max()), "layout": layout, "replicated_ms": rep,
+            "rank_ms": rk, "total_ms": rep + rk}
+
+
+def bench_plan(sizes, cps, mixes=tuple(MIXES), layouts=LAYOUTS, reps: int = 3, extra=()) -> dict:
+    """The sweep: every (S, CP, mix, layout) of the grid, then the ``extra`` cases ``(S, CP, mix, layout)``;
+    with the growth ratios ``time(S_max) / time(S_min)`` at each (CP, mix, layout)."""
+    rows = []
+    for S in sizes:
+        for cp in cps:
+            for mix in mixes:
+                for layout in layouts:
+                    rows.append(time_plan(S, cp, mix, layout, reps))
+    for S, cp, mix, layout in extra:
+        rows.append(time_plan(S, cp, mix, layout, reps))
+    growth = []
+    lo, hi = min(sizes), max(sizes)
+    for cp in cps:
+        for mix in mixes:
+            for layout in layouts:
+                a = [r for r in rows if (r["S"], r["cp"], r["mix"], r["layout"]) == (lo, cp, mix, layout)]
+                b = [r for r in rows if (r["S"], r["cp"], r["mix"], r["layout"]) == (hi, cp, mix, layout)]
+                if a and b:
+                    growth.append({"cp": cp, "mix": mix, "layout": layout, "S_from": lo, "S_to": hi,
+                                   "replicated": b[0]["replicated_ms"] / a[0]["replicated_ms"],
+                                   "total": b[0]["total_ms"] / a[0]["total_ms"]})
+    return {"rows": rows, "growth": growth, "threads": torch.get_num_threads()}
