@@ -26,6 +26,7 @@ from .dist import consensus_cost, peak_memory, timed_steps
 from .hybrid import bench_hybrid
 from .kernel import bench_kernel, bench_scaling
 from .peers import bench_peers
+from .plan import bench_plan
 from .vision import vision_steps
 from .variants import bench_softcap
 from verify.workloads import D, H, HKV, attention_step, interleaved, layout_of, long_tail
@@ -171,6 +172,10 @@ def run(quick: bool, only: list[str] | None = None) -> dict:
     ]
     if not quick:
         sections.append(("memory", lambda: bench_memory(131072, 4)))
+    sections.append(("plan", lambda: bench_plan((1 << 17, 1 << 20) if quick else (1 << 17, 1 << 20, 1 << 22, 1 << 24),
+                                                (8, 64) if quick else (8, 64, 256, 1024), reps=1 if quick else 3,
+                                                extra=() if quick else ((1 << 20, 64, "mean2k", "contiguous"),
+                                                                        (1 << 20, 64, "mean2k", "auto")))))
     sections.append(("hybrid", lambda: bench_hybrid((4096,) if quick else (8192, 32768), reps=1,
                                                     mem_S=8192 if quick else 32768, rounds=1 if quick else 2, console=console)))
     if only:

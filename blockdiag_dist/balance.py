@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -124,52 +125,69 @@ class _TensorWork:
 
 def _assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[list[list[int]], list[float]]:
     """Chunks to ranks, exactly ``per_rank`` each, minimising the largest summed work (LPT, then swaps).
-    The least loaded rank with room (ties: the lowest rank) comes from a heap of ``(load, rank)``."""
-    order = sorted(range(len(chunk_work)), key=lambda k: (-chunk_work[k], k))
+
+    LPT: chunks by decreasing work (ties: lower index first), each to the least loaded rank with room (ties: the
+    lowest rank), from a heap of ``(load, rank)``. Swaps: between the most loaded rank (ties: the lowest) and the
+    least loaded (ties: the lowest), the pair of chunks that lowers the larger of the two loads the most (ties:
+    the first pair in their owned order), while one does."""
+    w = np.asarray(chunk_work, dtype=np.float64)
     load = [0.0] * world
     owned: list[list[int]] = [[] for _ in range(world)]
+    count = [0] * world
     heap = [(0.0, r) for r in range(world)]
-    for k in order:
-        _, r = heapq.heappop(heap)
+    pop, replace = heapq.heappop, heapq.heapreplace
+    for k in np.argsort(-w, kind="stable").tolist():
+        r = heap[0][1]  # the least loaded rank with room
         owned[r].append(k)
         load[r] += chunk_work[k]
-        if len(owned[r]) < per_rank:
-            heapq.heappush(heap, (load[r], r))
+        count[r] += 1
+        if count[r] < per_rank:
+            replace(heap, (load[r], r))
+        else:
+            pop(heap)
+    loads = np.array(load, dtype=np.float64)
     for _ in range(_MAX_SWAPS):
-        hi = max(range(world), key=lambda r: (load[r], -r))
-        lo = min(range(world), key=lambda r: (load[r], r))
-        gap = load[hi] - load[lo]
-        best = None
-        for a in owned[hi]:
-            for b in owned[lo]:
-                d = chunk_work[a] - chunk_work[b]
-                if 0 < d < gap:
-                    new_max = max(load[hi] - d, load[lo] + d)
-                    if best is None or new_max < best[0]:
-                        best = (new_max, a, b, d)
-        if best is None or best[0] >= load[hi]:
+        hi, lo = int(np.argmax(loads)), int(np.argmin(loads))
+        gap = loads[hi] - loads[lo]
+        a_idx, b_idx = np.array(owned[hi]), np.array(owned[lo])
+        d = w[a_idx][:, None] - w[b_idx][None, :]
+        ok = (d > 0) & (d < gap)
+        if not ok.any():
             break
-        _, a, b, d = best
-        owned[hi][owned[hi].index(a)] = b
-        owned[lo][owned[lo].index(b)] = a
-        load[hi] -= d
-        load[lo] += d
-    return owned, load
+        new_max = np.where(ok, np.maximum(loads[hi] - d, loads[lo] + d), np.inf)
+        i = int(np.argmin(new_max))  # the first best pair, row-major over (owned[hi], owned[lo])
+        if new_max.flat[i] >= loads[hi]:
+            break
+        ia, ib = divmod(i, b_idx.size)
+        dd = d[ia, ib]
+        owned[hi][ia], owned[lo][ib] = int(b_idx[ib]), int(a_idx[ia])
+        loads[hi] -= dd
+        loads[lo] += dd
+    return owned, loads.tolist()
+
+
+def _hopeless(chunk_work: list[float], world: int, limit: float) -> bool:
+    """Whether no assignment can reach max/mean work ``<= limit``: the largest chunk alone exceeds it (with a
+    margin far above rounding, so a layout this rejects would have been rejected by its assignment too)."""
+    mean = sum(chunk_work) / world
+    return mean > 0 and max(chunk_work) > limit * mean * (1 + 1e-9)
 
 
 def runs_of(intervals: list[list[tuple[int, int]]]) -> Tensor:
     """Shard runs ``[R, 4]`` (rank, start, length, local_start) from each rank's ``(start, length)`` intervals in
     local order, adjacent ones merged (a run is maximal)."""
-    rows = []
-    for rank, ivs in enumerate(intervals):
-        local = 0
-        for start, length in ivs:
-            if rows and rows[-1][0] == rank and rows[-1][1] + rows[-1][2] == start:
-                rows[-1][2] += length
-            else:
-                rows.append([rank, start, length, local])
-            local += length
-    return torch.tensor(rows, dtype=torch.int64).view(-1, 4)
+    counts = np.array([len(ivs) for ivs in intervals], dtype=np.int64)
+    rank = np.repeat(np.arange(len(intervals)), counts)
+    flat = np.array([iv for ivs in intervals for iv in ivs], dtype=np.int64).reshape(-1, 2)
+    start, length = flat[:, 0], flat[:, 1]
+    before = np.cumsum(length) - length  # rows before each interval, all ranks
+    local = before - before[np.repeat(np.cumsum(counts) - counts, counts)]  # ... on its own rank
+    new = np.ones(len(rank), dtype=bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (start[1:] != start[:-1] + length[:-1])
+    group = np.cumsum(new) - 1
+    merged = np.zeros(int(new.sum()), dtype=np.int64)
+    np.add.at(merged, group, length)
+    return torch.from_numpy(np.stack([rank[new], start[new], merged, local[new]], 1).reshape(-1, 4))
 
 
 def _positions_of(runs: Tensor, world: int, local_len: int) -> Tensor:
@@ -188,7 +206,10 @@ def _balanced(work, world: int) -> tuple[int, int, list[list[int]], float]:
             break  # chunks of less than one real token only add padding
         local_len = per_rank * -(-S // chunks)
         chunk_len = local_len // per_rank
-        owned, load = _assign(work.equal_chunks(chunks, chunk_len), world, per_rank)
+        chunk_work = work.equal_chunks(chunks, chunk_len)
+        if best is not None and _hopeless(chunk_work, world, best[0] - 1e-12):
+            continue  # cannot beat the best so far, which did not reach TARGET either
+        owned, load = _assign(chunk_work, world, per_rank)
         mean = sum(load) / world
         imbalance = max(load) / mean if mean > 0 else 1.0
         if best is None or imbalance < best[0] - 1e-12:
@@ -277,23 +298,23 @@ class _Allowed:
         return torch.where(inside, torch.where(x - a <= b - x, a, b), x)
 
 
-def _snap(edges: list[int], allowed: _Allowed, reach: int, S: int) -> list[int]:
+def _snap(edges: Tensor, allowed: _Allowed, reach: int, S: int) -> Tensor:
     """Move each interior edge below ``S`` to the nearest allowed boundary within ``reach`` (kept strictly
     increasing: an edge that would not pass the one before keeps its place, or moves one past it)."""
-    x = torch.tensor(edges[1:-1], dtype=torch.int64)
+    x = edges[1:-1]
     best = allowed.nearest(x)
     cand = torch.where((x < S) & ((best - x).abs() <= reach), best, x)
-    full = torch.cat([torch.tensor(edges[:1]), cand, torch.tensor(edges[-1:])])
+    full = torch.cat([edges[:1], cand, edges[-1:]])
     if bool((full[1:] > full[:-1]).all()):  # every move keeps the order: the sequential rule changes nothing
-        return full.tolist()
+        return full
     xs, bs = x.tolist(), best.tolist()
-    out = [edges[0]]
+    out = [int(edges[0])]
     for xv, bv in zip(xs, bs):
         if xv < S and abs(bv - xv) <= reach and bv > out[-1]:
             xv = bv
         out.append(max(xv, out[-1] + 1))
-    out.append(edges[-1])
-    return out
+    out.append(int(edges[-1]))
+    return torch.tensor(out)
 
 
 def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, list[list[tuple[int, int]]], float] | None:
@@ -310,15 +331,18 @@ def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, list[list[tuple[
         chunk_len = local_len // per_rank
         padded_len = world * local_len
         for tolerance in SNAP_TOLERANCES:
-            edges = _snap([k * chunk_len for k in range(chunks + 1)], allowed, int(tolerance * chunk_len), S)
-            key = (per_rank, *edges)
+            edge_t = _snap(torch.arange(chunks + 1) * chunk_len, allowed, int(tolerance * chunk_len), S)
+            key = (per_rank, edge_t.numpy().tobytes())
             if key in tried:  # the same edges as a tolerance already tried: the same outcome
                 continue
             tried.add(key)
-            cum = work.at(torch.tensor(edges))
-            chunk_work = torch.diff(cum).tolist()
+            chunk_work = torch.diff(work.at(edge_t)).tolist()
+            lens = np.diff(edge_t.numpy())
+            if _hopeless(chunk_work, world, SNAP_TARGET) or int(lens.max()) > SNAP_TARGET * local_len:
+                continue  # the largest chunk alone breaks the work or the row target: its assignment would too
             owned, load = _assign(chunk_work, world, per_rank)
-            rows = [sum(edges[k + 1] - edges[k] for k in ks) for ks in owned]
+            rows = lens[np.array(owned)].sum(1).tolist()  # every rank owns exactly per_rank chunks
+            edges = edge_t.tolist()
             mean = sum(load) / world
             imbalance = max(load) / mean if mean > 0 else 1.0
             if imbalance <= SNAP_TARGET and max(rows) <= SNAP_TARGET * local_len:

@@ -43,19 +43,22 @@ __all__ = [
 class ExchangePlan:
     """Needed sets for one window: which keys each rank's real queries may see that live on other ranks.
 
-    Stored as *intervals*: ``spans`` int64 ``[K, 6]``, one row ``(dest, src, row, start, length, src_local)`` per
-    run of keys that rank ``dest`` needs from rank ``src``: positions ``[start, start + length)`` of batch row
-    ``row``, held by ``src`` from its local row ``src_local`` on; ordered by destination, then flat id, disjoint.
-    ``counts[s, d]``: tokens ``s`` sends ``d``. Keys at padding positions are never needed.
+    Stored as *ranges*: ``ranges`` int64 ``[K, 4]``, one row ``(dest, row, lo, hi)`` per range of keys
+    ``[lo, hi)`` of batch row ``row`` that rank ``dest``'s queries may see, before their own pieces; ordered by
+    destination, then flat id, disjoint. The needed set of ``dest`` is its ranges minus the positions it holds.
+    Everything the planning asks (tokens each rank receives, whether a halo suffices) is closed-form over the
+    ranges and the shard's runs (:meth:`ShardPlan.rows_before`); a rank's own transfers are the ranges cut at
+    the runs for that rank only (:meth:`spans_to`, :meth:`spans_from`).
 
-    The token-level view (``flat_ids[i]`` needed by rank ``dest[i]`` and held by rank ``src[i]``, ordered by
-    destination then flat id) is built when asked; a rank's own send rows and received flat ids
-    (:meth:`send_rows`, :meth:`recv_flat_ids`) are built from its intervals only.
+    *Spans* ``[K', 6]``: ``(dest, src, row, start, length, src_local)``, keys ``[start, start + length)`` of row
+    ``row`` that ``dest`` needs from ``src``, held there from local row ``src_local`` on; ordered by destination
+    then flat id. ``spans`` / ``counts[s, d]`` (tokens ``s`` sends ``d``) / ``flat_ids`` / ``dest`` / ``src`` cover
+    every rank and are built when asked. Keys at padding positions are never needed.
     """
 
-    def __init__(self, shards: ShardPlan, batch_size: int, window_left: int, spans: Tensor, counts: Tensor) -> None:
+    def __init__(self, shards: ShardPlan, batch_size: int, window_left: int, ranges: Tensor) -> None:
         self.shards, self.batch_size, self.window_left = shards, batch_size, window_left
-        self.spans, self.counts = spans, counts
+        self.ranges = ranges
 
     @property
     def world(self) -> int:
@@ -65,12 +68,93 @@ class ExchangePlan:
     def local_tokens(self) -> int:
         return self.batch_size * self.shards.local_len
 
+    # ---- closed-form over the ranges -------------------------------------------------------------------
+    @cached_property
+    def _range_needed(self) -> Tensor:
+        """int64 ``[K]``: keys of each range that its destination does not hold."""
+        dest, _, lo, hi = self.ranges.unbind(1)
+        return hi - lo - (self.shards.rows_before(dest, hi) - self.shards.rows_before(dest, lo))
+
+    def needed_tokens(self) -> list[int]:
+        """Per rank: tokens received by a needed-only exchange (the minimum)."""
+        return torch.zeros(self.world, dtype=torch.int64).index_add_(0, self.ranges[:, 0], self._range_needed).tolist()
+
+    @cached_property
+    def halo_ok(self) -> bool:
+        """Every rank's needed keys lie on its left neighbour (so one point-to-point hop suffices)."""
+        dest, _, lo, hi = self.ranges.unbind(1)
+        left = (dest - 1).clamp(min=0)
+        on_left = torch.where(dest > 0, self.shards.rows_before(left, hi) - self.shards.rows_before(left, lo), 0)
+        return bool((self._range_needed == on_left).all())
+
+    # ---- one rank's transfers -------------------------------------------------------------------------
+    @cached_property
+    def _dest_bounds(self) -> list[int]:
+        return torch.searchsorted(self.ranges[:, 0].contiguous(), torch.arange(self.world + 1)).tolist()
+
+    def spans_to(self, rank: int) -> Tensor:
+        """The spans ``rank`` receives ``[K_r, 6]``, by flat id: its ranges cut at the shard's runs, its own
+        positions dropped."""
+        return _cut(self.ranges[self._dest_bounds[rank]:self._dest_bounds[rank + 1]], self.shards)
+
+    def spans_from(self, rank: int) -> Tensor:
+        """The spans ``rank`` sends ``[K_s, 6]``, by destination then flat id: every other rank's ranges
+        intersected with ``rank``'s runs."""
+        r = self.ranges[self.ranges[:, 0] != rank]
+        runs = self.shards.rank_runs(rank)
+        runs = runs[torch.argsort(runs[:, 1])]
+        r_start, r_end = runs[:, 1].contiguous(), (runs[:, 1] + runs[:, 2]).contiguous()
+        dest, row, lo, hi = r.unbind(1)
+        i0 = torch.searchsorted(r_end, lo, right=True)  # first run ending after lo
+        n = (torch.searchsorted(r_start, hi) - i0).clamp(min=0)  # ... up to the last starting before hi
+        k = torch.repeat_interleave(torch.arange(r.shape[0]), n)
+        run = interval_ranges(i0, n)
+        a = torch.maximum(lo[k], r_start[run])
+        b = torch.minimum(hi[k], r_end[run])
+        src = torch.full_like(a, rank)
+        return torch.stack([dest[k], src, row[k], a, b - a, runs[run, 3] + a - r_start[run]], 1)
+
+    def recv_counts(self, rank: int) -> list[int]:
+        """Tokens ``rank`` receives from each rank (a needed-only exchange's receive splits)."""
+        s = self.spans_to(rank)
+        return torch.zeros(self.world, dtype=torch.int64).index_add_(0, s[:, 1], s[:, 4]).tolist()
+
+    def send_counts(self, rank: int) -> list[int]:
+        """Tokens ``rank`` sends to each rank (a needed-only exchange's send splits)."""
+        s = self.spans_from(rank)
+        return torch.zeros(self.world, dtype=torch.int64).index_add_(0, s[:, 0], s[:, 4]).tolist()
+
     def _flat_of(self, spans: Tensor) -> Tensor:
         return interval_ranges(spans[:, 2] * self.shards.padded_len + spans[:, 3], spans[:, 4])
 
+    def recv_flat_ids(self, rank: int) -> Tensor:
+        """Flat ids ``rank`` receives, in arrival order of a needed-only exchange: by source rank, then flat id."""
+        mine = self.spans_to(rank)
+        return self._flat_of(mine[torch.sort(mine[:, 1], stable=True).indices])
+
+    def send_rows(self, rank: int, dest: int | None = None) -> Tensor:
+        """Local token indices (``b * L + l``) that ``rank`` sends, grouped by destination in rank order (or
+        only those for ``dest``), each group in the order its destination expects."""
+        s = self.spans_from(rank)
+        if dest is not None:
+            s = s[s[:, 0] == dest]
+        return interval_ranges(s[:, 2] * self.shards.local_len + s[:, 5], s[:, 4])
+
+    # ---- every rank (built when asked) ----------------------------------------------------------------
+    @cached_property
+    def spans(self) -> Tensor:
+        """Every rank's spans ``[K', 6]``, by destination then flat id."""
+        return _cut(self.ranges, self.shards)
+
+    @cached_property
+    def counts(self) -> Tensor:
+        """int64 ``[W (source), W (destination)]``: tokens each rank sends each other rank."""
+        W, s = self.world, self.spans
+        return torch.zeros(W * W, dtype=torch.int64).index_add_(0, s[:, 1] * W + s[:, 0], s[:, 4]).view(W, W)
+
     @cached_property
     def flat_ids(self) -> Tensor:
-        """int64 ``[N]``: every needed key's flat id, by destination then flat id (token-level; built when asked)."""
+        """int64 ``[N]``: every needed key's flat id, by destination then flat id (token-level)."""
         return self._flat_of(self.spans)
 
     @cached_property
@@ -84,23 +168,7 @@ class ExchangePlan:
     @cached_property
     def needed(self) -> tuple[Tensor, ...]:
         """Per rank: sorted flat ids of the tokens it needs from other ranks."""
-        return tuple(self._flat_of(self._spans_to(r)) for r in range(self.world))
-
-    @cached_property
-    def _dest_bounds(self) -> list[int]:
-        return torch.searchsorted(self.spans[:, 0].contiguous(), torch.arange(self.world + 1)).tolist()
-
-    def _spans_to(self, rank: int) -> Tensor:
-        return self.spans[self._dest_bounds[rank]:self._dest_bounds[rank + 1]]
-
-    @cached_property
-    def halo_ok(self) -> bool:
-        """Every rank's needed keys lie on its left neighbour (so one point-to-point hop suffices)."""
-        return bool((self.spans[:, 1] == self.spans[:, 0] - 1).all())
-
-    def needed_tokens(self) -> list[int]:
-        """Per rank: tokens received by a needed-only exchange (the minimum)."""
-        return self.counts.sum(0).tolist()
+        return tuple(self._flat_of(self.spans_to(r)) for r in range(self.world))
 
     def sent_tokens(self) -> list[int]:
         """Per rank: tokens sent by a needed-only exchange."""
@@ -110,23 +178,9 @@ class ExchangePlan:
         """Per rank: tokens received (and sent) by an all-gather."""
         return (self.world - 1) * self.local_tokens
 
-    def recv_flat_ids(self, rank: int) -> Tensor:
-        """Flat ids ``rank`` receives, in arrival order of a needed-only exchange: by source rank, then flat id."""
-        mine = self._spans_to(rank)
-        return self._flat_of(mine[torch.sort(mine[:, 1], stable=True).indices])
-
-    def send_rows(self, rank: int, dest: int | None = None) -> Tensor:
-        """Local token indices (``b * L + l``) that ``rank`` sends, grouped by destination in rank order (or
-        only those for ``dest``), each group in the order its destination expects."""
-        mine = self.spans[:, 1] == rank
-        if dest is not None:
-            mine &= self.spans[:, 0] == dest
-        s = self.spans[mine]
-        return interval_ranges(s[:, 2] * self.shards.local_len + s[:, 5], s[:, 4])
-
     def fingerprint(self) -> bytes:
         h = hashlib.sha256()
-        for t in (self.shards.runs, self.counts, self.spans):
+        for t in (self.shards.runs, self.ranges):
             h.update(t.numpy().tobytes())
             h.update(b"|")
         h.update(f"{self.window_left}".encode())
@@ -135,22 +189,22 @@ class ExchangePlan:
 
 def needed_mask(layout: DocLayout, shards: ShardPlan, window_left: int) -> Tensor:
     """bool ``[W, B * Sp]``: whether rank ``r`` needs the key with flat id ``f`` from another rank (token-level:
-    for tests and tools; the plans use :func:`needed_spans`)."""
+    for tests and tools; the plans use :func:`needed_ranges`)."""
     x = plan_exchange(layout, shards, window_left)
     out = torch.zeros(shards.world, layout.batch_size * shards.padded_len, dtype=torch.bool)
     out[x.dest, x.flat_ids] = True
     return out
 
 
-def needed_spans(docs: DocPlan, window_left: int) -> Tensor:
-    """The needed sets as intervals ``[K, 6]`` (see :class:`ExchangePlan`), from the pieces.
+def needed_ranges(docs: DocPlan, window_left: int) -> Tensor:
+    """The ranges of keys each rank's queries may see before their own pieces, ``[K, 4]`` (see
+    :class:`ExchangePlan`), from the pieces.
 
     A piece ``[s, e)`` of a document starting at ``d`` has real queries that see the keys ``[max(d, s - left), s)``
-    before it (all of them: its first query sees every one). Per (rank, document), these ranges are merged
-    (pieces in document order, each range starting no earlier than the one before), then cut at the shard's
-    runs; the parts held by another rank are needed. ``O(P + K)``.
+    before it (all of them: its first query sees every one). Per (rank, document) these ranges are merged
+    (pieces in document order, each range starting no earlier than the one before). ``O(P log P)``.
     """
-    shards, sp = docs.shards, docs.shards.padded_len
+    sp = docs.shards.padded_len
     t = docs.table
     lo = t["doc_start"] if window_left < 0 else torch.maximum(t["doc_start"], t["start"] - window_left)
     hi = t["start"]
@@ -159,36 +213,38 @@ def needed_spans(docs: DocPlan, window_left: int) -> Tensor:
     order = torch.argsort(rank * (docs.num_docs * sp) + doc * sp + hi)  # by rank, document, then position
     rank, doc, row, lo, hi = rank[order], doc[order], row[order], lo[order], hi[order]
     if rank.numel() == 0:
-        return torch.zeros(0, 6, dtype=torch.int64)
+        return torch.zeros(0, 4, dtype=torch.int64)
     new = torch.ones(rank.numel(), dtype=torch.bool)
     new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1]) | (lo[1:] > hi[:-1])
     first = new.nonzero().flatten()
     last = torch.cat([first[1:], torch.tensor([rank.numel()], dtype=torch.int64)]) - 1
-    rank, row, lo, hi = rank[first], row[first], lo[first], hi[last]
-    # cut each merged range at the shard's runs: runs sorted by position tile [0, Sp)
+    ranges = torch.stack([rank[first], row[first], lo[first], hi[last]], 1)
+    return ranges[torch.argsort(ranges[:, 0] * (docs.batch_size * sp) + ranges[:, 1] * sp + ranges[:, 2])]
+
+
+def _cut(ranges: Tensor, shards: ShardPlan) -> Tensor:
+    """Ranges ``[K, 4]`` cut at the shard's runs into spans ``[K', 6]``, the destination's own positions dropped
+    (runs sorted by position tile ``[0, Sp)``)."""
     runs = shards.by_position
     run_start = runs[:, 1].contiguous()
+    dest, row, lo, hi = ranges.unbind(1)
     r0 = torch.searchsorted(run_start, lo, right=True) - 1
-    r1 = torch.searchsorted(run_start, hi - 1, right=True) - 1
-    n = r1 - r0 + 1
-    k = torch.repeat_interleave(torch.arange(rank.numel()), n)
+    n = torch.searchsorted(run_start, hi - 1, right=True) - r0
+    k = torch.repeat_interleave(torch.arange(ranges.shape[0]), n)
     run = interval_ranges(r0, n)
     src = runs[run, 0]
     a = torch.maximum(lo[k], runs[run, 1])
     b = torch.minimum(hi[k], runs[run, 1] + runs[run, 2])
-    spans = torch.stack([rank[k], src, row[k], a, b - a, runs[run, 3] + a - runs[run, 1]], 1)
-    spans = spans[src != rank[k]]
-    return spans[torch.argsort(spans[:, 0] * (docs.batch_size * sp) + spans[:, 2] * sp + spans[:, 3])]
+    spans = torch.stack([dest[k], src, row[k], a, b - a, runs[run, 3] + a - runs[run, 1]], 1)
+    return spans[src != dest[k]]
 
 
 def plan_exchange(layout: DocLayout, shards: ShardPlan, window_left: int = -1, *, docs: DocPlan | None = None) -> ExchangePlan:
-    """Needed sets and per-pair counts of every rank (pure; identical on every rank), from the pieces
-    (``docs``: the step's :class:`~blockdiag_dist.docs.DocPlan`, built here when not given)."""
+    """Needed sets of every rank (pure; identical on every rank), from the pieces (``docs``: the step's
+    :class:`~blockdiag_dist.docs.DocPlan`, built here when not given)."""
     docs = plan_documents(layout, shards) if docs is None else docs
-    spans = needed_spans(docs, window_left)
-    W = shards.world
-    counts = torch.zeros(W * W, dtype=torch.int64).index_add_(0, spans[:, 1] * W + spans[:, 0], spans[:, 4]).view(W, W)
-    return ExchangePlan(shards=shards, batch_size=layout.batch_size, window_left=window_left, spans=spans, counts=counts)
+    return ExchangePlan(shards=shards, batch_size=layout.batch_size, window_left=window_left,
+                        ranges=needed_ranges(docs, window_left))
 
 
 @dataclass(frozen=True, eq=False)

@@ -98,6 +98,25 @@ class ShardPlan:
         """The runs sorted by start position, ``[R, 4]`` (they tile ``[0, W * L)``)."""
         return self.runs[torch.argsort(self.runs[:, 1])]
 
+    @cached_property
+    def _by_rank_position(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(keys rank * (Sp + 1) + start, starts, lengths, rows of the rank before each run), runs sorted by key."""
+        runs = self.runs
+        key = runs[:, 0] * (self.padded_len + 1) + runs[:, 1]
+        order = torch.argsort(key)
+        key, runs = key[order].contiguous(), runs[order]
+        before = torch.cumsum(runs[:, 2], 0) - runs[:, 2]
+        base = before[torch.searchsorted(key, torch.arange(self.world) * (self.padded_len + 1))]
+        return key, runs[:, 1], runs[:, 2], before - base[runs[:, 0]]
+
+    def rows_before(self, rank: Tensor, x: Tensor) -> Tensor:
+        """int64: how many of the positions ``< x`` rank ``rank`` holds (elementwise), from its runs."""
+        key, start, length, before = self._by_rank_position
+        j = torch.searchsorted(key, rank * (self.padded_len + 1) + x, right=True) - 1
+        jc = j.clamp(min=0)
+        mine = (j >= 0) & (key[jc] // (self.padded_len + 1) == rank)
+        return torch.where(mine, before[jc] + torch.minimum(x - start[jc], length[jc]), 0)
+
     def locate(self, p: Tensor) -> tuple[Tensor, Tensor]:
         """``(owner rank, local row)`` of positions ``p`` (any shape), from the runs."""
         runs = self.by_position
@@ -129,9 +148,25 @@ class FlatIndex:
         first[1:] = flat[1:] != flat[:-1] + 1
         row = first.nonzero().flatten()
         length = torch.diff(torch.cat([row, torch.tensor([flat.numel()])]))
-        start = flat[row]
+        self._set(flat[row], length, row)
+
+    @classmethod
+    def from_runs(cls, start: Tensor, length: Tensor, row: Tensor | None = None) -> FlatIndex:
+        """The buffer that holds runs of flat ids ``[start, start + length)`` from buffer row ``row`` on (default:
+        one after the other)."""
+        out = cls.__new__(cls)
+        out._set(start, length, torch.cumsum(length, 0) - length if row is None else row)
+        return out
+
+    def _set(self, start: Tensor, length: Tensor, row: Tensor) -> None:
         order = torch.argsort(start)
         self.start, self.row, self.length = start[order].contiguous(), row[order], length[order]
+        self.numel = int(length.sum()) if length.numel() else 0
+
+    def flat_ids(self) -> Tensor:
+        """int64 ``[numel]``: the flat id at each row of the buffer (token-level)."""
+        order = torch.argsort(self.row)
+        return interval_ranges(self.start[order], self.length[order])
 
     def __getitem__(self, x: Tensor) -> Tensor:
         if self.start.numel() == 0:
