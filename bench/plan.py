@@ -5,6 +5,8 @@ Every rank plans every step in the batch function before any GPU work. Two parts
 - ``replicated``: what every rank computes for all ranks (pure, identical everywhere): ``plan_step`` (the layout
   choice and the shard plan), the exchange plan of the unwindowed attention (``exchange(-1)``, its per-pair
   counts) and the documents' pieces (``plan.documents``);
+- ``scan``: the part of ``replicated`` that reads the doc ids once to find the documents
+  (``DocLayout.from_doc_ids``), the floor any planning from per-token doc ids pays;
 - ``rank``: this rank's own token-level tensors, built from the replicated plan: its window plan (key buffer,
   send rows, varlen kernel blocks) and its documents' view (``state.docs``). These grow with ``S / CP``, the
   tokens the rank holds, which the kernel and the collective consume.
@@ -17,7 +19,7 @@ Run ``python -m bench --only plan`` (or :func:`time_plan` for one case)::
 
     >>> from bench.plan import time_plan
     >>> row = time_plan(1 << 17, 8, "few", "contiguous", reps=1)
-    >>> sorted(row) == ['cp', 'docs', 'layout', 'mix', 'rank_ms', 'replicated_ms', 'S', 'total_ms']
+    >>> sorted(row) == ['S', 'cp', 'docs', 'layout', 'mix', 'rank_ms', 'replicated_ms', 'scan_ms', 'total_ms']
     True
 """
 
@@ -30,6 +32,7 @@ import torch
 
 from blockdiag_dist.plan import plan_step
 from blockdiag_dist.state import StepState
+from blockdiag_ref import DocLayout
 
 MIXES = {"few": 64, "many": 8192}  # documents per row, at every S
 LAYOUTS = ("contiguous", "balanced", "auto")
@@ -68,8 +71,11 @@ def time_plan(S: int, world: int, mix: str, layout: str, reps: int = 3, rank: in
     most document ends under contiguous sharding)."""
     ids = doc_ids_of(S, mix)
     rank = world - 1 if rank is None else rank
-    rep_t, rank_t = [], []
+    rep_t, rank_t, scan_t = [], [], []
     for _ in range(reps):
+        t0 = time.perf_counter()
+        DocLayout.from_doc_ids(ids)
+        scan_t.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         plan = _replicated(ids, world, layout)
         t1 = time.perf_counter()
@@ -79,7 +85,7 @@ def time_plan(S: int, world: int, mix: str, layout: str, reps: int = 3, rank: in
         rank_t.append(t2 - t1)
     rep, rk = float(np.median(rep_t)) * 1e3, float(np.median(rank_t)) * 1e3
     return {"S": S, "cp": world, "mix": mix, "docs": int(ids.max()), "layout": layout, "replicated_ms": rep,
-            "rank_ms": rk, "total_ms": rep + rk}
+            "rank_ms": rk, "total_ms": rep + rk, "scan_ms": float(np.median(scan_t)) * 1e3}
 
 
 def bench_plan(sizes, cps, mixes=tuple(MIXES), layouts=LAYOUTS, reps: int = 3, extra=(), threads: int = 1) -> dict:
