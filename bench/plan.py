@@ -90,7 +90,8 @@ def time_plan(S: int, world: int, mix: str, layout: str, reps: int = 3, rank: in
 
 def bench_plan(sizes, cps, mixes=tuple(MIXES), layouts=LAYOUTS, reps: int = 3, extra=(), threads: int = 1) -> dict:
     """The sweep: every (S, CP, mix, layout) of the grid, then the ``extra`` cases ``(S, CP, mix, layout)``;
-    with the growth ratios ``time(S_max) / time(S_min)`` at each (CP, mix, layout).
+    with the growth ratios ``time(S_max) / time(1M)`` (``time(S_min)`` when the sweep stops at 1M) at each (CP, mix,
+    layout).
 
     Measured with ``threads`` torch threads (default 1): planning is many small host operations, and on a
     shared machine the barrier of a multi-threaded pool dominates them (on this 2-core machine under load, one
@@ -103,7 +104,7 @@ def bench_plan(sizes, cps, mixes=tuple(MIXES), layouts=LAYOUTS, reps: int = 3, e
     finally:
         torch.set_num_threads(before)
     growth = []
-    lo, hi = min(sizes), max(sizes)
+    lo, hi = (1 << 20 if 1 << 20 in sizes and max(sizes) > 1 << 20 else min(sizes)), max(sizes)
     for cp in cps:
         for mix in mixes:
             for layout in layouts:

@@ -187,15 +187,6 @@ class ExchangePlan:
         return h.digest()
 
 
-def needed_mask(layout: DocLayout, shards: ShardPlan, window_left: int) -> Tensor:
-    """bool ``[W, B * Sp]``: whether rank ``r`` needs the key with flat id ``f`` from another rank (token-level:
-    for tests and tools; the plans use :func:`needed_ranges`)."""
-    x = plan_exchange(layout, shards, window_left)
-    out = torch.zeros(shards.world, layout.batch_size * shards.padded_len, dtype=torch.bool)
-    out[x.dest, x.flat_ids] = True
-    return out
-
-
 def needed_ranges(docs: DocPlan, window_left: int) -> Tensor:
     """The ranges of keys each rank's queries may see before their own pieces, ``[K, 4]`` (see
     :class:`ExchangePlan`), from the pieces.

@@ -229,3 +229,23 @@ def test_shard_runs_and_token_views_agree(ids, world, name):
         assert torch.equal(shards.rank_positions(r), positions[r])
         before = (positions[r][None, :] < x[:, None]).sum(1)
         assert torch.equal(shards.rows_before(torch.full_like(x, r), x), before)
+
+
+def test_paper_model_counts_the_plans_bytes_and_work():
+    """verify plan --model: received bytes are the needed sets (split by node), compute is the plan's work."""
+    from verify.inspect_plan import H200, model_step
+
+    ids = DocLayout.from_seqlens([700, 90, 1500, 33, 400]).doc_ids
+    for layout in ("contiguous", "balanced"):
+        plan = plan_step(ids, 8, layout)
+        x = plan.exchange(-1)
+        bpt = 2 * 2 * 16 * 2  # hkv 2, K and V, dim 16, bf16
+        for g in (2, 8):
+            m = model_step(ids, 8, layout=layout, hq=4, hkv=2, dim=16, machine={"gpus_per_node": g})
+            assert m["mode"] == "a2a"
+            for r, row in enumerate(m["ranks"]):
+                assert row["recv_bytes_nvlink"] + row["recv_bytes_ib"] == x.needed_tokens()[r] * bpt
+                from_other_nodes = sum(int(x.counts[s, r]) for s in range(8) if s // g != r // g)
+                assert row["recv_bytes_ib"] == from_other_nodes * bpt
+                flops = plan.work_per_rank()[r] * 4 * 16 * 4 * (1 + H200["backward_over_forward"])
+                assert row["compute_s"] == flops / (H200["bf16_dense_flops"] * H200["attention_efficiency"])

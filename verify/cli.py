@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--dim", type=int, default=64)
     plan.add_argument("--dtype", default="bfloat16")
     plan.add_argument("--json", metavar="PATH")
+    plan.add_argument("--model", action="store_true", help="also print the paper model of one step on H200s (docs/scale.md)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per NVLink node, for --model")
 
     from .model.cli import add_arguments as add_model_arguments
 

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..exchange import a2a_kv, halo_kv
 from ..plan import StepPlan
+from ..shard_plan import FlatIndex
 
 __all__ = ["ConvPlan", "causal_conv", "plan_conv"]
 
@@ -69,14 +70,13 @@ def plan_conv(plan: StepPlan, rank: int, width: int, device: torch.device | str 
         else:
             mode = "a2a"
             send_splits, recv_splits = xplan.send_counts(rank), xplan.recv_counts(rank)
-    row_of = torch.full((plan.layout.batch_size * sp,), -1, dtype=torch.int64)
-    row_of[local] = torch.arange(T)
-    row_of[recv_ids] = torch.arange(T, T + recv_ids.numel())
+    row_of = FlatIndex(torch.cat([local, recv_ids]))  # buffer row of a flat id, -1 where absent
     zero_row = T + recv_ids.numel()
 
-    seg, starts = plan.segments[local], plan.doc_starts[local]  # [T]
+    docs = plan.documents.for_rank(rank)  # this rank's rows: their document and position in it
     pos = local % sp
-    real = seg != 0
+    real = docs.doc_index.flatten() >= 0
+    starts = pos - docs.doc_position.flatten()  # [T], meaningful on real rows
     index_in_piece = torch.zeros(T, dtype=torch.int64)  # tokens before it in its piece on this rank
     for p in plan.documents.pieces_of(rank):
         t0 = p.row * L + p.local_start
