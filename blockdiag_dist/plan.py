@@ -59,6 +59,8 @@ class ExchangePlan:
     def __init__(self, shards: ShardPlan, batch_size: int, window_left: int, ranges: Tensor) -> None:
         self.shards, self.batch_size, self.window_left = shards, batch_size, window_left
         self.ranges = ranges
+        self._to: dict[int, Tensor] = {}  # spans_to / spans_from of the ranks asked for
+        self._from: dict[int, Tensor] = {}
 
     @property
     def world(self) -> int:
@@ -95,11 +97,20 @@ class ExchangePlan:
     def spans_to(self, rank: int) -> Tensor:
         """The spans ``rank`` receives ``[K_r, 6]``, by flat id: its ranges cut at the shard's runs, its own
         positions dropped."""
-        return _cut(self.ranges[self._dest_bounds[rank]:self._dest_bounds[rank + 1]], self.shards)
+        got = self._to.get(rank)
+        if got is None:
+            got = self._to.setdefault(rank, _cut(self.ranges[self._dest_bounds[rank]:self._dest_bounds[rank + 1]], self.shards))
+        return got
 
     def spans_from(self, rank: int) -> Tensor:
         """The spans ``rank`` sends ``[K_s, 6]``, by destination then flat id: every other rank's ranges
         intersected with ``rank``'s runs."""
+        got = self._from.get(rank)
+        if got is None:
+            got = self._from.setdefault(rank, self._spans_from(rank))
+        return got
+
+    def _spans_from(self, rank: int) -> Tensor:
         r = self.ranges[self.ranges[:, 0] != rank]
         runs = self.shards.rank_runs(rank)
         runs = runs[torch.argsort(runs[:, 1])]

@@ -143,25 +143,31 @@ class FlatIndex:
     [3, 4, -1, 2, -1]
     """
 
-    def __init__(self, flat: Tensor) -> None:
+    DENSE_UP_TO = 1 << 16  # a flat space this small gets a plain lookup table (faster for small batches)
+
+    def __init__(self, flat: Tensor, space: int | None = None) -> None:
         first = torch.ones(flat.numel(), dtype=torch.bool)
         first[1:] = flat[1:] != flat[:-1] + 1
         row = first.nonzero().flatten()
         length = torch.diff(torch.cat([row, torch.tensor([flat.numel()])]))
-        self._set(flat[row], length, row)
+        self._set(flat[row], length, row, space)
 
     @classmethod
-    def from_runs(cls, start: Tensor, length: Tensor, row: Tensor | None = None) -> FlatIndex:
+    def from_runs(cls, start: Tensor, length: Tensor, row: Tensor | None = None, space: int | None = None) -> FlatIndex:
         """The buffer that holds runs of flat ids ``[start, start + length)`` from buffer row ``row`` on (default:
-        one after the other)."""
+        one after the other). ``space``: the number of flat ids (``B * Sp``), when known."""
         out = cls.__new__(cls)
-        out._set(start, length, torch.cumsum(length, 0) - length if row is None else row)
+        out._set(start, length, torch.cumsum(length, 0) - length if row is None else row, space)
         return out
 
-    def _set(self, start: Tensor, length: Tensor, row: Tensor) -> None:
+    def _set(self, start: Tensor, length: Tensor, row: Tensor, space: int | None) -> None:
         order = torch.argsort(start)
         self.start, self.row, self.length = start[order].contiguous(), row[order], length[order]
         self.numel = int(length.sum()) if length.numel() else 0
+        self._table = None
+        if space is not None and space <= self.DENSE_UP_TO:
+            self._table = torch.full((space,), -1, dtype=torch.int64)
+            self._table[interval_ranges(self.start, self.length)] = interval_ranges(self.row, self.length)
 
     def flat_ids(self) -> Tensor:
         """int64 ``[numel]``: the flat id at each row of the buffer (token-level)."""
@@ -169,6 +175,8 @@ class FlatIndex:
         return interval_ranges(self.start[order], self.length[order])
 
     def __getitem__(self, x: Tensor) -> Tensor:
+        if self._table is not None:
+            return self._table[x]
         if self.start.numel() == 0:
             return torch.full_like(x, -1)
         k = torch.searchsorted(self.start, x, right=True) - 1

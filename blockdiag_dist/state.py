@@ -223,7 +223,7 @@ class StepState:
             rows = torch.arange(B).repeat(runs.shape[0])
             run = torch.arange(runs.shape[0]).repeat_interleave(B)
             key_index = FlatIndex.from_runs(rows * sp + runs[run, 1], runs[run, 2],
-                                            runs[run, 0] * (B * L) + rows * L + runs[run, 3])
+                                            runs[run, 0] * (B * L) + rows * L + runs[run, 3], space=B * sp)
         else:  # this rank's rows, then what it receives (by source rank, then flat id)
             mine = shards.rank_runs(self.rank)
             rows = torch.arange(B).repeat_interleave(mine.shape[0])
@@ -241,7 +241,7 @@ class StepState:
                     send_splits = [send_rows.numel()]
                     recv_splits = [xplan.recv_counts(self.rank)[self.rank - 1] if self.rank > 0 else 0]
                 send_rows = send_rows.to(self.device)
-            key_index = FlatIndex.from_runs(torch.cat(starts), torch.cat(lengths))
+            key_index = FlatIndex.from_runs(torch.cat(starts), torch.cat(lengths), space=B * sp)
         if self.kernel == "dense":
             meta = plan_dense(local, key_index.flat_ids(), plan.segments, sp, window_left)
         else:  # this rank's pieces, from the step's piece table: no per-token tensor of the whole batch

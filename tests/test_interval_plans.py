@@ -249,3 +249,18 @@ def test_paper_model_counts_the_plans_bytes_and_work():
                 assert row["recv_bytes_ib"] == from_other_nodes * bpt
                 flops = plan.work_per_rank()[r] * 4 * 16 * 4 * (1 + H200["backward_over_forward"])
                 assert row["compute_s"] == flops / (H200["bf16_dense_flops"] * H200["attention_efficiency"])
+
+
+@SETTINGS
+@given(space=st.integers(1, 200), data=st.data())
+def test_flat_index_equals_a_lookup_table(space, data):
+    """The key buffer's index, by runs (searchsorted) and by its small-space table, against a plain table."""
+    n = data.draw(st.integers(0, space))
+    flat = torch.randperm(space, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))[:n]
+    if data.draw(st.booleans()):
+        flat = torch.sort(flat).values  # long runs of consecutive ids, as the plans give
+    table = torch.full((space,), -1, dtype=torch.int64)
+    table[flat] = torch.arange(n)
+    x = torch.arange(space)
+    assert torch.equal(FlatIndex(flat)[x], table) and torch.equal(FlatIndex(flat, space)[x], table)
+    assert torch.equal(FlatIndex(flat).flat_ids(), flat)

@@ -70,7 +70,7 @@ def plan_conv(plan: StepPlan, rank: int, width: int, device: torch.device | str 
         else:
             mode = "a2a"
             send_splits, recv_splits = xplan.send_counts(rank), xplan.recv_counts(rank)
-    row_of = FlatIndex(torch.cat([local, recv_ids]))  # buffer row of a flat id, -1 where absent
+    row_of = FlatIndex(torch.cat([local, recv_ids]), space=plan.layout.batch_size * sp)  # buffer row of a flat id, -1 where absent
     zero_row = T + recv_ids.numel()
 
     docs = plan.documents.for_rank(rank)  # this rank's rows: their document and position in it
