@@ -131,20 +131,23 @@ def _assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[list[li
     least loaded (ties: the lowest), the pair of chunks that lowers the larger of the two loads the most (ties:
     the first pair in their owned order), while one does."""
     w = np.asarray(chunk_work, dtype=np.float64)
-    load = [0.0] * world
     owned: list[list[int]] = [[] for _ in range(world)]
-    count = [0] * world
     heap = [(0.0, r) for r in range(world)]
     pop, replace = heapq.heappop, heapq.heapreplace
     for k in np.argsort(-w, kind="stable").tolist():
-        r = heap[0][1]  # the least loaded rank with room
-        owned[r].append(k)
-        load[r] += chunk_work[k]
-        count[r] += 1
-        if count[r] < per_rank:
-            replace(heap, (load[r], r))
+        load, r = heap[0]  # the least loaded rank with room
+        mine = owned[r]
+        mine.append(k)
+        if len(mine) < per_rank:
+            replace(heap, (load + chunk_work[k], r))
         else:
             pop(heap)
+    load = []
+    for ks in owned:  # each rank's load summed in the order its chunks came, as the heap summed it
+        total = 0.0
+        for k in ks:
+            total += chunk_work[k]
+        load.append(total)
     loads = np.array(load, dtype=np.float64)
     for _ in range(_MAX_SWAPS):
         hi, lo = int(np.argmax(loads)), int(np.argmin(loads))
