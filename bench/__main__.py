@@ -25,8 +25,8 @@ from verify.report import make_console
 from .dist import consensus_cost, peak_memory, timed_steps
 from .hybrid import bench_hybrid
 from .kernel import bench_kernel, bench_scaling
-from .peers import bench_peers
 from .plan import bench_plan
+from .peers import bench_peers
 from .vision import vision_steps
 from .variants import bench_softcap
 from verify.workloads import D, H, HKV, attention_step, interleaved, layout_of, long_tail

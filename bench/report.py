@@ -189,6 +189,8 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                     [["replicated (every rank runs every image)", f"{v['seconds']['replicated']:.2f}", "1.00x", f"{v['loss']['replicated']:.4f}"],
                      ["images sharded by cost (shard_vision=True)", f"{v['seconds']['sharded']:.2f}",
                       f"{v['sharded_over_replicated']:.2f}x (goal <= {GOALS['vision_shard_over_replicated_cp2']:.2f}x)", f"{v['loss']['sharded']:.4f} ({same})"]]))
+    if "plan" in res:
+        out += plan_tables(res["plan"])
     if "memory" in res:
         m = res["memory"]
         rows = [[str(m["S"]), str(m["cp"]), m["mode"], ", ".join(_gib(x) for x in m["peak_rss_bytes_per_rank"]), _gib(sum(m["peak_rss_bytes_per_rank"])),
@@ -196,8 +198,6 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         out.append(("Memory at scale: varlen + needed-only, float32", ["S", "CP", "exchange", "peak RSS per rank", "sum", "dense mask/rank", "dense scores/rank", "step s"], rows))
     if "hybrid" in res:
         out += hybrid_tables(res["hybrid"])
-    if "plan" in res:
-        out += plan_tables(res["plan"])
     return out
 
 

@@ -233,7 +233,7 @@ def test_shard_runs_and_token_views_agree(ids, world, name):
 
 def test_paper_model_counts_the_plans_bytes_and_work():
     """verify plan --model: received bytes are the needed sets (split by node), compute is the plan's work."""
-    from verify.inspect_plan import H200, model_step
+    from verify.scale_model import H200, model_step
 
     ids = DocLayout.from_seqlens([700, 90, 1500, 33, 400]).doc_ids
     for layout in ("contiguous", "balanced"):

@@ -123,7 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":
         from .inspect_plan import main as plan_main
 
-        return plan_main(args)
+        code = plan_main(args)
+        if code == 0 and args.model:
+            from .scale_model import main as model_main
+
+            code = model_main(args)
+        return code
     if args.command == "conformance":
         from .conformance import main as conformance_main
 

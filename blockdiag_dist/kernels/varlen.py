@@ -42,7 +42,7 @@ from torch import Tensor
 from .._stock import stock_sdpa
 from .explicit import explicit_attention
 
-__all__ = ["VarlenMeta", "fused_unusable_reason", "plan_varlen", "plan_varlen_pieces", "size_class", "varlen_attention"]
+__all__ = ["VarlenMeta", "fused_unusable_reason", "plan_varlen", "size_class", "varlen_attention"]
 
 EXACT_ABOVE = 1024  # pieces longer than this run at their exact length
 EXACT_UP_TO = 16  # ... and so do pieces this short (see size_class)
