@@ -25,6 +25,7 @@ from verify.report import make_console
 from .dist import consensus_cost, peak_memory, timed_steps
 from .hybrid import bench_hybrid
 from .kernel import bench_kernel, bench_scaling
+from .plan import bench_plan
 from .peers import bench_peers
 from .trainer import bench_trainer
 from .vision import vision_steps
@@ -173,6 +174,10 @@ def run(quick: bool, only: list[str] | None = None) -> dict:
     sections.append(("trainer", lambda: bench_trainer(steps=8 if quick else 12, rounds=1 if quick else 2)))
     if not quick:
         sections.append(("memory", lambda: bench_memory(131072, 4)))
+    sections.append(("plan", lambda: bench_plan((1 << 17, 1 << 20) if quick else (1 << 17, 1 << 20, 1 << 22, 1 << 24),
+                                                (8, 64) if quick else (8, 64, 256, 1024), reps=1 if quick else 3,
+                                                extra=() if quick else ((1 << 20, 64, "mean2k", "contiguous"),
+                                                                        (1 << 20, 64, "mean2k", "auto")))))
     sections.append(("hybrid", lambda: bench_hybrid((4096,) if quick else (8192, 32768), reps=1,
                                                     mem_S=8192 if quick else 32768, rounds=1 if quick else 2, console=console)))
     if only:

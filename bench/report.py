@@ -189,6 +189,8 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                     [["replicated (every rank runs every image)", f"{v['seconds']['replicated']:.2f}", "1.00x", f"{v['loss']['replicated']:.4f}"],
                      ["images sharded by cost (shard_vision=True)", f"{v['seconds']['sharded']:.2f}",
                       f"{v['sharded_over_replicated']:.2f}x (goal <= {GOALS['vision_shard_over_replicated_cp2']:.2f}x)", f"{v['loss']['sharded']:.4f} ({same})"]]))
+    if "plan" in res:
+        out += plan_tables(res["plan"])
     if "memory" in res:
         m = res["memory"]
         rows = [[str(m["S"]), str(m["cp"]), m["mode"], ", ".join(_gib(x) for x in m["peak_rss_bytes_per_rank"]), _gib(sum(m["peak_rss_bytes_per_rank"])),
@@ -205,6 +207,17 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     if "hybrid" in res:
         out += hybrid_tables(res["hybrid"])
     return out
+
+
+def plan_tables(p: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The per-step planning of one rank (bench/plan.py): milliseconds per case and the growth ratios."""
+    rows = [[f"{r['S'] / 2**20:g}M", str(r["cp"]), f"{r['mix']} ({r['docs']})", r["layout"], f"{r['replicated_ms']:.1f}",
+             f"{r['scan_ms']:.1f}", f"{r['rank_ms']:.1f}", f"{r['total_ms']:.1f}"] for r in p["rows"]]
+    growth = [[str(g["cp"]), g["mix"], g["layout"], f"{g['S_from'] / 2**20:g}M -> {g['S_to'] / 2**20:g}M",
+               f"{g['replicated']:.2f}x", f"{g['total']:.2f}x"] for g in p["growth"]]
+    return [(f"Per-step planning of one rank, ms (torch threads {p['threads']})",
+             ["S", "CP", "documents", "layout", "replicated", "of which the doc-id scan", "rank's own", "total"], rows),
+            ("Planning growth with S at equal document count", ["CP", "documents", "layout", "S", "replicated", "total"], growth)]
 
 
 def hybrid_tables(h: dict) -> list[tuple[str, list[str], list[list[str]]]]:

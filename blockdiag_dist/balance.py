@@ -22,6 +22,13 @@ where every row starts a document or is padding) wherever that keeps max/mean wo
 ``SNAP_TARGET``: fewer documents are cut, so fewer keys move and fewer pieces need a prefix block. Chunks then
 differ in length; a rank holding fewer rows gets CP padding (positions past the sequence) to reach ``L``.
 
+Both are planned from the documents' intervals, never from per-token tensors: the work of the positions before
+any edge is closed-form (:class:`CumulativeWork`, ``n (n + 1) / 2`` for a document's first ``n`` positions), the
+allowed boundaries are the complement of the documents' interiors (:func:`doc_interiors`), and a layout is a few
+runs of positions per rank (:class:`~blockdiag_dist.shard_plan.ShardPlan`). ``balanced_positions`` /
+``snapped_positions`` take a per-position ``work [S]`` tensor and return token-level positions (tests, tools);
+``balanced_runs`` / ``snapped_runs`` are what a step's planning uses, with the same choices.
+
 ``layout="auto"`` (:func:`choose_layout`) models the step cost of contiguous, balanced and snapped sharding
 from the doc ids alone (so every rank picks the same) and takes the cheapest: the slowest rank's attention
 work plus its received K/V tokens and its cut pieces, each priced in attention (query, key) pairs.
@@ -29,12 +36,18 @@ work plus its received K/V tokens and its cut pieces, each priced in attention (
 
 from __future__ import annotations
 
+import heapq
+
+import numpy as np
 import torch
 from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-__all__ = ["SNAP_TARGET", "TARGET", "balanced_positions", "doc_boundaries", "position_work", "snapped_positions"]
+__all__ = [
+    "SNAP_TARGET", "TARGET", "CumulativeWork", "balanced_positions", "balanced_runs", "doc_boundaries",
+    "doc_interiors", "position_work", "snapped_positions", "snapped_runs",
+]
 
 TARGET = 1.02  # max/mean attention work accepted before trying finer chunks
 SNAP_TARGET = 1.05  # max/mean work (and rows) a snapped layout may reach
@@ -44,42 +57,180 @@ _MAX_SWAPS = 200
 
 
 def position_work(layout: DocLayout) -> Tensor:
-    """float64 ``[S]``: keys seen by the query at each position, summed over rows (0 on padding)."""
+    """float64 ``[S]``: keys seen by the query at each position, summed over rows (0 on padding). Token-level:
+    for tests and tools; the planning uses :class:`CumulativeWork`."""
     pos = torch.arange(layout.seq_len)
-    starts = torch.cat([torch.tensor([0]), layout.segments[:, 1]])[layout.segment_ids]  # [B, S]
-    keys = torch.where(layout.segment_ids != 0, pos - starts + 1, 0)
+    keys = torch.where(layout.segment_ids != 0, pos - layout.doc_starts + 1, 0)
     return keys.sum(0).to(torch.float64)
 
 
+class CumulativeWork:
+    """The attention work of the positions before an edge, summed over rows, from the documents' intervals.
+
+    A document ``[s, e)`` gives its ``n``-th position ``n`` keys, so its positions before ``x`` carry
+    ``g(clamp(x, s, e) - s)`` with ``g(n) = n (n + 1) / 2``. With the documents' full works summed in document
+    order, one ``searchsorted`` per edge finds the documents wholly before it and the one it cuts: ``O(N + E
+    log N)`` for ``E`` edges, never a per-token tensor. Equal to ``cumsum(position_work(layout))`` at every edge.
+
+    >>> layout = DocLayout.from_seqlens([3, 2], pad=1)
+    >>> CumulativeWork(layout).at(torch.tensor([0, 2, 3, 4, 6])).tolist()
+    [0.0, 3.0, 6.0, 7.0, 9.0]
+    """
+
+    def __init__(self, layout: DocLayout) -> None:
+        self.seq_len, self.batch_size = layout.seq_len, layout.batch_size
+        row, start, end = (c.contiguous() for c in layout.segments.unbind(1))
+        self._start = row * self.seq_len + start  # flat, ascending (documents are row-major)
+        self._end = row * self.seq_len + end
+        n = end - start
+        self._before = torch.nn.functional.pad(torch.cumsum(n * (n + 1) // 2, 0), (1, 0))  # [N + 1]
+
+    def _flat(self, y: Tensor) -> Tensor:
+        """int64 work of the flat positions before ``y`` (rows flattened)."""
+        k = torch.searchsorted(self._end, y, right=True)  # documents ending at or before y
+        total = self._before[k]
+        if self._start.numel():
+            cut = k < self._start.numel()
+            n = (y - self._start[k.clamp(max=self._start.numel() - 1)]).clamp(min=0) * cut
+            total = total + n * (n + 1) // 2
+        return total
+
+    def at(self, edges: Tensor) -> Tensor:
+        """float64 ``[E]``: the work of positions ``< edges`` (edges past ``S`` count as ``S``)."""
+        x = edges.to(torch.int64).clamp(0, self.seq_len)
+        rows = torch.arange(self.batch_size)[:, None] * self.seq_len
+        return (self._flat(rows + x[None]) - self._flat(rows)).sum(0).to(torch.float64)
+
+    def equal_chunks(self, chunks: int, chunk_len: int) -> list[float]:
+        """The work of ``chunks`` consecutive chunks of ``chunk_len`` positions from 0."""
+        return torch.diff(self.at(torch.arange(chunks + 1) * chunk_len)).tolist()
+
+
+class _TensorWork:
+    """Per-position ``work [S]`` behind the interface of :class:`CumulativeWork` (sums as the tensor gives them)."""
+
+    def __init__(self, work: Tensor) -> None:
+        self.work, self.seq_len = work, work.numel()
+        self._cum = None
+
+    def at(self, edges: Tensor) -> Tensor:
+        if self._cum is None:
+            self._cum = torch.nn.functional.pad(torch.cumsum(self.work, 0), (1, 0))
+        return self._cum[edges.clamp(0, self.seq_len)]
+
+    def equal_chunks(self, chunks: int, chunk_len: int) -> list[float]:
+        padded = torch.nn.functional.pad(self.work, (0, chunks * chunk_len - self.seq_len))
+        return padded.view(chunks, chunk_len).sum(1).tolist()
+
+
 def _assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[list[list[int]], list[float]]:
-    """Chunks to ranks, exactly ``per_rank`` each, minimising the largest summed work (LPT, then swaps)."""
-    order = sorted(range(len(chunk_work)), key=lambda k: (-chunk_work[k], k))
-    load = [0.0] * world
+    """Chunks to ranks, exactly ``per_rank`` each, minimising the largest summed work (LPT, then swaps).
+
+    LPT: chunks by decreasing work (ties: lower index first), each to the least loaded rank with room (ties: the
+    lowest rank), from a heap of ``(load, rank)``. Swaps: between the most loaded rank (ties: the lowest) and the
+    least loaded (ties: the lowest), the pair of chunks that lowers the larger of the two loads the most (ties:
+    the first pair in their owned order), while one does."""
+    w = np.asarray(chunk_work, dtype=np.float64)
     owned: list[list[int]] = [[] for _ in range(world)]
-    for k in order:
-        r = min((r for r in range(world) if len(owned[r]) < per_rank), key=lambda r: (load[r], r))
-        owned[r].append(k)
-        load[r] += chunk_work[k]
+    heap = [(0.0, r) for r in range(world)]
+    pop, replace = heapq.heappop, heapq.heapreplace
+    for k in np.argsort(-w, kind="stable").tolist():
+        load, r = heap[0]  # the least loaded rank with room
+        mine = owned[r]
+        mine.append(k)
+        if len(mine) < per_rank:
+            replace(heap, (load + chunk_work[k], r))
+        else:
+            pop(heap)
+    load = []
+    for ks in owned:  # each rank's load summed in the order its chunks came, as the heap summed it
+        total = 0.0
+        for k in ks:
+            total += chunk_work[k]
+        load.append(total)
+    loads = np.array(load, dtype=np.float64)
     for _ in range(_MAX_SWAPS):
-        hi = max(range(world), key=lambda r: (load[r], -r))
-        lo = min(range(world), key=lambda r: (load[r], r))
-        gap = load[hi] - load[lo]
-        best = None
-        for a in owned[hi]:
-            for b in owned[lo]:
-                d = chunk_work[a] - chunk_work[b]
-                if 0 < d < gap:
-                    new_max = max(load[hi] - d, load[lo] + d)
-                    if best is None or new_max < best[0]:
-                        best = (new_max, a, b, d)
-        if best is None or best[0] >= load[hi]:
+        hi, lo = int(np.argmax(loads)), int(np.argmin(loads))
+        gap = loads[hi] - loads[lo]
+        a_idx, b_idx = np.array(owned[hi]), np.array(owned[lo])
+        d = w[a_idx][:, None] - w[b_idx][None, :]
+        ok = (d > 0) & (d < gap)
+        if not ok.any():
             break
-        _, a, b, d = best
-        owned[hi][owned[hi].index(a)] = b
-        owned[lo][owned[lo].index(b)] = a
-        load[hi] -= d
-        load[lo] += d
-    return owned, load
+        new_max = np.where(ok, np.maximum(loads[hi] - d, loads[lo] + d), np.inf)
+        i = int(np.argmin(new_max))  # the first best pair, row-major over (owned[hi], owned[lo])
+        if new_max.flat[i] >= loads[hi]:
+            break
+        ia, ib = divmod(i, b_idx.size)
+        dd = d[ia, ib]
+        owned[hi][ia], owned[lo][ib] = int(b_idx[ib]), int(a_idx[ia])
+        loads[hi] -= dd
+        loads[lo] += dd
+    return owned, loads.tolist()
+
+
+def _hopeless(chunk_work: list[float], world: int, limit: float) -> bool:
+    """Whether no assignment can reach max/mean work ``<= limit``: the largest chunk alone exceeds it (with a
+    margin far above rounding, so a layout this rejects would have been rejected by its assignment too)."""
+    mean = sum(chunk_work) / world
+    return mean > 0 and max(chunk_work) > limit * mean * (1 + 1e-9)
+
+
+def runs_of(intervals: list[list[tuple[int, int]]]) -> Tensor:
+    """Shard runs ``[R, 4]`` (rank, start, length, local_start) from each rank's ``(start, length)`` intervals in
+    local order, adjacent ones merged (a run is maximal)."""
+    counts = np.array([len(ivs) for ivs in intervals], dtype=np.int64)
+    rank = np.repeat(np.arange(len(intervals)), counts)
+    flat = np.array([iv for ivs in intervals for iv in ivs], dtype=np.int64).reshape(-1, 2)
+    start, length = flat[:, 0], flat[:, 1]
+    before = np.cumsum(length) - length  # rows before each interval, all ranks
+    local = before - before[np.repeat(np.cumsum(counts) - counts, counts)]  # ... on its own rank
+    new = np.ones(len(rank), dtype=bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (start[1:] != start[:-1] + length[:-1])
+    group = np.cumsum(new) - 1
+    merged = np.zeros(int(new.sum()), dtype=np.int64)
+    np.add.at(merged, group, length)
+    return torch.from_numpy(np.stack([rank[new], start[new], merged, local[new]], 1).reshape(-1, 4))
+
+
+def _positions_of(runs: Tensor, world: int, local_len: int) -> Tensor:
+    from .shard_plan import interval_ranges
+
+    return interval_ranges(runs[:, 1], runs[:, 2]).view(world, local_len)
+
+
+def _balanced(work, world: int) -> tuple[int, int, list[list[int]], float]:
+    """``(local_len, chunk_len, chunks owned per rank, max/mean work)``."""
+    S = work.seq_len
+    best = None
+    for per_rank in CHUNKS_PER_RANK:
+        chunks = per_rank * world
+        if best is not None and chunks > S:
+            break  # chunks of less than one real token only add padding
+        local_len = per_rank * -(-S // chunks)
+        chunk_len = local_len // per_rank
+        chunk_work = work.equal_chunks(chunks, chunk_len)
+        if best is not None and _hopeless(chunk_work, world, best[0] - 1e-12):
+            continue  # cannot beat the best so far, which did not reach TARGET either
+        owned, load = _assign(chunk_work, world, per_rank)
+        mean = sum(load) / world
+        imbalance = max(load) / mean if mean > 0 else 1.0
+        if best is None or imbalance < best[0] - 1e-12:
+            best = (imbalance, local_len, chunk_len, [sorted(ks) for ks in owned])
+        if best[0] <= TARGET:
+            break
+    imbalance, local_len, chunk_len, owned = best
+    return local_len, chunk_len, owned, imbalance
+
+
+def balanced_runs(work: CumulativeWork, world: int) -> tuple[int, Tensor, float]:
+    """``(local_len, runs [R, 4], max/mean work)``: :func:`balanced_positions` as shard runs, from the documents'
+    intervals (see :class:`~blockdiag_dist.shard_plan.ShardPlan`)."""
+    S = work.seq_len
+    if world == 1:
+        return S, torch.tensor([[0, 0, S, 0]]), 1.0
+    local_len, chunk_len, owned, imbalance = _balanced(work, world)
+    return local_len, runs_of([[(k * chunk_len, chunk_len) for k in ks] for ks in owned]), imbalance
 
 
 def balanced_positions(work: Tensor, world: int) -> tuple[int, Tensor, float]:
@@ -92,51 +243,131 @@ def balanced_positions(work: Tensor, world: int) -> tuple[int, Tensor, float]:
     S = work.numel()
     if world == 1:  # one rank holds everything: nothing to balance, no padding to add
         return S, torch.arange(S)[None], 1.0
-    best = None
-    for per_rank in CHUNKS_PER_RANK:
-        chunks = per_rank * world
-        if best is not None and chunks > S:
-            break  # chunks of less than one real token only add padding
-        local_len = per_rank * -(-S // chunks)
-        chunk_len = local_len // per_rank
-        padded = torch.nn.functional.pad(work, (0, world * local_len - S))
-        chunk_work = padded.view(chunks, chunk_len).sum(1).tolist()
-        owned, load = _assign(chunk_work, world, per_rank)
-        mean = sum(load) / world
-        imbalance = max(load) / mean if mean > 0 else 1.0
-        if best is None or imbalance < best[0] - 1e-12:
-            starts = torch.tensor([sorted(ks) for ks in owned]) * chunk_len  # [W, c]
-            positions = (starts[:, :, None] + torch.arange(chunk_len)).flatten(1)
-            best = (imbalance, local_len, positions)
-        if best[0] <= TARGET:
-            break
-    imbalance, local_len, positions = best
-    return local_len, positions, imbalance
+    local_len, chunk_len, owned, imbalance = _balanced(_TensorWork(work), world)
+    runs = runs_of([[(k * chunk_len, chunk_len) for k in ks] for ks in owned])
+    return local_len, _positions_of(runs, world, local_len), imbalance
 
 
 def doc_boundaries(layout: DocLayout) -> Tensor:
     """bool ``[S + 1]``: whether a chunk may start at position ``p`` without cutting a document in any row
-    (every row starts a document there, or is padding on either side; ``0`` and ``S`` always)."""
+    (every row starts a document there, or is padding on either side; ``0`` and ``S`` always). Token-level: for
+    tests and tools; the planning uses :func:`doc_interiors`."""
     ids = layout.segment_ids
     prev = torch.nn.functional.pad(ids[:, :-1], (1, 0))
     ok = (ids != prev) | (ids == 0)
     return torch.cat([ok.all(0), torch.tensor([True])])
 
 
-def _snap(edges: list[int], bounds: Tensor, reach: int) -> list[int]:
-    """Move each interior edge to the nearest allowed boundary within ``reach`` (kept strictly increasing)."""
-    allowed = bounds.nonzero().flatten()
-    out = [edges[0]]
-    for x in edges[1:-1]:
-        if x < bounds.numel() - 1:
-            i = int(torch.searchsorted(allowed, x))
-            near = [int(allowed[j]) for j in (i - 1, i) if 0 <= j < allowed.numel()]
-            best = min(near, key=lambda b: (abs(b - x), b))
-            if abs(best - x) <= reach and best > out[-1]:
-                x = best
-        out.append(max(x, out[-1] + 1))
-    out.append(edges[-1])
-    return out
+def doc_interiors(layout: DocLayout) -> tuple[Tensor, Tensor]:
+    """``(starts, ends)`` int64: the positions where a chunk may *not* start, as sorted disjoint intervals
+    ``[a, b)``: the union over all rows of every document's interior ``[start + 1, end)``. The complement of
+    :func:`doc_boundaries`; ``a - 1`` and ``b`` are always allowed.
+
+    >>> doc_interiors(DocLayout.from_seqlens([[3, 2], [4, 1]]))  # row 0: [1, 3) and [4, 5); row 1: [1, 4)
+    (tensor([1]), tensor([5]))
+    """
+    a, b = layout.segments[:, 1] + 1, layout.segments[:, 2]
+    keep = a < b
+    a, b = a[keep], b[keep]
+    if a.numel() == 0:
+        return a, b
+    order = torch.argsort(a)
+    a, b = a[order], b[order]
+    reach = torch.cummax(b, 0).values  # the furthest end so far
+    new = torch.ones_like(a, dtype=torch.bool)
+    new[1:] = a[1:] > reach[:-1]  # touching intervals merge: the position between them is interior to both
+    group = torch.cumsum(new, 0) - 1
+    ends = torch.zeros(int(new.sum()), dtype=torch.int64).scatter_reduce(0, group, b, "amax", include_self=False)
+    return a[new], ends
+
+
+class _Allowed:
+    """Where chunk boundaries may go: everything but the documents' interiors (intervals, or a bool tensor)."""
+
+    def __init__(self, bounds: Tensor | None = None, interiors: tuple[Tensor, Tensor] | None = None) -> None:
+        if interiors is None:  # from doc_boundaries' bool [S + 1]: its runs of False are the interiors
+            bad = torch.nn.functional.pad((~bounds).to(torch.int8), (1, 1))
+            d = torch.diff(bad)
+            interiors = ((d == 1).nonzero().flatten(), (d == -1).nonzero().flatten())
+        self.starts, self.ends = interiors
+
+    def nearest(self, x: Tensor) -> Tensor:
+        """The allowed position nearest to each ``x`` (ties: the lower one)."""
+        if self.starts.numel() == 0:
+            return x
+        j = (torch.searchsorted(self.starts, x, right=True) - 1).clamp(min=0)
+        a, b = self.starts[j] - 1, self.ends[j]
+        inside = (x > a) & (x < b)
+        return torch.where(inside, torch.where(x - a <= b - x, a, b), x)
+
+
+def _snap(edges: Tensor, allowed: _Allowed, reach: int, S: int) -> Tensor:
+    """Move each interior edge below ``S`` to the nearest allowed boundary within ``reach`` (kept strictly
+    increasing: an edge that would not pass the one before keeps its place, or moves one past it)."""
+    x = edges[1:-1]
+    best = allowed.nearest(x)
+    cand = torch.where((x < S) & ((best - x).abs() <= reach), best, x)
+    full = torch.cat([edges[:1], cand, edges[-1:]])
+    if bool((full[1:] > full[:-1]).all()):  # every move keeps the order: the sequential rule changes nothing
+        return full
+    xs, bs = x.tolist(), best.tolist()
+    out = [int(edges[0])]
+    for xv, bv in zip(xs, bs):
+        if xv < S and abs(bv - xv) <= reach and bv > out[-1]:
+            xv = bv
+        out.append(max(xv, out[-1] + 1))
+    out.append(int(edges[-1]))
+    return torch.tensor(out)
+
+
+def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, list[list[tuple[int, int]]], float] | None:
+    """``(L, each rank's intervals in local order, max/mean work)`` or None (see :func:`snapped_positions`)."""
+    S = work.seq_len
+    if world == 1:
+        return None
+    tried: set[tuple[int, ...]] = set()
+    for per_rank in CHUNKS_PER_RANK:
+        chunks = per_rank * world
+        if chunks > S:
+            break
+        local_len = per_rank * -(-S // chunks)
+        chunk_len = local_len // per_rank
+        padded_len = world * local_len
+        for tolerance in SNAP_TOLERANCES:
+            edge_t = _snap(torch.arange(chunks + 1) * chunk_len, allowed, int(tolerance * chunk_len), S)
+            key = (per_rank, edge_t.numpy().tobytes())
+            if key in tried:  # the same edges as a tolerance already tried: the same outcome
+                continue
+            tried.add(key)
+            chunk_work = torch.diff(work.at(edge_t)).tolist()
+            lens = np.diff(edge_t.numpy())
+            if _hopeless(chunk_work, world, SNAP_TARGET) or int(lens.max()) > SNAP_TARGET * local_len:
+                continue  # the largest chunk alone breaks the work or the row target: its assignment would too
+            owned, load = _assign(chunk_work, world, per_rank)
+            rows = lens[np.array(owned)].sum(1).tolist()  # every rank owns exactly per_rank chunks
+            edges = edge_t.tolist()
+            mean = sum(load) / world
+            imbalance = max(load) / mean if mean > 0 else 1.0
+            if imbalance <= SNAP_TARGET and max(rows) <= SNAP_TARGET * local_len:
+                L = max(rows)
+                intervals, extra = [], padded_len
+                for ks, n in zip(owned, rows):
+                    ivs = [(edges[k], edges[k + 1] - edges[k]) for k in sorted(ks)]
+                    if L > n:  # CP padding: positions past the sequence, handed out in rank order
+                        ivs.append((extra, L - n))
+                        extra += L - n
+                    intervals.append(ivs)
+                return L, intervals, imbalance
+    return None
+
+
+def snapped_runs(work: CumulativeWork, world: int, interiors: tuple[Tensor, Tensor]) -> tuple[int, Tensor, float] | None:
+    """:func:`snapped_positions` as shard runs, from the documents' intervals (``interiors``: :func:`doc_interiors`)."""
+    got = _snapped(work, world, _Allowed(interiors=interiors))
+    if got is None:
+        return None
+    L, intervals, imbalance = got
+    return L, runs_of(intervals), imbalance
 
 
 def snapped_positions(work: Tensor, world: int, bounds: Tensor) -> tuple[int, Tensor, float] | None:
@@ -148,31 +379,8 @@ def snapped_positions(work: Tensor, world: int, bounds: Tensor) -> tuple[int, Te
     >>> pos.tolist(), round(imbalance, 3)  # cut at 8, a document boundary (balanced cuts the 5-token document)
     ([[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], 1.024)
     """
-    S = work.numel()
-    if world == 1:
+    got = _snapped(_TensorWork(work), world, _Allowed(bounds=bounds))
+    if got is None:
         return None
-    for per_rank in CHUNKS_PER_RANK:
-        chunks = per_rank * world
-        if chunks > S:
-            break
-        local_len = per_rank * -(-S // chunks)
-        chunk_len = local_len // per_rank
-        padded_len = world * local_len
-        padded = torch.nn.functional.pad(work, (0, padded_len - S))
-        cum = torch.nn.functional.pad(torch.cumsum(padded, 0), (1, 0))
-        for tolerance in SNAP_TOLERANCES:
-            edges = _snap([k * chunk_len for k in range(chunks + 1)], bounds, int(tolerance * chunk_len))
-            chunk_work = [float(cum[b] - cum[a]) for a, b in zip(edges[:-1], edges[1:])]
-            owned, load = _assign(chunk_work, world, per_rank)
-            rows = [sum(edges[k + 1] - edges[k] for k in ks) for ks in owned]
-            mean = sum(load) / world
-            imbalance = max(load) / mean if mean > 0 else 1.0
-            if imbalance <= SNAP_TARGET and max(rows) <= SNAP_TARGET * local_len:
-                L = max(rows)
-                extra = iter(range(padded_len, world * L))
-                positions = torch.tensor([
-                    [p for k in sorted(ks) for p in range(edges[k], edges[k + 1])] + [next(extra) for _ in range(L - n)]
-                    for ks, n in zip(owned, rows)
-                ])
-                return L, positions, imbalance
-    return None
+    L, intervals, imbalance = got
+    return L, _positions_of(runs_of(intervals), world, L), imbalance

@@ -21,7 +21,7 @@ A *flat id* names one token of the padded batch: ``flat = b * Sp + p`` (row ``b`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -29,9 +29,9 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-from .shard_plan import ShardPlan, padded_segments
+from .shard_plan import ShardPlan, interval_ranges
 
-__all__ = ["DocPlan", "Piece", "RankDocs", "plan_documents"]
+__all__ = ["DocPlan", "Piece", "RankDocs", "piece_table", "plan_documents"]
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,6 @@ class Piece:
         return self.next_ranks[0] if self.next_ranks else None
 
 
-@dataclass(frozen=True, eq=False)
 class DocPlan:
     """Documents and pieces of one step, for every rank (pure; identical on every rank).
 
@@ -97,18 +96,22 @@ class DocPlan:
       flash-linear-attention, and NeMo Automodel's ``packed_cu_seqlens``);
     - ``segment_doc`` int64 ``[G]``: the document of each segment, -1 for padding;
     - ``doc_spans`` int64 ``[N, 3]``: ``(row, start, end)`` of each document, global positions;
-    - ``pieces``: every rank's pieces, in document order; ``by_rank[r]``: indices of rank ``r``'s pieces in
-      local order (by row, then local row).
+    - ``table``: the pieces as columns of int64 ``[P]`` tensors (``rank``, ``doc``, ``row``, ``start``,
+      ``length``, ``local_start``, ``doc_start``, ``doc_end``), in document order: the one source that the
+      exchange plans, the kernels' pieces, the work per rank and the layout's cost derive from;
+    - ``pieces``: every rank's :class:`Piece`, in document order (built when asked); ``by_rank[r]``: indices of
+      rank ``r``'s pieces in local order (by row, then local row); ``pieces_of(r)`` builds rank ``r``'s only.
+
+    Built from the documents' intervals and the shard's runs (``searchsorted``), ``O(N + B * R)`` for ``R`` shard
+    runs: never a per-token tensor.
     """
 
-    shards: ShardPlan
-    batch_size: int
-    cu_seqlens: Tensor
-    segment_doc: Tensor
-    doc_spans: Tensor
-    pieces: tuple[Piece, ...]
-    by_rank: tuple[tuple[int, ...], ...]
-    _rank_views: dict = field(default_factory=dict, repr=False)
+    def __init__(self, shards: ShardPlan, batch_size: int, cu_seqlens: Tensor, segment_doc: Tensor, doc_spans: Tensor,
+                 table: dict[str, Tensor]) -> None:
+        self.shards, self.batch_size = shards, batch_size
+        self.cu_seqlens, self.segment_doc, self.doc_spans = cu_seqlens, segment_doc, doc_spans
+        self.table = table
+        self._rank_views: dict = {}
 
     @property
     def world(self) -> int:
@@ -118,13 +121,89 @@ class DocPlan:
     def num_docs(self) -> int:
         return self.doc_spans.shape[0]
 
+    @property
+    def num_pieces(self) -> int:
+        return self.table["rank"].numel()
+
+    @cached_property
+    def _local_order(self) -> Tensor:
+        """Piece indices sorted by (rank, row, local row)."""
+        t, L = self.table, self.shards.local_len
+        return torch.argsort((t["rank"] * self.batch_size + t["row"]) * L + t["local_start"])
+
+    @cached_property
+    def _rank_bounds(self) -> list[int]:
+        ranks = self.table["rank"][self._local_order].contiguous()
+        return torch.searchsorted(ranks, torch.arange(self.world + 1)).tolist()
+
+    @cached_property
+    def _chains(self) -> tuple[list[int], list[int]]:
+        """(rank of every piece, first piece of every document and one past the last), in document order."""
+        doc = self.table["doc"]
+        first = torch.searchsorted(doc, torch.arange(self.num_docs + 1))
+        return self.table["rank"].tolist(), first.tolist()
+
+    def _piece(self, i: int, cols: dict[str, list[int]], j: int) -> Piece:
+        ranks, first = self._chains
+        d = cols["doc"][j]
+        lo, hi = first[d], first[d + 1]
+        return Piece(index=i, rank=cols["rank"][j], doc=d, row=cols["row"][j], start=cols["start"][j],
+                     length=cols["length"][j], local_start=cols["local_start"][j], doc_start=cols["doc_start"][j],
+                     doc_end=cols["doc_end"][j], prev_ranks=tuple(ranks[lo:i]), next_ranks=tuple(ranks[i + 1:hi]))
+
+    def _pieces_at(self, index: Tensor) -> tuple[Piece, ...]:
+        cols = {k: v[index].tolist() for k, v in self.table.items()}
+        return tuple(self._piece(i, cols, j) for j, i in enumerate(index.tolist()))
+
+    @cached_property
+    def pieces(self) -> tuple[Piece, ...]:
+        return self._pieces_at(torch.arange(self.num_pieces))
+
+    @cached_property
+    def by_rank(self) -> tuple[tuple[int, ...], ...]:
+        order, b = self._local_order.tolist(), self._rank_bounds
+        return tuple(tuple(order[b[r]:b[r + 1]]) for r in range(self.world))
+
+    def rank_pieces(self, rank: int) -> Tensor:
+        """int64: indices of rank ``rank``'s pieces in local order."""
+        return self._local_order[self._rank_bounds[rank]:self._rank_bounds[rank + 1]]
+
     def pieces_of(self, rank: int) -> tuple[Piece, ...]:
         """Rank ``rank``'s pieces in local order."""
-        return tuple(self.pieces[i] for i in self.by_rank[rank])
+        if "pieces" in self.__dict__:
+            return tuple(self.pieces[i] for i in self.rank_pieces(rank).tolist())
+        return self._pieces_at(self.rank_pieces(rank))
+
+    def kernel_pieces(self, rank: int) -> Tensor:
+        """int64 ``[Pr, 4]``: rank ``rank``'s pieces in local order as ``(first local token b * L + l, length, flat
+        id b * Sp + start of the first token, document start)``, what a varlen kernel plan takes."""
+        t = {k: v[self.rank_pieces(rank)] for k, v in self.table.items()}
+        L, sp = self.shards.local_len, self.shards.padded_len
+        return torch.stack([t["row"] * L + t["local_start"], t["length"], t["row"] * sp + t["start"], t["doc_start"]], 1)
 
     def doc_pieces(self, doc: int) -> tuple[Piece, ...]:
         """The pieces of document ``doc``, in document order."""
-        return tuple(p for p in self.pieces if p.doc == doc)
+        _, first = self._chains
+        return self._pieces_at(torch.arange(first[doc], first[doc + 1]))
+
+    def work_per_rank(self, window_left: int = -1) -> list[int]:
+        """Attention (query, key) pairs of each rank's real queries, closed-form per piece: a query ``t``
+        positions into its document sees ``min(t, left) + 1`` keys (``t + 1`` without a window)."""
+        t = self.table
+        offset = t["start"] - t["doc_start"]
+        pairs = _keys_before(offset + t["length"], window_left) - _keys_before(offset, window_left)
+        return torch.zeros(self.world, dtype=torch.int64).index_add_(0, t["rank"], pairs).tolist()
+
+    def real_tokens_per_rank(self) -> list[int]:
+        """Real (non-padding) tokens each rank holds, over all rows."""
+        t = self.table
+        return torch.zeros(self.world, dtype=torch.int64).index_add_(0, t["rank"], t["length"]).tolist()
+
+    def cut_pieces_per_rank(self) -> list[int]:
+        """Per rank: pieces whose document starts before them (its earlier part lives elsewhere)."""
+        t = self.table
+        cut = (t["start"] > t["doc_start"]).to(torch.int64)
+        return torch.zeros(self.world, dtype=torch.int64).index_add_(0, t["rank"], cut).tolist()
 
     def for_rank(self, rank: int, device: torch.device | str = "cpu") -> RankDocs:
         """Rank ``rank``'s view (cached per rank and device)."""
@@ -133,6 +212,38 @@ class DocPlan:
         if view is None:
             view = self._rank_views.setdefault(key, RankDocs(self, rank, torch.device(device)))
         return view
+
+
+def _keys_before(t: Tensor, left: int) -> Tensor:
+    """Keys seen by the first ``t`` queries of a document: ``sum_{i < t} (min(i, left) + 1)``."""
+    if left < 0:
+        return t * (t + 1) // 2
+    w = left + 1
+    return torch.where(t <= w, t * (t + 1) // 2, w * (w + 1) // 2 + (t - w) * w)
+
+
+def piece_table(layout: DocLayout, shards: ShardPlan) -> dict[str, Tensor]:
+    """The pieces of every rank as columns (see :class:`DocPlan`), in document order: each document ``[s, e)``
+    of row ``b`` intersected with each shard run ``[a, a + n)`` it overlaps, found by ``searchsorted`` over the
+    documents' flat starts and ends (``b * Sp + position``)."""
+    sp, B = shards.padded_len, layout.batch_size
+    spans = layout.segments
+    d_row, d_start, d_end = (c.contiguous() for c in spans.unbind(1))
+    f_start, f_end = d_row * sp + d_start, d_row * sp + d_end  # ascending
+    runs = shards.runs  # [R, 4] (rank, start, length, local_start)
+    r_rank, r_start, r_len, r_local = (c.repeat(B) for c in runs.unbind(1))
+    r_row = torch.arange(B).repeat_interleave(runs.shape[0])
+    x0 = r_row * sp + r_start
+    first = torch.searchsorted(f_end, x0, right=True)  # first document ending after the run starts
+    count = (torch.searchsorted(f_start, x0 + r_len) - first).clamp(min=0)  # ... up to the last starting before it ends
+    run = torch.repeat_interleave(torch.arange(x0.numel()), count)
+    doc = interval_ranges(first, count)
+    start = torch.maximum(d_start[doc], r_start[run])
+    end = torch.minimum(d_end[doc], r_start[run] + r_len[run])
+    table = {"rank": r_rank[run], "doc": doc, "row": r_row[run], "start": start, "length": end - start,
+             "local_start": r_local[run] + start - r_start[run], "doc_start": d_start[doc], "doc_end": d_end[doc]}
+    order = torch.argsort(doc * sp + start)
+    return {k: v[order] for k, v in table.items()}
 
 
 def plan_documents(layout: DocLayout, shards: ShardPlan) -> DocPlan:
@@ -148,52 +259,16 @@ def plan_documents(layout: DocLayout, shards: ShardPlan) -> DocPlan:
     >>> [(p.rank, p.doc, p.start, p.length, p.prev_ranks, p.next_ranks) for p in plan.pieces]
     [(0, 0, 0, 5, (), (1,)), (1, 0, 5, 2, (0,), ()), (1, 1, 7, 3, (), ())]
     """
-    B, sp, W, L = layout.batch_size, shards.padded_len, shards.world, shards.local_len
-    seg = padded_segments(layout, shards)  # [B, Sp], 0 = padding
-
-    # segments of the flattened padded stream: a boundary wherever the segment id changes, and at every row start
-    flat = seg.flatten()
-    change = torch.ones(B * sp, dtype=torch.bool)
-    change[1:] = flat[1:] != flat[:-1]
-    change[torch.arange(B) * sp] = True
-    starts = change.nonzero().flatten()
-    cu_seqlens = torch.cat([starts, torch.tensor([B * sp])])
-    segment_doc = flat[starts] - 1  # -1 = padding
-
-    # pieces: runs of one segment over consecutive positions on one rank, found in local order (b, w, l)
-    pos = shards.positions  # [W, L]
-    s = seg[:, pos]  # [B, W, L]
-    prev_s = torch.nn.functional.pad(s[..., :-1], (1, 0))
-    prev_p = torch.nn.functional.pad(pos[:, :-1], (1, 0), value=-2)
-    first = (s != 0) & ((s != prev_s) | (pos != prev_p + 1)[None])
-    piece_of = torch.cumsum(first.flatten(), 0).view(B, W, L) - 1
-    real = s != 0
-    num = int(first.sum())
-    lengths = torch.bincount(piece_of[real], minlength=num)
-    b_idx, w_idx, l_idx = first.nonzero().unbind(1)  # [P] in (b, w, l) order = piece id order
-    p_start = pos[w_idx, l_idx]
-    p_doc = s[b_idx, w_idx, l_idx] - 1
+    B, sp = layout.batch_size, shards.padded_len
     spans = layout.segments  # [N, 3] (row, start, end)
-    d_start, d_end = spans[p_doc, 1], spans[p_doc, 2]
-
-    order = torch.argsort(p_doc * sp + p_start)  # document order
-    cols = [t[order].tolist() for t in (w_idx, p_doc, b_idx, p_start, lengths, l_idx, d_start, d_end)]
-    rows = list(zip(*cols))
-    ranks_of_doc: dict[int, list[int]] = {}
-    for w, doc, *_ in rows:
-        ranks_of_doc.setdefault(doc, []).append(w)
-    pieces, seen = [], {}
-    for i, (w, doc, b, start, n, l, ds, de) in enumerate(rows):
-        k = seen.get(doc, 0)
-        seen[doc] = k + 1
-        chain = ranks_of_doc[doc]
-        pieces.append(Piece(index=i, rank=w, doc=doc, row=b, start=start, length=n, local_start=l, doc_start=ds,
-                            doc_end=de, prev_ranks=tuple(chain[:k]), next_ranks=tuple(chain[k + 1:])))
-    by_rank: list[list[int]] = [[] for _ in range(W)]
-    for p in sorted(pieces, key=lambda p: (p.rank, p.row, p.local_start)):
-        by_rank[p.rank].append(p.index)
-    return DocPlan(shards=shards, batch_size=B, cu_seqlens=cu_seqlens, segment_doc=segment_doc,
-                   doc_spans=spans.clone(), pieces=tuple(pieces), by_rank=tuple(tuple(r) for r in by_rank))
+    f_start, f_end = spans[:, 0] * sp + spans[:, 1], spans[:, 0] * sp + spans[:, 2]  # contiguous results
+    # segments of the flattened padded stream: every document, every run of padding, a new one at every row start
+    cu_seqlens = torch.unique(torch.cat([torch.arange(B + 1) * sp, f_start, f_end]))
+    at = torch.searchsorted(f_start, cu_seqlens[:-1]).clamp(max=max(f_start.numel() - 1, 0))
+    is_doc = f_start[at] == cu_seqlens[:-1] if f_start.numel() else torch.zeros(cu_seqlens.numel() - 1, dtype=torch.bool)
+    segment_doc = torch.where(is_doc, at, -1)
+    return DocPlan(shards=shards, batch_size=B, cu_seqlens=cu_seqlens, segment_doc=segment_doc, doc_spans=spans.clone(),
+                   table=piece_table(layout, shards))
 
 
 class RankDocs:
@@ -221,22 +296,21 @@ class RankDocs:
         self.segment_doc: Tensor = plan.segment_doc
         self.doc_spans: Tensor = plan.doc_spans
         L = plan.shards.local_len
-        index = torch.full((plan.batch_size, L), -1, dtype=torch.int64)
-        position = torch.full((plan.batch_size, L), -1, dtype=torch.int64)
-        tokens, bounds = [], [0]
-        for p in self.pieces:
-            rows = torch.arange(p.local_start, p.local_start + p.length)
-            index[p.row, rows] = p.doc
-            position[p.row, rows] = torch.arange(p.offset, p.offset + p.length)
-            tokens.append(p.row * L + rows)
-            bounds.append(bounds[-1] + p.length)
-        self.cu_pieces_cpu: Tensor = torch.tensor(bounds, dtype=torch.int64)
-        self._token_index_cpu = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int64)
-        self.token_index: Tensor = self._token_index_cpu.to(device)
+        mine = plan.rank_pieces(rank)
+        t = {k: v[mine] for k, v in plan.table.items()}
+        length = t["length"]
+        tokens = interval_ranges(t["row"] * L + t["local_start"], length)
+        index = torch.full((plan.batch_size * L,), -1, dtype=torch.int64)
+        position = torch.full((plan.batch_size * L,), -1, dtype=torch.int64)
+        index[tokens] = torch.repeat_interleave(t["doc"], length)
+        position[tokens] = interval_ranges(t["start"] - t["doc_start"], length)
+        self.cu_pieces_cpu: Tensor = torch.nn.functional.pad(torch.cumsum(length, 0), (1, 0))
+        self._token_index_cpu = tokens
+        self.token_index: Tensor = tokens.to(device)
         self.cu_pieces: Tensor = self.cu_pieces_cpu.to(device)
         self.cu_seqlens: Tensor = plan.cu_seqlens.to(device)
-        self.doc_index: Tensor = index.to(device)
-        self.doc_position: Tensor = position.to(device)
+        self.doc_index: Tensor = index.view(plan.batch_size, L).to(device)
+        self.doc_position: Tensor = position.view(plan.batch_size, L).to(device)
 
     @property
     def world(self) -> int:

@@ -15,7 +15,6 @@ A *flat id* names one token of the padded batch: ``flat = b * Sp + p`` for row `
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -25,9 +24,9 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-from .balance import doc_boundaries, position_work, snapped_positions
-from .docs import plan_documents
-from .shard_plan import ShardPlan, padded_doc_starts, padded_segments, plan_shards
+from .balance import CumulativeWork, doc_interiors, snapped_runs
+from .docs import DocPlan, plan_documents
+from .shard_plan import ShardPlan, interval_ranges, padded_doc_starts, padded_segments, plan_shards
 
 __all__ = [
     "LAYOUT_COST",
@@ -41,22 +40,27 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, eq=False)
 class ExchangePlan:
     """Needed sets for one window: which keys each rank's real queries may see that live on other ranks.
 
-    Stored as one list of (destination, key) pairs ordered by destination, then flat id: ``flat_ids[i]`` is
-    needed by rank ``dest[i]`` and held by rank ``src[i]``. ``counts[s, d]``: tokens ``s`` sends ``d``. Keys
-    at padding positions are never needed.
+    Stored as *ranges*: ``ranges`` int64 ``[K, 4]``, one row ``(dest, row, lo, hi)`` per range of keys
+    ``[lo, hi)`` of batch row ``row`` that rank ``dest``'s queries may see, before their own pieces; ordered by
+    destination, then flat id, disjoint. The needed set of ``dest`` is its ranges minus the positions it holds.
+    Everything the planning asks (tokens each rank receives, whether a halo suffices) is closed-form over the
+    ranges and the shard's runs (:meth:`ShardPlan.rows_before`); a rank's own transfers are the ranges cut at
+    the runs for that rank only (:meth:`spans_to`, :meth:`spans_from`).
+
+    *Spans* ``[K', 6]``: ``(dest, src, row, start, length, src_local)``, keys ``[start, start + length)`` of row
+    ``row`` that ``dest`` needs from ``src``, held there from local row ``src_local`` on; ordered by destination
+    then flat id. ``spans`` / ``counts[s, d]`` (tokens ``s`` sends ``d``) / ``flat_ids`` / ``dest`` / ``src`` cover
+    every rank and are built when asked. Keys at padding positions are never needed.
     """
 
-    shards: ShardPlan
-    batch_size: int
-    window_left: int
-    flat_ids: Tensor  # int64 [N]
-    dest: Tensor  # int64 [N]
-    src: Tensor  # int64 [N]
-    counts: Tensor  # int64 [W (source), W (destination)]
+    def __init__(self, shards: ShardPlan, batch_size: int, window_left: int, ranges: Tensor) -> None:
+        self.shards, self.batch_size, self.window_left = shards, batch_size, window_left
+        self.ranges = ranges
+        self._to: dict[int, Tensor] = {}  # spans_to / spans_from of the ranks asked for
+        self._from: dict[int, Tensor] = {}
 
     @property
     def world(self) -> int:
@@ -66,19 +70,116 @@ class ExchangePlan:
     def local_tokens(self) -> int:
         return self.batch_size * self.shards.local_len
 
+    # ---- closed-form over the ranges -------------------------------------------------------------------
     @cached_property
-    def needed(self) -> tuple[Tensor, ...]:
-        """Per rank: sorted flat ids of the tokens it needs from other ranks."""
-        return tuple(self.flat_ids.split(self.counts.sum(0).tolist()))
+    def _range_needed(self) -> Tensor:
+        """int64 ``[K]``: keys of each range that its destination does not hold."""
+        dest, _, lo, hi = self.ranges.unbind(1)
+        return hi - lo - (self.shards.rows_before(dest, hi) - self.shards.rows_before(dest, lo))
+
+    def needed_tokens(self) -> list[int]:
+        """Per rank: tokens received by a needed-only exchange (the minimum)."""
+        return torch.zeros(self.world, dtype=torch.int64).index_add_(0, self.ranges[:, 0], self._range_needed).tolist()
 
     @cached_property
     def halo_ok(self) -> bool:
         """Every rank's needed keys lie on its left neighbour (so one point-to-point hop suffices)."""
-        return bool((self.src == self.dest - 1).all())
+        dest, _, lo, hi = self.ranges.unbind(1)
+        left = (dest - 1).clamp(min=0)
+        on_left = torch.where(dest > 0, self.shards.rows_before(left, hi) - self.shards.rows_before(left, lo), 0)
+        return bool((self._range_needed == on_left).all())
 
-    def needed_tokens(self) -> list[int]:
-        """Per rank: tokens received by a needed-only exchange (the minimum)."""
-        return self.counts.sum(0).tolist()
+    # ---- one rank's transfers -------------------------------------------------------------------------
+    @cached_property
+    def _dest_bounds(self) -> list[int]:
+        return torch.searchsorted(self.ranges[:, 0].contiguous(), torch.arange(self.world + 1)).tolist()
+
+    def spans_to(self, rank: int) -> Tensor:
+        """The spans ``rank`` receives ``[K_r, 6]``, by flat id: its ranges cut at the shard's runs, its own
+        positions dropped."""
+        got = self._to.get(rank)
+        if got is None:
+            got = self._to.setdefault(rank, _cut(self.ranges[self._dest_bounds[rank]:self._dest_bounds[rank + 1]], self.shards))
+        return got
+
+    def spans_from(self, rank: int) -> Tensor:
+        """The spans ``rank`` sends ``[K_s, 6]``, by destination then flat id: every other rank's ranges
+        intersected with ``rank``'s runs."""
+        got = self._from.get(rank)
+        if got is None:
+            got = self._from.setdefault(rank, self._spans_from(rank))
+        return got
+
+    def _spans_from(self, rank: int) -> Tensor:
+        r = self.ranges[self.ranges[:, 0] != rank]
+        runs = self.shards.rank_runs(rank)
+        runs = runs[torch.argsort(runs[:, 1])]
+        r_start, r_end = runs[:, 1].contiguous(), (runs[:, 1] + runs[:, 2]).contiguous()
+        dest, row, lo, hi = r.unbind(1)
+        i0 = torch.searchsorted(r_end, lo, right=True)  # first run ending after lo
+        n = (torch.searchsorted(r_start, hi) - i0).clamp(min=0)  # ... up to the last starting before hi
+        k = torch.repeat_interleave(torch.arange(r.shape[0]), n)
+        run = interval_ranges(i0, n)
+        a = torch.maximum(lo[k], r_start[run])
+        b = torch.minimum(hi[k], r_end[run])
+        src = torch.full_like(a, rank)
+        return torch.stack([dest[k], src, row[k], a, b - a, runs[run, 3] + a - r_start[run]], 1)
+
+    def recv_counts(self, rank: int) -> list[int]:
+        """Tokens ``rank`` receives from each rank (a needed-only exchange's receive splits)."""
+        s = self.spans_to(rank)
+        return torch.zeros(self.world, dtype=torch.int64).index_add_(0, s[:, 1], s[:, 4]).tolist()
+
+    def send_counts(self, rank: int) -> list[int]:
+        """Tokens ``rank`` sends to each rank (a needed-only exchange's send splits)."""
+        s = self.spans_from(rank)
+        return torch.zeros(self.world, dtype=torch.int64).index_add_(0, s[:, 0], s[:, 4]).tolist()
+
+    def _flat_of(self, spans: Tensor) -> Tensor:
+        return interval_ranges(spans[:, 2] * self.shards.padded_len + spans[:, 3], spans[:, 4])
+
+    def recv_flat_ids(self, rank: int) -> Tensor:
+        """Flat ids ``rank`` receives, in arrival order of a needed-only exchange: by source rank, then flat id."""
+        mine = self.spans_to(rank)
+        return self._flat_of(mine[torch.sort(mine[:, 1], stable=True).indices])
+
+    def send_rows(self, rank: int, dest: int | None = None) -> Tensor:
+        """Local token indices (``b * L + l``) that ``rank`` sends, grouped by destination in rank order (or
+        only those for ``dest``), each group in the order its destination expects."""
+        s = self.spans_from(rank)
+        if dest is not None:
+            s = s[s[:, 0] == dest]
+        return interval_ranges(s[:, 2] * self.shards.local_len + s[:, 5], s[:, 4])
+
+    # ---- every rank (built when asked) ----------------------------------------------------------------
+    @cached_property
+    def spans(self) -> Tensor:
+        """Every rank's spans ``[K', 6]``, by destination then flat id."""
+        return _cut(self.ranges, self.shards)
+
+    @cached_property
+    def counts(self) -> Tensor:
+        """int64 ``[W (source), W (destination)]``: tokens each rank sends each other rank."""
+        W, s = self.world, self.spans
+        return torch.zeros(W * W, dtype=torch.int64).index_add_(0, s[:, 1] * W + s[:, 0], s[:, 4]).view(W, W)
+
+    @cached_property
+    def flat_ids(self) -> Tensor:
+        """int64 ``[N]``: every needed key's flat id, by destination then flat id (token-level)."""
+        return self._flat_of(self.spans)
+
+    @cached_property
+    def dest(self) -> Tensor:
+        return torch.repeat_interleave(self.spans[:, 0], self.spans[:, 4])
+
+    @cached_property
+    def src(self) -> Tensor:
+        return torch.repeat_interleave(self.spans[:, 1], self.spans[:, 4])
+
+    @cached_property
+    def needed(self) -> tuple[Tensor, ...]:
+        """Per rank: sorted flat ids of the tokens it needs from other ranks."""
+        return tuple(self._flat_of(self.spans_to(r)) for r in range(self.world))
 
     def sent_tokens(self) -> list[int]:
         """Per rank: tokens sent by a needed-only exchange."""
@@ -88,64 +189,64 @@ class ExchangePlan:
         """Per rank: tokens received (and sent) by an all-gather."""
         return (self.world - 1) * self.local_tokens
 
-    def recv_flat_ids(self, rank: int) -> Tensor:
-        """Flat ids ``rank`` receives, in arrival order of a needed-only exchange: by source rank, then flat id."""
-        mine = self.dest == rank
-        ids, src = self.flat_ids[mine], self.src[mine]
-        return ids[torch.sort(src, stable=True).indices]
-
-    def send_rows(self, rank: int, dest: int | None = None) -> Tensor:
-        """Local token indices (``b * L + l``) that ``rank`` sends, grouped by destination in rank order (or
-        only those for ``dest``), each group in the order its destination expects."""
-        sp, L = self.shards.padded_len, self.shards.local_len
-        mine = self.src == rank
-        if dest is not None:
-            mine &= self.dest == dest
-        ids = self.flat_ids[mine]
-        return (ids // sp) * L + self.shards.owner_row[ids % sp]
-
     def fingerprint(self) -> bytes:
         h = hashlib.sha256()
-        for t in (self.shards.positions, self.counts, self.flat_ids, self.dest):
+        for t in (self.shards.runs, self.ranges):
             h.update(t.numpy().tobytes())
             h.update(b"|")
         h.update(f"{self.window_left}".encode())
         return h.digest()
 
 
-def needed_mask(layout: DocLayout, shards: ShardPlan, window_left: int) -> Tensor:
-    """bool ``[W, B * Sp]``: whether rank ``r`` needs the key with flat id ``f`` from another rank.
+def needed_ranges(docs: DocPlan, window_left: int) -> Tensor:
+    """The ranges of keys each rank's queries may see before their own pieces, ``[K, 4]`` (see
+    :class:`ExchangePlan`), from the pieces.
 
-    A key at ``p`` is needed by rank ``r`` iff some real query ``q`` of ``r`` lies in the same document with
-    ``p <= q`` (and ``q - p <= left`` under a window), and ``p`` lives on another rank. Documents are
-    contiguous runs, so it suffices to look at the nearest query ``q >= p`` of ``r``: if it lies in another
-    document, no query of ``p``'s document follows on ``r``. All ranks are computed at once, ``[W, B, Sp]``.
+    A piece ``[s, e)`` of a document starting at ``d`` has real queries that see the keys ``[max(d, s - left), s)``
+    before it (all of them: its first query sees every one). Per (rank, document) these ranges are merged
+    (pieces in document order, each range starting no earlier than the one before). ``O(P log P)``.
     """
-    seg = padded_segments(layout, shards)  # [B, Sp]
-    W, sp = shards.world, shards.padded_len
-    pos = torch.arange(sp)
-    ranks = torch.arange(W)[:, None]
-    is_query = (shards.owner[None, :] == ranks)[:, None, :] & (seg != 0)[None]  # [W, B, Sp]
-    qpos = torch.where(is_query, pos, sp)
-    next_q = torch.flip(torch.cummin(torch.flip(qpos, [2]), dim=2).values, [2])
-    same_doc = seg[None].expand(W, -1, -1).gather(2, next_q.clamp(max=sp - 1)) == seg[None]
-    elsewhere = (shards.owner[None, :] != ranks)[:, None, :]  # [W, 1, Sp]
-    need = (next_q < sp) & same_doc & (seg != 0)[None] & elsewhere
-    if window_left >= 0:
-        need &= (next_q - pos) <= window_left
-    return need.flatten(1)
+    sp = docs.shards.padded_len
+    t = docs.table
+    lo = t["doc_start"] if window_left < 0 else torch.maximum(t["doc_start"], t["start"] - window_left)
+    hi = t["start"]
+    keep = lo < hi
+    rank, doc, row, lo, hi = t["rank"][keep], t["doc"][keep], t["row"][keep], lo[keep], hi[keep]
+    order = torch.argsort(rank * (docs.num_docs * sp) + doc * sp + hi)  # by rank, document, then position
+    rank, doc, row, lo, hi = rank[order], doc[order], row[order], lo[order], hi[order]
+    if rank.numel() == 0:
+        return torch.zeros(0, 4, dtype=torch.int64)
+    new = torch.ones(rank.numel(), dtype=torch.bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1]) | (lo[1:] > hi[:-1])
+    first = new.nonzero().flatten()
+    last = torch.cat([first[1:], torch.tensor([rank.numel()], dtype=torch.int64)]) - 1
+    ranges = torch.stack([rank[first], row[first], lo[first], hi[last]], 1)
+    return ranges[torch.argsort(ranges[:, 0] * (docs.batch_size * sp) + ranges[:, 1] * sp + ranges[:, 2])]
 
 
-def plan_exchange(layout: DocLayout, shards: ShardPlan, window_left: int = -1) -> ExchangePlan:
-    """Needed sets and per-pair counts of every rank (pure; identical on every rank)."""
-    dest, flat = needed_mask(layout, shards, window_left).nonzero().unbind(1)
-    src = shards.owner[flat % shards.padded_len]
-    W = shards.world
-    counts = torch.bincount(src * W + dest, minlength=W * W).view(W, W)
-    return ExchangePlan(
-        shards=shards, batch_size=layout.batch_size, window_left=window_left, flat_ids=flat, dest=dest, src=src,
-        counts=counts,
-    )
+def _cut(ranges: Tensor, shards: ShardPlan) -> Tensor:
+    """Ranges ``[K, 4]`` cut at the shard's runs into spans ``[K', 6]``, the destination's own positions dropped
+    (runs sorted by position tile ``[0, Sp)``)."""
+    runs = shards.by_position
+    run_start = runs[:, 1].contiguous()
+    dest, row, lo, hi = ranges.unbind(1)
+    r0 = torch.searchsorted(run_start, lo, right=True) - 1
+    n = torch.searchsorted(run_start, hi - 1, right=True) - r0
+    k = torch.repeat_interleave(torch.arange(ranges.shape[0]), n)
+    run = interval_ranges(r0, n)
+    src = runs[run, 0]
+    a = torch.maximum(lo[k], runs[run, 1])
+    b = torch.minimum(hi[k], runs[run, 1] + runs[run, 2])
+    spans = torch.stack([dest[k], src, row[k], a, b - a, runs[run, 3] + a - runs[run, 1]], 1)
+    return spans[src != dest[k]]
+
+
+def plan_exchange(layout: DocLayout, shards: ShardPlan, window_left: int = -1, *, docs: DocPlan | None = None) -> ExchangePlan:
+    """Needed sets of every rank (pure; identical on every rank), from the pieces (``docs``: the step's
+    :class:`~blockdiag_dist.docs.DocPlan`, built here when not given)."""
+    docs = plan_documents(layout, shards) if docs is None else docs
+    return ExchangePlan(shards=shards, batch_size=layout.batch_size, window_left=window_left,
+                        ranges=needed_ranges(docs, window_left))
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,62 +272,51 @@ class StepPlan:
 
     @cached_property
     def segments(self) -> Tensor:
-        """int64 ``[B * Sp]`` segment id per flat id (0 = padding)."""
+        """int64 ``[B * Sp]`` segment id per flat id (0 = padding; token-level, built when asked)."""
         return padded_segments(self.layout, self.shards).flatten()
 
     @cached_property
-    def documents(self):
-        """The step's documents and every rank's pieces of them (:class:`blockdiag_dist.docs.DocPlan`)."""
+    def documents(self) -> DocPlan:
+        """The step's documents and every rank's pieces of them (:class:`blockdiag_dist.docs.DocPlan`): the one
+        source the exchange plans, the kernels' pieces, the work per rank and the layout's cost derive from."""
         return plan_documents(self.layout, self.shards)
 
     @cached_property
     def doc_starts(self) -> Tensor:
-        """int64 ``[B * Sp]`` start position of the document of each flat id (-1 = padding)."""
+        """int64 ``[B * Sp]`` start position of the document of each flat id (-1 = padding; token-level)."""
         return padded_doc_starts(self.layout, self.shards).flatten()
 
     def exchange(self, window_left: int) -> ExchangePlan:
         """Needed sets for a window (computed once per window per step, then cached)."""
         plan = self._exchanges.get(window_left)
         if plan is None:
-            plan = self._exchanges.setdefault(window_left, plan_exchange(self.layout, self.shards, window_left))
+            plan = plan_exchange(self.layout, self.shards, window_left, docs=self.documents)
+            plan = self._exchanges.setdefault(window_left, plan)
         return plan
-
-    @cached_property
-    def _local_flat_ids(self) -> Tensor:
-        """int64 ``[W, B * L]``: flat ids of every rank's local tokens, in local order (row-major ``[B, L]``)."""
-        sp = self.shards.padded_len
-        b = torch.arange(self.layout.batch_size)[None, :, None]
-        return (b * sp + self.shards.positions[:, None, :]).flatten(1)
 
     def local_flat_ids(self, rank: int) -> Tensor:
         """Flat ids of ``rank``'s local tokens, ``[B * L]`` in local order (row-major over ``[B, L]``)."""
-        return self._local_flat_ids[rank]
+        b = torch.arange(self.layout.batch_size)[:, None] * self.shards.padded_len
+        return (b + self.shards.rank_positions(rank)[None]).flatten()
 
     def allgather_flat_ids(self) -> Tensor:
         """Flat ids of an all-gathered buffer ``[W * B * L]``, ordered (rank, row, local row)."""
-        return self._local_flat_ids.flatten()
+        return torch.cat([self.local_flat_ids(r) for r in range(self.shards.world)])
 
     def work_per_rank(self, window_left: int = -1) -> list[int]:
         """Attention work of each rank: the number of (query, key) pairs its real queries attend, i.e. the
         sum over its queries of the keys each may see (the causal, windowed extent inside its document)."""
-        sp = self.shards.padded_len
-        pos = torch.arange(sp).repeat(self.layout.batch_size)
-        start = self.doc_starts
-        if window_left >= 0:
-            start = torch.maximum(start, pos - window_left)
-        keys = torch.where(self.segments != 0, pos - start + 1, 0).view(-1, sp)  # [B, Sp]
-        return keys.sum(0)[self.shards.positions].sum(1).tolist()
+        return self.documents.work_per_rank(window_left)
 
     def real_tokens_per_rank(self) -> list[int]:
         """Real (non-padding) tokens held by each rank, over all rows."""
-        real = (self.segments != 0).view(-1, self.shards.padded_len).sum(0)
-        return real[self.shards.positions].sum(1).tolist()
+        return self.documents.real_tokens_per_rank()
 
     def fingerprint(self) -> bytes:
         h = hashlib.sha256()
-        h.update(self.layout.doc_ids.numpy().tobytes())
+        h.update(self.layout.segments.numpy().tobytes())
         h.update(f"|{tuple(self.layout.doc_ids.shape)}|{self.shards.world}|{self.shards.layout}|".encode())
-        h.update(self.shards.positions.numpy().tobytes())
+        h.update(self.shards.runs.numpy().tobytes())
         return h.digest()
 
 
@@ -241,18 +331,12 @@ LAYOUT_COST = {
 def cut_pieces_per_rank(plan: StepPlan) -> list[int]:
     """Per rank: pieces (runs of consecutive positions of one document) whose document starts before them,
     i.e. whose earlier part lives on another rank."""
-    seg = padded_segments(plan.layout, plan.shards)  # [B, Sp]
-    pos = plan.shards.positions  # [W, L]
-    s = seg[:, pos]  # [B, W, L]
-    prev_s = torch.nn.functional.pad(s[..., :-1], (1, 0))
-    prev_p = torch.nn.functional.pad(pos[:, :-1], (1, 0), value=-2)
-    starts = torch.nn.functional.pad(plan.layout.segments[:, 1], (1, 0), value=0)[s]
-    first = (s != 0) & ((s != prev_s) | (pos != prev_p + 1)[None])
-    return (first & (pos[None] > starts)).sum((0, 2)).tolist()
+    return plan.documents.cut_pieces_per_rank()
 
 
 def modelled_cost(plan: StepPlan) -> float:
-    """The slowest rank's modelled step cost (attention work + received K/V tokens + cut pieces), in pairs."""
+    """The slowest rank's modelled step cost (attention work + received K/V tokens + cut pieces), in pairs:
+    every term from the pieces' intervals, ``O(documents + shard runs)``."""
     work = plan.work_per_rank()
     recv = plan.exchange(-1).needed_tokens()
     cuts = cut_pieces_per_rank(plan)
@@ -262,22 +346,28 @@ def modelled_cost(plan: StepPlan) -> float:
 def choose_layout(doc_layout: DocLayout, world: int, only: str | None = None) -> tuple[StepPlan, dict[str, float]]:
     """``layout="auto"``: the candidate with the lowest :func:`modelled_cost` (ties: the first of contiguous,
     balanced, snapped) and every candidate's cost. A pure function of the doc ids: identical on all ranks.
-    ``only`` keeps one candidate (``snapped`` falls back to ``balanced`` where no snapped layout qualifies)."""
+    ``only`` keeps one candidate (``snapped`` falls back to ``balanced`` where no snapped layout qualifies).
+    Every candidate is a few shard runs and its cost comes from its pieces' intervals, so trying all three
+    costs what the documents and the ranks cost."""
     S = doc_layout.seq_len
-    work = position_work(doc_layout)
-    candidates = {"contiguous": plan_shards(S, world, "contiguous"), "balanced": plan_shards(S, world, "balanced", work=work)}
-    snapped = snapped_positions(work, world, doc_boundaries(doc_layout))
-    if snapped is not None:
-        L, positions, _ = snapped
-        candidates["snapped"] = ShardPlan(world=world, seq_len=S, local_len=L, positions=positions)
-    if only is not None:
-        if only not in ("contiguous", "snapped", "balanced"):
-            raise ValueError(f"layout: expected auto:contiguous, auto:snapped or auto:balanced, got auto:{only}")
-        candidates = {k: v for k, v in candidates.items() if k == only} or {"balanced": candidates["balanced"]}
+    if only is not None and only not in ("contiguous", "snapped", "balanced"):
+        raise ValueError(f"layout: expected auto:contiguous, auto:snapped or auto:balanced, got auto:{only}")
+    work = CumulativeWork(doc_layout)
+    candidates = {}
+    if only in (None, "contiguous"):
+        candidates["contiguous"] = plan_shards(S, world, "contiguous")
+    if only in (None, "balanced", "snapped"):
+        candidates["balanced"] = plan_shards(S, world, "balanced", work=work)
+    if only in (None, "snapped"):
+        snapped = snapped_runs(work, world, doc_interiors(doc_layout))
+        if snapped is not None:
+            L, runs, _ = snapped
+            candidates["snapped"] = ShardPlan(world=world, seq_len=S, local_len=L, runs=runs)
+            if only == "snapped":
+                del candidates["balanced"]
     costs, best = {}, None
     for name, shards in candidates.items():
-        shards = dataclasses.replace(shards, layout=f"auto:{name}")
-        plan = StepPlan(layout=doc_layout, shards=shards)
+        plan = StepPlan(layout=doc_layout, shards=shards.with_layout(f"auto:{name}"))
         costs[name] = modelled_cost(plan)
         if best is None or costs[name] < costs[best[0]]:
             best = (name, plan)
@@ -293,5 +383,5 @@ def plan_step(doc_ids: Tensor, world: int, layout: str = "contiguous") -> StepPl
         return choose_layout(doc_layout, world)[0]
     if layout.startswith("auto:"):  # one candidate of auto, forced (tests, benchmarks)
         return choose_layout(doc_layout, world, only=layout[5:])[0]
-    work = position_work(doc_layout) if layout == "balanced" else None
+    work = CumulativeWork(doc_layout) if layout == "balanced" else None
     return StepPlan(layout=doc_layout, shards=plan_shards(doc_layout.seq_len, world, layout, work=work))

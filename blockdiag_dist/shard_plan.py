@@ -9,7 +9,6 @@ Shape legend:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -17,41 +16,184 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-from .balance import balanced_positions
+from .balance import CumulativeWork, balanced_positions, balanced_runs
 
-__all__ = ["ShardPlan", "padded_doc_starts", "padded_segments", "plan_shards"]
+__all__ = ["FlatIndex", "ShardPlan", "interval_ranges", "padded_doc_starts", "padded_segments", "plan_shards"]
 
 
-@dataclass(frozen=True, eq=False)
 class ShardPlan:
     """Which global positions each rank holds. Row ``l`` of rank ``r`` is position ``positions[r, l]``.
 
-    Positions ``>= seq_len`` are CP padding (added so that every rank holds ``local_len`` rows).
+    Positions ``>= seq_len`` are CP padding (added so that every rank holds ``local_len`` rows). Stored as
+    *runs*: ``runs`` int64 ``[R, 4]``, one row ``(rank, start, length, local_start)`` per maximal run of
+    consecutive positions that a rank holds on consecutive local rows, in rank order then local order (so the
+    runs of a rank tile its rows ``0 .. L-1``). Contiguous shards are one run per rank, balanced ones a few:
+    everything the plans derive from a shard costs what its runs cost, never its rows. Build it from runs or
+    from ``positions [W, L]`` (a permutation of ``range(W * L)``); the other is derived when asked for.
+
+    >>> ShardPlan(world=2, seq_len=5, local_len=3, positions=torch.tensor([[0, 1, 2], [3, 4, 5]])).runs.tolist()
+    [[0, 0, 3, 0], [1, 3, 3, 0]]
     """
 
-    world: int
-    seq_len: int
-    local_len: int
-    positions: Tensor  # int64 [W, L], a permutation of range(W * L)
-    layout: str = "contiguous"
+    def __init__(self, world: int, seq_len: int, local_len: int, positions: Tensor | None = None,
+                 layout: str = "contiguous", *, runs: Tensor | None = None) -> None:
+        if (positions is None) == (runs is None):
+            raise ValueError("ShardPlan: expected exactly one of positions [W, L] and runs [R, 4], got "
+                             f"{'both' if runs is not None else 'neither'}")
+        self.world, self.seq_len, self.local_len, self.layout = world, seq_len, local_len, layout
+        if positions is not None:
+            self.__dict__["positions"] = positions
+        else:
+            self.__dict__["runs"] = runs
+
+    def with_layout(self, layout: str) -> ShardPlan:
+        """The same shards under another layout name (``auto:<choice>``)."""
+        out = ShardPlan(self.world, self.seq_len, self.local_len, layout=layout, runs=self.runs)
+        if "positions" in self.__dict__:
+            out.__dict__["positions"] = self.__dict__["positions"]
+        return out
+
+    def __repr__(self) -> str:
+        return (f"ShardPlan(world={self.world}, seq_len={self.seq_len}, local_len={self.local_len}, "
+                f"layout={self.layout!r}, runs={self.runs.shape[0]})")
 
     @property
     def padded_len(self) -> int:
         return self.world * self.local_len
 
     @cached_property
+    def runs(self) -> Tensor:
+        pos = self.positions  # [W, L]
+        W, L = pos.shape
+        first = torch.ones(W, L, dtype=torch.bool)
+        first[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        rank, local = first.nonzero().unbind(1)
+        flat = rank * L + local
+        length = torch.diff(torch.cat([flat, torch.tensor([W * L])]))
+        return torch.stack([rank, pos[rank, local], length, local], 1)
+
+    @cached_property
+    def positions(self) -> Tensor:
+        """int64 ``[W, L]``: the global position of every rank's every row (token-level; built when asked)."""
+        return torch.stack([self.rank_positions(r) for r in range(self.world)]) if self.world else self.runs[:0]
+
+    def rank_runs(self, rank: int) -> Tensor:
+        """Rank ``rank``'s runs ``[R_r, 4]``, local order."""
+        lo, hi = self._rank_bounds[rank], self._rank_bounds[rank + 1]
+        return self.runs[lo:hi]
+
+    @cached_property
+    def _rank_bounds(self) -> list[int]:
+        return torch.searchsorted(self.runs[:, 0].contiguous(), torch.arange(self.world + 1)).tolist()
+
+    def rank_positions(self, rank: int) -> Tensor:
+        """int64 ``[L]``: the global positions of rank ``rank``'s rows (this rank's only)."""
+        if "positions" in self.__dict__:
+            return self.__dict__["positions"][rank]
+        runs = self.rank_runs(rank)
+        return interval_ranges(runs[:, 1], runs[:, 2])
+
+    @cached_property
+    def by_position(self) -> Tensor:
+        """The runs sorted by start position, ``[R, 4]`` (they tile ``[0, W * L)``)."""
+        return self.runs[torch.argsort(self.runs[:, 1])]
+
+    @cached_property
+    def _by_rank_position(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(keys rank * (Sp + 1) + start, starts, lengths, rows of the rank before each run), runs sorted by key."""
+        runs = self.runs
+        key = runs[:, 0] * (self.padded_len + 1) + runs[:, 1]
+        order = torch.argsort(key)
+        key, runs = key[order].contiguous(), runs[order]
+        before = torch.cumsum(runs[:, 2], 0) - runs[:, 2]
+        base = before[torch.searchsorted(key, torch.arange(self.world) * (self.padded_len + 1))]
+        return key, runs[:, 1], runs[:, 2], before - base[runs[:, 0]]
+
+    def rows_before(self, rank: Tensor, x: Tensor) -> Tensor:
+        """int64: how many of the positions ``< x`` rank ``rank`` holds (elementwise), from its runs."""
+        key, start, length, before = self._by_rank_position
+        j = torch.searchsorted(key, rank * (self.padded_len + 1) + x, right=True) - 1
+        jc = j.clamp(min=0)
+        mine = (j >= 0) & (key[jc] // (self.padded_len + 1) == rank)
+        return torch.where(mine, before[jc] + torch.minimum(x - start[jc], length[jc]), 0)
+
+    def locate(self, p: Tensor) -> tuple[Tensor, Tensor]:
+        """``(owner rank, local row)`` of positions ``p`` (any shape), from the runs."""
+        runs = self.by_position
+        k = torch.searchsorted(runs[:, 1].contiguous(), p, right=True) - 1
+        return runs[k, 0], runs[k, 3] + p - runs[k, 1]
+
+    @cached_property
     def owner(self) -> Tensor:
-        """int64 ``[Sp]``: the rank holding each position."""
-        out = torch.empty(self.padded_len, dtype=torch.int64)
-        out[self.positions.flatten()] = torch.arange(self.world).repeat_interleave(self.local_len)
-        return out
+        """int64 ``[Sp]``: the rank holding each position (token-level; built when asked)."""
+        return self.locate(torch.arange(self.padded_len))[0]
 
     @cached_property
     def owner_row(self) -> Tensor:
-        """int64 ``[Sp]``: the local row index of each position on its owner."""
-        out = torch.empty(self.padded_len, dtype=torch.int64)
-        out[self.positions.flatten()] = torch.arange(self.local_len).repeat(self.world)
+        """int64 ``[Sp]``: the local row index of each position on its owner (token-level; built when asked)."""
+        return self.locate(torch.arange(self.padded_len))[1]
+
+
+class FlatIndex:
+    """The row of each flat id in a buffer of flat ids, -1 where absent, from the buffer's runs of consecutive
+    ids (``searchsorted``): indexed like a ``[B * Sp]`` lookup tensor, with memory ``O(runs)``.
+
+    >>> index = FlatIndex(torch.tensor([7, 8, 9, 2, 3]))
+    >>> index[torch.tensor([2, 3, 4, 9, 0])].tolist()
+    [3, 4, -1, 2, -1]
+    """
+
+    DENSE_UP_TO = 1 << 16  # a flat space this small gets a plain lookup table (faster for small batches)
+
+    def __init__(self, flat: Tensor, space: int | None = None) -> None:
+        first = torch.ones(flat.numel(), dtype=torch.bool)
+        first[1:] = flat[1:] != flat[:-1] + 1
+        row = first.nonzero().flatten()
+        length = torch.diff(torch.cat([row, torch.tensor([flat.numel()])]))
+        self._set(flat[row], length, row, space)
+
+    @classmethod
+    def from_runs(cls, start: Tensor, length: Tensor, row: Tensor | None = None, space: int | None = None) -> FlatIndex:
+        """The buffer that holds runs of flat ids ``[start, start + length)`` from buffer row ``row`` on (default:
+        one after the other). ``space``: the number of flat ids (``B * Sp``), when known."""
+        out = cls.__new__(cls)
+        out._set(start, length, torch.cumsum(length, 0) - length if row is None else row, space)
         return out
+
+    def _set(self, start: Tensor, length: Tensor, row: Tensor, space: int | None) -> None:
+        order = torch.argsort(start)
+        self.start, self.row, self.length = start[order].contiguous(), row[order], length[order]
+        self.numel = int(length.sum()) if length.numel() else 0
+        self._table = None
+        if space is not None and space <= self.DENSE_UP_TO:
+            self._table = torch.full((space,), -1, dtype=torch.int64)
+            self._table[interval_ranges(self.start, self.length)] = interval_ranges(self.row, self.length)
+
+    def flat_ids(self) -> Tensor:
+        """int64 ``[numel]``: the flat id at each row of the buffer (token-level)."""
+        order = torch.argsort(self.row)
+        return interval_ranges(self.start[order], self.length[order])
+
+    def __getitem__(self, x: Tensor) -> Tensor:
+        if self._table is not None:
+            return self._table[x]
+        if self.start.numel() == 0:
+            return torch.full_like(x, -1)
+        k = torch.searchsorted(self.start, x, right=True) - 1
+        kc = k.clamp(min=0)
+        off = x - self.start[kc]
+        return torch.where((k >= 0) & (off < self.length[kc]), self.row[kc] + off, -1)
+
+
+def interval_ranges(starts: Tensor, lengths: Tensor) -> Tensor:
+    """Concatenation of ``arange(s, s + n)`` for each ``(s, n)``: intervals to the tokens they hold.
+
+    >>> interval_ranges(torch.tensor([5, 0]), torch.tensor([2, 3])).tolist()
+    [5, 6, 0, 1, 2]
+    """
+    total = int(lengths.sum()) if lengths.numel() else 0
+    offsets = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+    return torch.repeat_interleave(starts, lengths) + offsets
 
 
 def plan_shards(seq_len: int, world: int, layout: str = "contiguous", *, work: Tensor | None = None) -> ShardPlan:
@@ -59,7 +201,8 @@ def plan_shards(seq_len: int, world: int, layout: str = "contiguous", *, work: T
 
     ``contiguous`` (the seed's sequential sharding): pad to a multiple of ``world``; rank ``r`` holds
     ``[r * L, (r + 1) * L)`` with ``L = ceil(S / W)``. ``balanced``: equal row counts with equalised attention
-    work, from ``work [S]`` (see :mod:`blockdiag_dist.balance`).
+    work, from ``work [S]`` or, without a token-level tensor, from a :class:`~blockdiag_dist.balance.CumulativeWork`
+    (see :mod:`blockdiag_dist.balance`).
 
     >>> plan_shards(5, 2).positions
     tensor([[0, 1, 2],
@@ -71,15 +214,19 @@ def plan_shards(seq_len: int, world: int, layout: str = "contiguous", *, work: T
         raise ValueError(f"seq_len: expected S >= 1, got {seq_len}")
     if layout == "contiguous":
         local_len = -(-seq_len // world)
-        positions = torch.arange(world * local_len).view(world, local_len)
-    elif layout == "balanced":
+        r = torch.arange(world)
+        runs = torch.stack([r, r * local_len, torch.full_like(r, local_len), torch.zeros_like(r)], 1)
+        return ShardPlan(world=world, seq_len=seq_len, local_len=local_len, layout=layout, runs=runs)
+    if layout == "balanced":
+        if isinstance(work, CumulativeWork):
+            local_len, runs, _ = balanced_runs(work, world)
+            return ShardPlan(world=world, seq_len=seq_len, local_len=local_len, layout=layout, runs=runs)
         if work is None or work.shape != (seq_len,):
             got = None if work is None else tuple(work.shape)
             raise ValueError(f"layout 'balanced': expected the work per position [S] = [{seq_len}], got {got}")
         local_len, positions, _ = balanced_positions(work, world)
-    else:
-        raise ValueError(f"layout: expected 'contiguous' or 'balanced', got {layout!r}")
-    return ShardPlan(world=world, seq_len=seq_len, local_len=local_len, positions=positions, layout=layout)
+        return ShardPlan(world=world, seq_len=seq_len, local_len=local_len, positions=positions, layout=layout)
+    raise ValueError(f"layout: expected 'contiguous' or 'balanced', got {layout!r}")
 
 
 
@@ -89,7 +236,6 @@ def padded_segments(layout: DocLayout, shards: ShardPlan) -> Tensor:
 
 
 def padded_doc_starts(layout: DocLayout, shards: ShardPlan) -> Tensor:
-    """Start position of each token's document ``[B, Sp]`` (``-1`` on padding)."""
-    seg = padded_segments(layout, shards)
-    starts = torch.cat([torch.tensor([-1]), layout.segments[:, 1]])
-    return starts[seg]
+    """Start position of each token's document ``[B, Sp]`` (``-1`` on padding; token-level, for kernels and
+    tests that take per-token tensors)."""
+    return torch.nn.functional.pad(layout.doc_starts, (0, shards.padded_len - layout.seq_len), value=-1)

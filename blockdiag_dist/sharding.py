@@ -39,7 +39,7 @@ def shard_tensor(t: Tensor, dim: int, pad_value: object, shards: ShardPlan, rank
     pad_shape = list(t.shape)
     pad_shape[dim] = shards.padded_len - S
     padded = torch.cat([t, torch.full(pad_shape, pad_value, dtype=t.dtype, device=t.device)], dim=dim)
-    return padded.index_select(dim, shards.positions[rank].to(t.device))
+    return padded.index_select(dim, shards.rank_positions(rank).to(t.device))
 
 
 def local_visual_index(mask: Tensor, shards: ShardPlan, rank: int) -> Tensor:
@@ -51,7 +51,7 @@ def local_visual_index(mask: Tensor, shards: ShardPlan, rank: int) -> Tensor:
     padded = torch.zeros(B, shards.padded_len, dtype=torch.bool, device=mask.device)
     padded[:, :S] = mask
     index = torch.nn.functional.pad(index, (0, shards.padded_len - S))
-    rows = shards.positions[rank].to(mask.device)
+    rows = shards.rank_positions(rank).to(mask.device)
     return index[:, rows][padded[:, rows]]
 
 

@@ -15,6 +15,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,9 @@ from .docs import RankDocs
 from .exchange import TrafficLog, a2a_kv, allgather_kv, halo_kv
 from .exchange.allgather import all_gather_tensor
 from .kernels.dense import DenseMeta, plan_dense
-from .kernels.varlen import VarlenMeta, plan_varlen
+from .kernels.varlen import VarlenMeta, plan_varlen_pieces
 from .plan import ExchangePlan, StepPlan
+from .shard_plan import FlatIndex
 
 __all__ = [
     "AttentionNotRoutedError",
@@ -62,11 +64,16 @@ class WindowPlan:
     exchange: ExchangePlan
     mode: str  # "local" | "allgather" | "halo" | "a2a"
     reason: str
-    key_flat_ids: Tensor  # int64 [Tk] (host): the flat id held by each row of the key buffer
+    key_index: FlatIndex  # the key buffer's rows by flat id (host), from its runs
     send_rows: Tensor | None  # int64, on the device (halo / a2a)
     send_splits: list[int]
     recv_splits: list[int]
     kernel_meta: DenseMeta | VarlenMeta  # on the device
+
+    @cached_property
+    def key_flat_ids(self) -> Tensor:
+        """int64 ``[Tk]`` (host): the flat id held by each row of the key buffer (token-level; built when asked)."""
+        return self.key_index.flat_ids()
 
 
 class StepState:
@@ -131,7 +138,7 @@ class StepState:
     @property
     def positions(self) -> Tensor:
         """int64 ``[L]``: global positions of this rank's rows (``>= seq_len`` = CP padding)."""
-        return self.plan.shards.positions[self.rank]
+        return self.plan.shards.rank_positions(self.rank)
 
     @property
     def docs(self) -> RankDocs:
@@ -211,25 +218,36 @@ class StepState:
         mode, reason = choose_exchange(xplan, self.kv_exchange)
         local = self.plan.local_flat_ids(self.rank)
         send_rows, send_splits, recv_splits = None, [], []
-        if mode == "local":
-            key_flat = local
-        elif mode == "allgather":
-            key_flat = self.plan.allgather_flat_ids()
-        else:
-            key_flat = torch.cat([local, xplan.recv_flat_ids(self.rank)])
-            send_rows = xplan.send_rows(self.rank)  # halo: all of them go to rank + 1
-            if mode == "a2a":
-                send_splits = xplan.counts[self.rank].tolist()
-                recv_splits = xplan.counts[:, self.rank].tolist()
-            else:  # halo
-                send_splits = [send_rows.numel()]
-                recv_splits = [int(xplan.counts[self.rank - 1, self.rank]) if self.rank > 0 else 0]
-            send_rows = send_rows.to(self.device)
-        sp = self.plan.shards.padded_len
+        B, L, sp = self.batch_size, self.local_len, self.plan.shards.padded_len
+        shards = self.plan.shards
+        if mode == "allgather":  # the buffer is (rank, row, local row): every rank's runs, row after row
+            runs = shards.runs
+            rows = torch.arange(B).repeat(runs.shape[0])
+            run = torch.arange(runs.shape[0]).repeat_interleave(B)
+            key_index = FlatIndex.from_runs(rows * sp + runs[run, 1], runs[run, 2],
+                                            runs[run, 0] * (B * L) + rows * L + runs[run, 3], space=B * sp)
+        else:  # this rank's rows, then what it receives (by source rank, then flat id)
+            mine = shards.rank_runs(self.rank)
+            rows = torch.arange(B).repeat_interleave(mine.shape[0])
+            starts, lengths = [rows * sp + mine[:, 1].repeat(B)], [mine[:, 2].repeat(B)]
+            if mode != "local":
+                got = xplan.spans_to(self.rank)
+                got = got[torch.sort(got[:, 1], stable=True).indices]
+                starts.append(got[:, 2] * sp + got[:, 3])
+                lengths.append(got[:, 4])
+                send_rows = xplan.send_rows(self.rank)  # halo: all of them go to rank + 1
+                if mode == "a2a":
+                    send_splits = xplan.send_counts(self.rank)
+                    recv_splits = xplan.recv_counts(self.rank)
+                else:  # halo
+                    send_splits = [send_rows.numel()]
+                    recv_splits = [xplan.recv_counts(self.rank)[self.rank - 1] if self.rank > 0 else 0]
+                send_rows = send_rows.to(self.device)
+            key_index = FlatIndex.from_runs(torch.cat(starts), torch.cat(lengths), space=B * sp)
         if self.kernel == "dense":
-            meta = plan_dense(local, key_flat, plan.segments, sp, window_left)
-        else:
-            meta = plan_varlen(local, key_flat, plan.segments, plan.doc_starts, sp, window_left)
+            meta = plan_dense(local, key_index.flat_ids(), plan.segments, sp, window_left)
+        else:  # this rank's pieces, from the step's piece table: no per-token tensor of the whole batch
+            meta = plan_varlen_pieces(plan.documents.kernel_pieces(self.rank), local.numel(), key_index, sp, window_left)
         _log_once(f"kv_exchange={mode} (window left={window_left}{_chunk_text(chunk)}): {reason}")
         return WindowPlan(
             window_left=window_left,
@@ -237,7 +255,7 @@ class StepState:
             exchange=xplan,
             mode=mode,
             reason=reason,
-            key_flat_ids=key_flat,
+            key_index=key_index,
             send_rows=send_rows,
             send_splits=send_splits,
             recv_splits=recv_splits,
@@ -342,7 +360,7 @@ class StepState:
 def choose_exchange(xplan: ExchangePlan, requested: str) -> tuple[str, str]:
     """The exchange for a window, identical on every rank (a function of the plan alone), with its reason."""
     world = xplan.world
-    needed = int(xplan.counts.sum())
+    needed = sum(xplan.needed_tokens())
     ag = world * xplan.allgather_tokens()
     if world == 1:
         return "local", "CP size 1: no other rank"

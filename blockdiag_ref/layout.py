@@ -13,6 +13,7 @@ documents, and so does ``1 0 1`` hold two.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -61,8 +62,9 @@ def normalize_chunk(chunk_size: int | None) -> int:
     return chunk_size
 
 
-def _check_doc_ids(doc_ids: object, what: str = "doc_ids") -> Tensor:
-    """Validate a ``[B, S]`` doc-id tensor and return it as int64 (bool and any integer dtype accepted)."""
+def _check_doc_ids(doc_ids: object, what: str = "doc_ids", check_values: bool = True) -> Tensor:
+    """Validate a ``[B, S]`` doc-id tensor and return it as int64 (bool and any integer dtype accepted);
+    ``check_values=False`` leaves the check of negative ids to the caller."""
     if not isinstance(doc_ids, Tensor):
         raise ValueError(f"{what}: expected a torch.Tensor [B, S], got {type(doc_ids).__name__}")
     if doc_ids.dim() != 2:
@@ -72,7 +74,7 @@ def _check_doc_ids(doc_ids: object, what: str = "doc_ids") -> Tensor:
     if doc_ids.shape[0] < 1 or doc_ids.shape[1] < 1:
         raise ValueError(f"{what}: expected B >= 1 and S >= 1, got shape {tuple(doc_ids.shape)}")
     ids = doc_ids.to(torch.int64)
-    if bool((ids < 0).any()):
+    if check_values and bool((ids < 0).any()):
         bad = int(ids.min())
         raise ValueError(f"{what}: expected ids >= 0 (0 = padding), got a negative id {bad}")
     return ids
@@ -112,18 +114,47 @@ class DocLayout:
     """
 
     def __init__(self, doc_ids: Tensor):
-        ids = _check_doc_ids(doc_ids)
+        ids = _check_doc_ids(doc_ids, check_values=False)
         self.doc_ids: Tensor = ids
-        real = ids != 0
-        prev = torch.nn.functional.pad(ids[:, :-1], (1, 0), value=0)
-        starts = real & (ids != prev)
-        self.padding_mask: Tensor = ~real
-        self.segment_ids: Tensor = torch.cumsum(starts.flatten(), 0).view_as(ids) * real
-        start_rc = starts.nonzero()  # [N, 2] (row, start), row-major = segment order
-        counts = torch.bincount(self.segment_ids.flatten(), minlength=start_rc.shape[0] + 1)[1:]
-        self.segments: Tensor = torch.cat([start_rc, (start_rc[:, 1] + counts)[:, None]], dim=1)
-        self.unpad_indices: Tensor = real.flatten().nonzero().flatten()
-        self.cu_seqlens: Tensor = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+        B, S = ids.shape
+        # runs of one id: a new run wherever the id changes, and at every row start (one pass over the ids)
+        flat = ids.flatten()
+        change = torch.ones(B * S, dtype=torch.bool)
+        change[1:] = flat[1:] != flat[:-1]
+        change[::S] = True
+        run_start = change.nonzero().flatten()
+        run_id = flat[run_start]
+        if bool((run_id < 0).any()):  # every id is some run's id, so this checks them all
+            raise ValueError(f"doc_ids: expected ids >= 0 (0 = padding), got a negative id {int(run_id.min())}")
+        run_end = torch.cat([run_start[1:], torch.tensor([B * S])])
+        real = run_id != 0
+        start, end = run_start[real], run_end[real]
+        row = start // S
+        self.segments: Tensor = torch.stack([row, start - row * S, end - row * S], 1)
+
+    @cached_property
+    def segment_ids(self) -> Tensor:
+        seg = torch.zeros(self.doc_ids.numel() + 1, dtype=torch.int64)
+        flat = self.segments[:, 0] * self.seq_len
+        seg.index_put_((flat + self.segments[:, 1],), torch.ones(self.num_docs, dtype=torch.int64), accumulate=True)
+        seg.index_put_((flat + self.segments[:, 2],), -torch.ones(self.num_docs, dtype=torch.int64), accumulate=True)
+        inside = torch.cumsum(seg[:-1], 0).view_as(self.doc_ids)  # 1 inside a document, 0 on padding
+        starts = torch.zeros(self.doc_ids.numel(), dtype=torch.int64)
+        starts[flat + self.segments[:, 1]] = 1
+        return torch.cumsum(starts, 0).view_as(self.doc_ids) * inside
+
+    @cached_property
+    def padding_mask(self) -> Tensor:
+        return self.segment_ids == 0
+
+    @cached_property
+    def unpad_indices(self) -> Tensor:
+        return (~self.padding_mask).flatten().nonzero().flatten()
+
+    @cached_property
+    def cu_seqlens(self) -> Tensor:
+        counts = self.segments[:, 2] - self.segments[:, 1]
+        return torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
 
     @classmethod
     def from_seqlens(

@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--dim", type=int, default=64)
     plan.add_argument("--dtype", default="bfloat16")
     plan.add_argument("--json", metavar="PATH")
+    plan.add_argument("--model", action="store_true", help="also print the paper model of one step on H200s (docs/scale.md)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per NVLink node, for --model")
 
     from .model.cli import add_arguments as add_model_arguments
 
@@ -121,7 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":
         from .inspect_plan import main as plan_main
 
-        return plan_main(args)
+        code = plan_main(args)
+        if code == 0 and args.model:
+            from .scale_model import main as model_main
+
+            code = model_main(args)
+        return code
     if args.command == "conformance":
         from .conformance import main as conformance_main
 

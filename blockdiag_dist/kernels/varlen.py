@@ -132,7 +132,7 @@ class VarlenMeta:
     piece_q: Tensor  # int64 [P, 2] (first local query row, length), on the host
     piece_k: Tensor  # int64 [P, 2] (first key flat id, length), on the host
     piece_flat: Tensor  # int64 [P] flat id of each piece's first query, on the host
-    key_lut: Tensor = field(repr=False)  # int64 [B * Sp] key-buffer row of each flat id (-1 = absent), host
+    key_lut: Tensor = field(repr=False)  # int64 [B * Sp] key-buffer row of each flat id (-1 = absent), host, or a FlatIndex
     num_queries: int = 0
     padded_len: int = 1
     window_left: int = -1
@@ -199,8 +199,9 @@ def plan_varlen(
     *, band_min: int = BAND_MIN,
 ) -> VarlenMeta:
     """Pieces and maskless blocks for local queries (flat ids ``[Tq]``) against a key buffer (flat ids ``[Tk]``);
-    a piece that a window cuts and that has at most ``band_min`` keys gets one masked block instead of bands."""
-    Tq = q_flat.numel()
+    a piece that a window cuts and that has at most ``band_min`` keys gets one masked block instead of bands.
+    Pieces found from per-token ``segments`` / ``doc_starts`` (``[B * Sp]``); a step's planning gives its
+    rank's pieces directly (:func:`plan_varlen_pieces`)."""
     seg_q = segments[q_flat]
     pos_q = q_flat % padded_len
     real = seg_q != 0
@@ -211,13 +212,26 @@ def plan_varlen(
     piece_of = torch.cumsum(first, 0) - 1
     p_len = torch.bincount(piece_of[real], minlength=p_start.numel())
     p_flat0 = q_flat[p_start]  # flat id of each piece's first query
-    p_qfirst = p_flat0 % padded_len
-    p_dstart = doc_starts[p_flat0]
-    p_kfirst = p_dstart if window_left < 0 else torch.maximum(p_dstart, p_qfirst - window_left)
-    p_klen = p_qfirst + p_len - p_kfirst
-
     key_lut = torch.full((segments.numel(),), -1, dtype=torch.int64)
     key_lut[k_flat] = torch.arange(k_flat.numel())
+    pieces = torch.stack([p_start, p_len, p_flat0, doc_starts[p_flat0]], 1)
+    return plan_varlen_pieces(pieces, q_flat.numel(), key_lut, padded_len, window_left, band_min=band_min)
+
+
+def plan_varlen_pieces(
+    pieces: Tensor, num_queries: int, key_lut, padded_len: int, window_left: int, *, band_min: int = BAND_MIN,
+) -> VarlenMeta:
+    """:func:`plan_varlen` from the rank's pieces, int64 ``[P, 4]`` rows ``(first local query row, length, flat id
+    of the first query, its document's start position)`` in local order, and ``key_lut``: the key-buffer row of
+    flat ids (a ``[B * Sp]`` tensor, -1 = absent, or any object indexed the same way, e.g.
+    :class:`blockdiag_dist.shard_plan.FlatIndex`)."""
+    Tq = num_queries
+    p_start, p_len, p_flat0, p_dstart = pieces.unbind(1)
+    p_qfirst = p_flat0 % padded_len
+    p_kfirst = p_dstart if window_left < 0 else torch.maximum(p_dstart, p_qfirst - window_left)
+    p_klen = p_qfirst + p_len - p_kfirst
+    real = torch.zeros(Tq, dtype=torch.bool)
+    real[_ranges(p_start, p_len)] = True
     blocks = _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq, window_left, band_min)
     rows = blocks.out_rows[blocks.out_rows < Tq]
     covered = torch.zeros(Tq, dtype=torch.bool)

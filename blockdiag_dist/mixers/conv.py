@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..exchange import a2a_kv, halo_kv
 from ..plan import StepPlan
+from ..shard_plan import FlatIndex
 
 __all__ = ["ConvPlan", "causal_conv", "plan_conv"]
 
@@ -56,7 +57,7 @@ def plan_conv(plan: StepPlan, rank: int, width: int, device: torch.device | str 
     xplan = plan.exchange(width - 1) if width > 1 else None
     local = plan.local_flat_ids(rank)  # [T]
     T = local.numel()
-    needed = 0 if xplan is None else int(xplan.counts.sum())
+    needed = 0 if xplan is None else sum(xplan.needed_tokens())
     if W == 1 or needed == 0:
         mode, send_rows, send_splits, recv_splits, recv_ids = "local", None, [], [], torch.zeros(0, dtype=torch.int64)
     else:
@@ -65,18 +66,17 @@ def plan_conv(plan: StepPlan, rank: int, width: int, device: torch.device | str 
         if xplan.halo_ok:
             mode = "halo"
             send_splits = [send_rows.numel()]
-            recv_splits = [int(xplan.counts[rank - 1, rank]) if rank > 0 else 0]
+            recv_splits = [xplan.recv_counts(rank)[rank - 1] if rank > 0 else 0]
         else:
             mode = "a2a"
-            send_splits, recv_splits = xplan.counts[rank].tolist(), xplan.counts[:, rank].tolist()
-    row_of = torch.full((plan.layout.batch_size * sp,), -1, dtype=torch.int64)
-    row_of[local] = torch.arange(T)
-    row_of[recv_ids] = torch.arange(T, T + recv_ids.numel())
+            send_splits, recv_splits = xplan.send_counts(rank), xplan.recv_counts(rank)
+    row_of = FlatIndex(torch.cat([local, recv_ids]), space=plan.layout.batch_size * sp)  # buffer row of a flat id, -1 where absent
     zero_row = T + recv_ids.numel()
 
-    seg, starts = plan.segments[local], plan.doc_starts[local]  # [T]
+    docs = plan.documents.for_rank(rank)  # this rank's rows: their document and position in it
     pos = local % sp
-    real = seg != 0
+    real = docs.doc_index.flatten() >= 0
+    starts = pos - docs.doc_position.flatten()  # [T], meaningful on real rows
     index_in_piece = torch.zeros(T, dtype=torch.int64)  # tokens before it in its piece on this rank
     for p in plan.documents.pieces_of(rank):
         t0 = p.row * L + p.local_start

@@ -1,0 +1,117 @@
+"""Bench section ``plan``: what one rank's per-step planning costs, on the host, as S and CP grow.
+
+Every rank plans every step in the batch function before any GPU work. Two parts are timed apart:
+
+- ``replicated``: what every rank computes for all ranks (pure, identical everywhere): ``plan_step`` (the layout
+  choice and the shard plan), the exchange plan of the unwindowed attention (``exchange(-1)``, its per-pair
+  counts) and the documents' pieces (``plan.documents``);
+- ``scan``: the part of ``replicated`` that reads the doc ids once to find the documents
+  (``DocLayout.from_doc_ids``), the floor any planning from per-token doc ids pays;
+- ``rank``: this rank's own token-level tensors, built from the replicated plan: its window plan (key buffer,
+  send rows, varlen kernel blocks) and its documents' view (``state.docs``). These grow with ``S / CP``, the
+  tokens the rank holds, which the kernel and the collective consume.
+
+One packed row of documents with exponential lengths: ``few`` = 64 documents, ``many`` = 8,192 documents (a fixed
+count at every S, so the growth ratio ``time(16M) / time(1M)`` compares equal document counts), and ``mean2k``
+(documents of mean 2,000 tokens, the issue's workload; the count grows with S).
+
+Run ``python -m bench --only plan`` (or :func:`time_plan` for one case)::
+
+    >>> from bench.plan import time_plan
+    >>> row = time_plan(1 << 17, 8, "few", "contiguous", reps=1)
+    >>> sorted(row) == ['S', 'cp', 'docs', 'layout', 'mix', 'rank_ms', 'replicated_ms', 'scan_ms', 'total_ms']
+    True
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from blockdiag_dist.plan import plan_step
+from blockdiag_dist.state import StepState
+from blockdiag_ref import DocLayout
+
+MIXES = {"few": 64, "many": 8192}  # documents per row, at every S
+LAYOUTS = ("contiguous", "balanced", "auto")
+
+
+def doc_ids_of(S: int, mix: str, seed: int = 0) -> torch.Tensor:
+    """int64 ``[1, S]``: one row of documents with exponential lengths (``mix`` in ``MIXES`` or ``mean2k``)."""
+    rng = np.random.default_rng(seed)
+    n = max(1, S // 2000) if mix == "mean2k" else min(MIXES[mix], S)
+    w = rng.exponential(1.0, n)
+    lengths = np.maximum(1, np.floor(w / w.sum() * S).astype(np.int64))
+    lengths[-1] += S - lengths.sum()
+    while lengths[-1] < 1:  # the rounding took too much from the last one: give it back from the longest
+        k = int(np.argmax(lengths[:-1]))
+        lengths[k] -= 1
+        lengths[-1] += 1
+    ids = torch.repeat_interleave(torch.arange(1, n + 1), torch.from_numpy(lengths))
+    return ids[None]
+
+
+def _replicated(ids: torch.Tensor, world: int, layout: str):
+    plan = plan_step(ids, world, layout)
+    plan.exchange(-1).needed_tokens()
+    plan.documents  # noqa: B018
+    return plan
+
+
+def _rank(plan, rank: int) -> None:
+    state = StepState(plan, rank=rank, group=None, device=torch.device("cpu"), kv_exchange="auto", kernel="varlen")
+    state.window_plan(-1)
+    state.docs  # noqa: B018
+
+
+def time_plan(S: int, world: int, mix: str, layout: str, reps: int = 3, rank: int | None = None) -> dict:
+    """Median milliseconds of one rank's planning of one step (``rank``: default the last rank, which holds the
+    most document ends under contiguous sharding)."""
+    ids = doc_ids_of(S, mix)
+    rank = world - 1 if rank is None else rank
+    rep_t, rank_t, scan_t = [], [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        DocLayout.from_doc_ids(ids)
+        scan_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        plan = _replicated(ids, world, layout)
+        t1 = time.perf_counter()
+        _rank(plan, rank)
+        t2 = time.perf_counter()
+        rep_t.append(t1 - t0)
+        rank_t.append(t2 - t1)
+    rep, rk = float(np.median(rep_t)) * 1e3, float(np.median(rank_t)) * 1e3
+    return {"S": S, "cp": world, "mix": mix, "docs": int(ids.max()), "layout": layout, "replicated_ms": rep,
+            "rank_ms": rk, "total_ms": rep + rk, "scan_ms": float(np.median(scan_t)) * 1e3}
+
+
+def bench_plan(sizes, cps, mixes=tuple(MIXES), layouts=LAYOUTS, reps: int = 3, extra=(), threads: int = 1) -> dict:
+    """The sweep: every (S, CP, mix, layout) of the grid, then the ``extra`` cases ``(S, CP, mix, layout)``;
+    with the growth ratios ``time(S_max) / time(1M)`` (``time(S_min)`` when the sweep stops at 1M) at each (CP, mix,
+    layout).
+
+    Measured with ``threads`` torch threads (default 1): planning is many small host operations, and on a
+    shared machine the barrier of a multi-threaded pool dominates them (on this 2-core machine under load, one
+    ``searchsorted`` of 2,048 values took 17 ms with 2 threads and 8 us with 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = [time_plan(S, cp, mix, layout, reps) for S in sizes for cp in cps for mix in mixes for layout in layouts]
+        rows += [time_plan(S, cp, mix, layout, reps) for S, cp, mix, layout in extra]
+    finally:
+        torch.set_num_threads(before)
+    growth = []
+    lo, hi = (1 << 20 if 1 << 20 in sizes and max(sizes) > 1 << 20 else min(sizes)), max(sizes)
+    for cp in cps:
+        for mix in mixes:
+            for layout in layouts:
+                a = [r for r in rows if (r["S"], r["cp"], r["mix"], r["layout"]) == (lo, cp, mix, layout)]
+                b = [r for r in rows if (r["S"], r["cp"], r["mix"], r["layout"]) == (hi, cp, mix, layout)]
+                if a and b:
+                    growth.append({"cp": cp, "mix": mix, "layout": layout, "S_from": lo, "S_to": hi,
+                                   "replicated": b[0]["replicated_ms"] / a[0]["replicated_ms"],
+                                   "total": b[0]["total_ms"] / a[0]["total_ms"]})
+    return {"rows": rows, "growth": growth, "threads": threads}

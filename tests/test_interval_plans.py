@@ -1,0 +1,266 @@
+"""The plans built from intervals (documents x shard runs) equal the token-level plans they replaced, on random
+layouts (hypothesis): needed sets and routes, pieces and segment boundaries, work, cut pieces, balanced and snapped
+shards, the varlen kernel's pieces and the reference layout's per-token views. The token-level algorithms below
+are the ones the plans used before (per-token tensors ``[W, B, Sp]``), kept here as the oracle; the brute-force
+comparisons with the reference mask stay in test_dist_plan.py and test_docs_plan.py."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockdiag_dist.balance import (
+    CumulativeWork, balanced_positions, balanced_runs, doc_boundaries, doc_interiors, position_work, snapped_positions,
+    snapped_runs,
+)
+from blockdiag_dist.kernels.varlen import plan_varlen, plan_varlen_pieces
+from blockdiag_dist.plan import cut_pieces_per_rank, plan_step
+from blockdiag_dist.shard_plan import FlatIndex, ShardPlan, interval_ranges
+from blockdiag_ref import DocLayout
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+@st.composite
+def layouts(draw, max_rows: int = 3, max_len: int = 40):
+    """``[B, S]`` doc ids made of runs (lengths 1..9) of ids 0..3: padding anywhere, reused ids, single tokens."""
+    B = draw(st.integers(1, max_rows))
+    S = draw(st.integers(1, max_len))
+    rows = []
+    for _ in range(B):
+        row: list[int] = []
+        while len(row) < S:
+            row += [draw(st.integers(0, 3))] * draw(st.integers(1, 9))
+        rows.append(row[:S])
+    return torch.tensor(rows)
+
+
+LAYOUT_NAMES = st.sampled_from(["contiguous", "balanced", "auto:snapped", "auto"])
+
+
+# ---- the token-level plans (the oracle) -------------------------------------------------------------------------
+def token_segments(ids: torch.Tensor, sp: int) -> torch.Tensor:
+    """Segment ids ``[B, Sp]`` by a cumulative count of document starts (0 = padding)."""
+    real = ids != 0
+    prev = torch.nn.functional.pad(ids[:, :-1], (1, 0))
+    starts = real & (ids != prev)
+    seg = torch.cumsum(starts.flatten(), 0).view_as(ids) * real
+    return torch.nn.functional.pad(seg, (0, sp - ids.shape[1]))
+
+
+def token_owner(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    W, L = positions.shape
+    owner, row = torch.empty(W * L, dtype=torch.int64), torch.empty(W * L, dtype=torch.int64)
+    owner[positions.flatten()] = torch.arange(W).repeat_interleave(L)
+    row[positions.flatten()] = torch.arange(L).repeat(W)
+    return owner, row
+
+
+def token_needed(seg: torch.Tensor, positions: torch.Tensor, left: int) -> torch.Tensor:
+    """bool ``[W, B * Sp]``: the nearest query of each rank at or after a key lies in the key's document."""
+    W, L = positions.shape
+    sp = W * L
+    owner, _ = token_owner(positions)
+    pos = torch.arange(sp)
+    ranks = torch.arange(W)[:, None]
+    is_query = (owner[None, :] == ranks)[:, None, :] & (seg != 0)[None]
+    qpos = torch.where(is_query, pos, sp)
+    next_q = torch.flip(torch.cummin(torch.flip(qpos, [2]), dim=2).values, [2])
+    same_doc = seg[None].expand(W, -1, -1).gather(2, next_q.clamp(max=sp - 1)) == seg[None]
+    elsewhere = (owner[None, :] != ranks)[:, None, :]
+    need = (next_q < sp) & same_doc & (seg != 0)[None] & elsewhere
+    if left >= 0:
+        need &= (next_q - pos) <= left
+    return need.flatten(1)
+
+
+def token_pieces(seg: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, int, int, int, int, int]]:
+    """(rank, doc, row, start, length, local_start) of every run of one document on consecutive rows."""
+    B = seg.shape[0]
+    out = []
+    for r, pos in enumerate(positions.tolist()):
+        for b in range(B):
+            for l, p in enumerate(pos):
+                s = int(seg[b, p])
+                if s == 0:
+                    continue
+                if l > 0 and pos[l - 1] == p - 1 and int(seg[b, pos[l - 1]]) == s:
+                    out[-1][4] += 1
+                else:
+                    out.append([r, s - 1, b, p, 1, l])
+    return sorted(tuple(x) for x in out)
+
+
+def token_work(seg: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor, left: int) -> list[int]:
+    sp = seg.shape[1]
+    pos = torch.arange(sp)
+    st_ = starts if left < 0 else torch.maximum(starts, pos - left)
+    keys = torch.where(seg != 0, pos - st_ + 1, 0)
+    return keys.sum(0)[positions].sum(1).tolist()
+
+
+# ---- the properties ------------------------------------------------------------------------------------------
+@SETTINGS
+@given(ids=layouts(), world=st.integers(1, 8), name=LAYOUT_NAMES, left=st.sampled_from([-1, 0, 1, 3]))
+def test_needed_sets_and_routes_equal_the_token_plan(ids, world, name, left):
+    plan = plan_step(ids, world, name)
+    positions = plan.shards.positions
+    sp, L = plan.shards.padded_len, plan.shards.local_len
+    seg = token_segments(ids, sp)
+    need = token_needed(seg, positions, left)
+    dest, flat = need.nonzero().unbind(1)
+    owner, owner_row = token_owner(positions)
+    src = owner[flat % sp]
+    x = plan.exchange(left)
+    assert torch.equal(x.flat_ids, flat) and torch.equal(x.dest, dest) and torch.equal(x.src, src)
+    counts = torch.bincount(src * world + dest, minlength=world * world).view(world, world)
+    assert torch.equal(x.counts, counts)
+    assert x.needed_tokens() == counts.sum(0).tolist() and x.sent_tokens() == counts.sum(1).tolist()
+    assert x.halo_ok == bool((src == dest - 1).all())
+    for r in range(world):
+        mine = dest == r
+        assert torch.equal(x.recv_flat_ids(r), flat[mine][torch.sort(src[mine], stable=True).indices])
+        assert x.recv_counts(r) == counts[:, r].tolist() and x.send_counts(r) == counts[r].tolist()
+        ids_sent = flat[src == r]
+        assert torch.equal(x.send_rows(r), (ids_sent // sp) * L + owner_row[ids_sent % sp])
+        for d in range(world):
+            ids_d = flat[(src == r) & (dest == d)]
+            assert torch.equal(x.send_rows(r, d), (ids_d // sp) * L + owner_row[ids_d % sp])
+
+
+@SETTINGS
+@given(ids=layouts(), world=st.integers(1, 8), name=LAYOUT_NAMES, left=st.sampled_from([-1, 0, 2]))
+def test_pieces_work_and_cuts_equal_the_token_plan(ids, world, name, left):
+    plan = plan_step(ids, world, name)
+    positions = plan.shards.positions
+    sp = plan.shards.padded_len
+    seg = token_segments(ids, sp)
+    docs = plan.documents
+    got = sorted((p.rank, p.doc, p.row, p.start, p.length, p.local_start) for p in docs.pieces)
+    assert got == token_pieces(seg, positions)
+    spans = DocLayout.from_doc_ids(ids).segments
+    starts = torch.cat([torch.tensor([-1]), spans[:, 1]])[seg]
+    assert plan.work_per_rank(left) == token_work(seg, starts, positions, left)
+    assert plan.real_tokens_per_rank() == (seg != 0).sum(0)[positions].sum(1).tolist()
+    cuts = [0] * world
+    for p in docs.pieces:
+        cuts[p.rank] += int(p.start > p.doc_start)
+    assert cut_pieces_per_rank(plan) == cuts
+    # the padded stream's segments: a boundary where the segment id changes and at every row start
+    flat = seg.flatten()
+    change = torch.ones(flat.numel(), dtype=torch.bool)
+    change[1:] = flat[1:] != flat[:-1]
+    change[torch.arange(ids.shape[0]) * sp] = True
+    b = change.nonzero().flatten()
+    assert docs.cu_seqlens.tolist() == b.tolist() + [flat.numel()]
+    assert docs.segment_doc.tolist() == (flat[b] - 1).tolist()
+    for r in range(world):  # each rank's view: its pieces in local order, every row's document and offset
+        view = docs.for_rank(r)
+        assert [p.index for p in view.pieces] == list(docs.by_rank[r])
+        pos = positions[r]
+        assert torch.equal(view.doc_index, seg[:, pos] - 1)
+        assert torch.equal(view.doc_position, torch.where(seg[:, pos] != 0, pos - starts[:, pos], -1))
+
+
+@SETTINGS
+@given(ids=layouts(), world=st.integers(1, 8), name=LAYOUT_NAMES, left=st.sampled_from([-1, 0, 1, 4]))
+def test_varlen_pieces_from_the_table_equal_those_from_per_token_segments(ids, world, name, left):
+    plan = plan_step(ids, world, name)
+    sp = plan.shards.padded_len
+    key_flat = plan.allgather_flat_ids()
+    for r in range(world):
+        local = plan.local_flat_ids(r)
+        old = plan_varlen(local, key_flat, plan.segments, plan.doc_starts, sp, left)
+        new = plan_varlen_pieces(plan.documents.kernel_pieces(r), local.numel(), FlatIndex(key_flat), sp, left)
+        for name_ in ("piece_q", "piece_k", "piece_flat", "pad_rows"):
+            assert torch.equal(getattr(old, name_), getattr(new, name_)), name_
+        assert torch.equal(old.blocks.k_gather, new.blocks.k_gather) and torch.equal(old.blocks.out_rows, new.blocks.out_rows)
+
+
+@SETTINGS
+@given(ids=layouts(max_len=300), world=st.integers(2, 16))
+def test_balanced_and_snapped_from_intervals_equal_those_from_per_position_work(ids, world):
+    layout = DocLayout.from_doc_ids(ids)
+    work = position_work(layout)
+    S = layout.seq_len
+    cum = CumulativeWork(layout)
+    edges = torch.arange(0, S + 1)
+    assert torch.equal(cum.at(edges), torch.nn.functional.pad(torch.cumsum(work, 0), (1, 0)))
+    L, positions, imbalance = balanced_positions(work, world)
+    L2, runs, imbalance2 = balanced_runs(cum, world)
+    assert (L, imbalance) == (L2, imbalance2)
+    assert torch.equal(positions, ShardPlan(world, S, L2, runs=runs).positions)
+    a, b = doc_interiors(layout)
+    bounds = torch.ones(S + 1, dtype=torch.bool)
+    bounds[interval_ranges(a, b - a)] = False
+    assert torch.equal(bounds, doc_boundaries(layout))
+    old, new = snapped_positions(work, world, doc_boundaries(layout)), snapped_runs(cum, world, (a, b))
+    assert (old is None) == (new is None)
+    if old is not None:
+        assert old[0] == new[0] and old[2] == new[2]
+        assert torch.equal(old[1], ShardPlan(world, S, new[0], runs=new[1]).positions)
+
+
+@SETTINGS
+@given(ids=layouts(max_rows=4, max_len=60))
+def test_reference_layout_views_equal_the_cumulative_count(ids):
+    layout = DocLayout.from_doc_ids(ids)
+    seg = token_segments(ids, ids.shape[1])
+    assert torch.equal(layout.segment_ids, seg)
+    assert torch.equal(layout.padding_mask, seg == 0)
+    assert torch.equal(layout.unpad_indices, (seg != 0).flatten().nonzero().flatten())
+    counts = torch.bincount(seg.flatten(), minlength=int(seg.max()) + 1)[1:]
+    assert torch.equal(layout.cu_seqlens, torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32))
+
+
+@SETTINGS
+@given(ids=layouts(), world=st.integers(1, 6), name=LAYOUT_NAMES)
+def test_shard_runs_and_token_views_agree(ids, world, name):
+    shards = plan_step(ids, world, name).shards
+    positions = shards.positions
+    assert torch.equal(torch.sort(positions.flatten()).values, torch.arange(shards.padded_len))
+    owner, row = token_owner(positions)
+    assert torch.equal(shards.owner, owner) and torch.equal(shards.owner_row, row)
+    rebuilt = ShardPlan(world, shards.seq_len, shards.local_len, positions=positions)
+    assert torch.equal(rebuilt.runs, shards.runs)  # runs are maximal, whichever way the plan was built
+    x = torch.arange(shards.padded_len + 1)
+    for r in range(world):
+        assert torch.equal(shards.rank_positions(r), positions[r])
+        before = (positions[r][None, :] < x[:, None]).sum(1)
+        assert torch.equal(shards.rows_before(torch.full_like(x, r), x), before)
+
+
+def test_paper_model_counts_the_plans_bytes_and_work():
+    """verify plan --model: received bytes are the needed sets (split by node), compute is the plan's work."""
+    from verify.scale_model import H200, model_step
+
+    ids = DocLayout.from_seqlens([700, 90, 1500, 33, 400]).doc_ids
+    for layout in ("contiguous", "balanced"):
+        plan = plan_step(ids, 8, layout)
+        x = plan.exchange(-1)
+        bpt = 2 * 2 * 16 * 2  # hkv 2, K and V, dim 16, bf16
+        for g in (2, 8):
+            m = model_step(ids, 8, layout=layout, hq=4, hkv=2, dim=16, machine={"gpus_per_node": g})
+            assert m["mode"] == "a2a"
+            for r, row in enumerate(m["ranks"]):
+                assert row["recv_bytes_nvlink"] + row["recv_bytes_ib"] == x.needed_tokens()[r] * bpt
+                from_other_nodes = sum(int(x.counts[s, r]) for s in range(8) if s // g != r // g)
+                assert row["recv_bytes_ib"] == from_other_nodes * bpt
+                flops = plan.work_per_rank()[r] * 4 * 16 * 4 * (1 + H200["backward_over_forward"])
+                assert row["compute_s"] == flops / (H200["bf16_dense_flops"] * H200["attention_efficiency"])
+
+
+@SETTINGS
+@given(space=st.integers(1, 200), data=st.data())
+def test_flat_index_equals_a_lookup_table(space, data):
+    """The key buffer's index, by runs (searchsorted) and by its small-space table, against a plain table."""
+    n = data.draw(st.integers(0, space))
+    flat = torch.randperm(space, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))[:n]
+    if data.draw(st.booleans()):
+        flat = torch.sort(flat).values  # long runs of consecutive ids, as the plans give
+    table = torch.full((space,), -1, dtype=torch.int64)
+    table[flat] = torch.arange(n)
+    x = torch.arange(space)
+    assert torch.equal(FlatIndex(flat)[x], table) and torch.equal(FlatIndex(flat, space)[x], table)
+    assert torch.equal(FlatIndex(flat).flat_ids(), flat)
