@@ -222,10 +222,10 @@ def shims(tmp_path_factory) -> dict[bool, Path]:
 
 
 @pytest.fixture(scope="module")
-def parsed(shims, tmp_path_factory) -> dict[str, tuple[int, str] | None]:
+def parsed(shims, tmp_path_factory) -> dict[str, tuple[int | None, str]]:
     """Command -> ``(exit code, output)`` of every parse-only python/torchrun/accelerate command of the pages and
-    of ``BROKEN``, all parsed by one process; ``None`` for a command that process did not reach (the output
-    says why)."""
+    of ``BROKEN``, all parsed by one process; the code is ``None`` for a command that process did not reach (the
+    output says why, with the process's own last output)."""
     commands = [cmd for _, cmd, run in COMMANDS if not run and split_command(cmd)[1] in IN_PROCESS]
     commands += [cmd for cmd, _, _ in BROKEN if split_command(cmd)[1] in IN_PROCESS]
     commands = list(dict.fromkeys(commands))
