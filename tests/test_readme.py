@@ -4,15 +4,17 @@
 - every ```` ```python ```` block of README.md and docs/*.md runs (each in a fresh namespace); a block whose
   first line is ``# from examples/NAME.py`` is an excerpt of that file and must appear in it, line for line;
 - every command of a ```` ```bash ```` block is checked: ``make TARGET`` names a target (``make -n``), ``python -m
-  MODULE ARGS`` (also under ``torchrun`` or after ``VAR=value``) imports and parses its arguments, and so does a
-  script. A block opened with ```` ```bash run ```` is run as written, each command within a deadline, and must
-  exit 0 and leave every tracked file as it was;
+  MODULE ARGS`` (also under ``torchrun``, ``accelerate launch`` or after ``VAR=value``) imports and parses its
+  arguments, and so does a script: all of them in one process (``tests/readme_parse.py``), which imports each module
+  once, after the launcher's own parser has parsed the launcher's options. A block opened with ```` ```bash run
+  ```` is run as written, each command within a deadline, and must exit 0 and leave every tracked file as it was;
 - every relative link of those pages (and of the generated pages at the root) resolves to a file and, with
   ``#anchor``, to a heading of it; the counts the README quotes match the tables they count.
 
 ``python``, ``python3`` and ``torchrun`` are this interpreter's (the venv's, as activated).
 """
 
+import json
 import os
 import re
 import shlex
@@ -160,60 +162,53 @@ def shell_commands(text: str) -> list[tuple[str, bool]]:
 
 COMMANDS = [(page.relative_to(ROOT).as_posix(), cmd, run) for page in PAGES for cmd, run in shell_commands(page.read_text())]
 
-# `python ...` that only parses: argparse's parse_args exits 0 once the arguments parsed; nothing else runs
-PARSE_ONLY = '''
-import argparse, os, runpy, sys
-parse = argparse.ArgumentParser.parse_args
-def parse_args(self, args=None, namespace=None):
-    parse(self, args, namespace)
-    raise SystemExit(0)
-argparse.ArgumentParser.parse_args = parse_args
-argv = sys.argv[1:]
-if argv[:1] == ["-m"]:
-    sys.argv, sys.path[0] = argv[1:], os.getcwd()
-    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-else:
-    sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
-    runpy.run_path(argv[0], run_name="__main__")
-sys.exit(f"expected {argv} to parse its arguments with argparse; it finished without parsing any")
-'''
-# `torchrun ...` that only parses: torchrun's own options, then the module's or script's as above
-TORCHRUN_PARSE_ONLY = '''
-import os, sys
-from torch.distributed.run import get_args_parser
-args = get_args_parser().parse_args(sys.argv[1:])
-os.execv(sys.executable, [sys.executable, sys.argv[0].replace("torchrun_parse.py", "parse_only.py"),
-                          *(["-m"] if args.module else []), args.training_script, *args.training_script_args])
-'''
+# Parse-only commands of python, torchrun and accelerate share one process (tests/readme_parse.py): it imports
+# each module or script once and runs its argparse parser on each command's arguments (launchers' options parsed
+# by the launcher's own parser first), so torch is imported once, not once per command.
+IN_PROCESS = ("python", "python3", "torchrun", "accelerate")
+PARSE_DEADLINE = 240.0  # seconds, all the in-process parse-only commands together (under pytest's 300 s per test)
+PARSER = Path(__file__).resolve().with_name("readme_parse.py")
+# commands the checker must fail, each through the same mechanism as the pages' commands: (command, what is wrong,
+# a line its output must show)
+BROKEN = [
+    ("python -m verify plan --seqlens 5,2,5 --cp 4 --no-such-flag", "a bad flag", "unrecognized arguments: --no-such-flag"),
+    ("python examples/trl_sft.py --steps 10 --no-such-flag", "a script's bad flag", "unrecognized arguments: --no-such-flag"),
+    ("python -m verify.no_such_module --cp 2", "an unknown module", "No module named verify.no_such_module"),
+    ("python examples/no_such_script.py", "an unknown script", "no_such_script.py"),
+    ("python -m blockdiag_ref.layout --cp 2", "a module that parses no arguments", "finished without parsing any"),
+    ("torchrun --nproc-per-node 2 --no-such-option -m verify", "a bad torchrun option", "--no-such-option"),
+    ("accelerate launch --no-such-option examples/trl_sft.py", "a bad accelerate option", "--no-such-option"),
+    ("make no-such-target", "an unknown make target", "no-such-target"),
+]
 
-# `accelerate launch ...` that only parses: accelerate's launch options, then the script's as above
-ACCELERATE_PARSE_ONLY = '''
-import os, sys
-from accelerate.commands.launch import launch_command_parser
-assert sys.argv[1] == "launch", sys.argv
-args = launch_command_parser().parse_args(sys.argv[2:])
-os.execv(sys.executable, [sys.executable, sys.argv[0].replace("accelerate_parse.py", "parse_only.py"),
-                          *(["-m"] if args.module else []), args.training_script, *args.training_script_args])
-'''
+
+def split_command(command: str) -> tuple[dict[str, str], str, list[str]]:
+    """``(VAR=value assignments, program, its arguments)`` of a command as the shell splits it."""
+    words = shlex.split(command)
+    i = next((i for i, w in enumerate(words) if not re.match(r"\w+=", w)), len(words))
+    return dict(w.split("=", 1) for w in words[:i]), (words[i] if i < len(words) else ""), words[i + 1:]
+
+
+def _clean_env(path_first: Path) -> dict[str, str]:
+    """The environment the pages' commands see: the activated venv's programs (``path_first``) first on PATH, this
+    tree importable, none of pytest's or a launcher's variables."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k not in ("RANK", "WORLD_SIZE")}
+    return {**clean, "PATH": f"{path_first}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ['PYTHONPATH']}" if os.environ.get("PYTHONPATH") else str(ROOT)}
 
 
 @pytest.fixture(scope="module")
 def shims(tmp_path_factory) -> dict[bool, Path]:
     """Two directories to put first on PATH: ``python``, ``python3``, ``torchrun``, ``accelerate`` and ``make`` as this
-    interpreter (the activated venv) runs them (``True``), and the same that only parse (``False``)."""
+    interpreter (the activated venv) runs them (``True``), and ``make`` that only parses (``make -n``, ``False``)."""
     base = tmp_path_factory.mktemp("shims")
-    (base / "parse_only.py").write_text(PARSE_ONLY)
-    (base / "torchrun_parse.py").write_text(TORCHRUN_PARSE_ONLY)
-    (base / "accelerate_parse.py").write_text(ACCELERATE_PARSE_ONLY)
     make = shutil.which("make") or "make"
     exe = sys.executable
     scripts = {
         True: {"python": f'exec "{exe}" "$@"', "python3": f'exec "{exe}" "$@"',
                "torchrun": f'exec "{exe}" -m torch.distributed.run "$@"', "make": f'exec "{make}" "$@"',
                "accelerate": f'exec "{exe}" -m accelerate.commands.accelerate_cli "$@"'},
-        False: {"python": f'exec "{exe}" "{base}/parse_only.py" "$@"', "python3": f'exec "{exe}" "{base}/parse_only.py" "$@"',
-                "torchrun": f'exec "{exe}" "{base}/torchrun_parse.py" "$@"', "make": f'exec "{make}" -n "$@"',
-                "accelerate": f'exec "{exe}" "{base}/accelerate_parse.py" "$@"'},
+        False: {"make": f'exec "{make}" -n "$@"'},
     }
     dirs = {}
     for run, table in scripts.items():
@@ -224,6 +219,35 @@ def shims(tmp_path_factory) -> dict[bool, Path]:
             (d / name).chmod(0o755)
         dirs[run] = d
     return dirs
+
+
+@pytest.fixture(scope="module")
+def parsed(shims, tmp_path_factory) -> dict[str, tuple[int | None, str]]:
+    """Command -> ``(exit code, output)`` of every parse-only python/torchrun/accelerate command of the pages and
+    of ``BROKEN``, all parsed by one process; the code is ``None`` for a command that process did not reach (the
+    output says why, with the process's own last output)."""
+    commands = [cmd for _, cmd, run in COMMANDS if not run and split_command(cmd)[1] in IN_PROCESS]
+    commands += [cmd for cmd, _, _ in BROKEN if split_command(cmd)[1] in IN_PROCESS]
+    commands = list(dict.fromkeys(commands))
+    base = tmp_path_factory.mktemp("parse")
+    jobs, results, log = base / "jobs.json", base / "results.jsonl", base / "log.txt"
+    jobs.write_text(json.dumps([dict(zip(("env", "program", "args"), split_command(cmd)), command=cmd)
+                                for cmd in commands]))
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(PARSER), str(jobs), str(results)], cwd=ROOT,
+                                env=_clean_env(shims[False]), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=PARSE_DEADLINE)
+            why = f"the parse process exited {proc.returncode} before reaching it"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            why = f"the parse process did not reach it within {PARSE_DEADLINE:.0f} s (it was killed)"
+    done = {r["command"]: (r["code"], r["output"])
+            for r in map(json.loads, results.read_text().splitlines() if results.exists() else [])}
+    tail = log.read_text()[-2000:]
+    return {cmd: done.get(cmd) or (None, f"{why}\n{tail}") for cmd in commands}
 
 
 def _git_status() -> str | None:
@@ -237,25 +261,27 @@ def test_shell_commands_are_found():
     text = "x\n```bash run\nmake a  # c\npython -m m \\\n  --x 1\n```\n```bash\n# only a comment\nmake b\n```\n"
     assert shell_commands(text) == [("make a", True), ("python -m m --x 1", True), ("make b", False)]
     assert any(page == "README.md" and run for page, _, run in COMMANDS), "README.md has no ```bash run block"
+    assert split_command("A=1 B=x=y python3 -m m --k 'a b'") == ({"A": "1", "B": "x=y"}, "python3", ["-m", "m", "--k", "a b"])
 
 
-@pytest.mark.parametrize("page, command, run", COMMANDS,
-                         ids=[f"{page}:{'run' if run else 'parse'}:{cmd[:70]}" for page, cmd, run in COMMANDS])
-def test_shell_command(page, command, run, shims):
-    words = shlex.split(command)
-    program = next((w for w in words if not re.match(r"\w+=", w)), "")
+def check_command(page: str, command: str, run: bool, shims: dict[bool, Path], request) -> None:
+    """Fail, naming ``page`` and ``command``, unless the command is one the pages may show and it runs (``run``) or
+    parses (its program's arguments, then its module's or script's; ``make -n`` for make)."""
+    env_vars, program, args = split_command(command)
     assert program in PROGRAMS, f"{page}: {command!r}: expected a command starting with one of {PROGRAMS}, got {program!r}"
     if program == "source":  # the venv's activation: the script `make install` creates
         venv = MAKE_DEFAULTS.get("VENV")
-        assert words == ["source", f"{venv}/bin/activate"] and "-m venv $(VENV)" in MAKEFILE, (
+        assert args == [f"{venv}/bin/activate"] and not env_vars and "-m venv $(VENV)" in MAKEFILE, (
             f"{page}: {command!r}: expected 'source {venv}/bin/activate', the venv the Makefile creates")
         return
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k not in ("RANK", "WORLD_SIZE")}
-    env = {**clean, "PATH": f"{shims[run]}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ['PYTHONPATH']}" if os.environ.get("PYTHONPATH") else str(ROOT)}
+    what = "ran" if run else "parsed (nothing run)"
+    if not run and program in IN_PROCESS:
+        code, output = request.getfixturevalue("parsed")[command]
+        assert code == 0, f"{page}: {command!r} {what}: expected exit 0, got {code}\n{output[-4000:]}"
+        return
     before = _git_status() if run else None
     deadline = RUN_DEADLINE if run else 120.0
-    proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=_clean_env(shims[run]), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=deadline)
@@ -263,10 +289,32 @@ def test_shell_command(page, command, run, shims):
         os.killpg(proc.pid, signal.SIGKILL)  # the command's whole group: launchers' workers too
         proc.communicate()
         pytest.fail(f"{page}: {command!r} did not finish within {deadline:.0f} s (its process group was killed)")
-    what = "ran" if run else "parsed (nothing run)"
     assert proc.returncode == 0, f"{page}: {command!r} {what}: expected exit 0, got {proc.returncode}\n{output[-4000:]}"
     if before is not None:
         assert _git_status() == before, f"{page}: {command!r} changed the clone:\n{_git_status()}"
+
+
+@pytest.mark.parametrize("page, command, run", COMMANDS,
+                         ids=[f"{page}:{'run' if run else 'parse'}:{cmd[:70]}" for page, cmd, run in COMMANDS])
+def test_shell_command(page, command, run, shims, request):
+    check_command(page, command, run, shims, request)
+
+
+@pytest.mark.parametrize("command, wrong, shown", BROKEN, ids=[wrong for _, wrong, _ in BROKEN])
+def test_shell_check_fails_on_broken_command(command, wrong, shown, shims, request):
+    """The parse check itself: a command with something ``wrong`` fails it, through the same mechanism as the pages'
+    commands, with a message naming the page and the command and showing the command's error."""
+    with pytest.raises(AssertionError) as failure:
+        check_command("docs/broken.md", command, False, shims, request)
+    message = str(failure.value)
+    assert message.startswith(f"docs/broken.md: {command!r} parsed (nothing run): expected exit 0, got "), message
+    assert shown in message, f"expected the failure of {command!r} ({wrong}) to show {shown!r}; it is:\n{message}"
+
+
+def test_shell_check_refuses_other_programs(shims, request):
+    for command in ("pip install blockdiag", "source other/bin/activate", "cd docs"):
+        with pytest.raises(AssertionError, match=r"docs/broken\.md: .*expected"):
+            check_command("docs/broken.md", command, False, shims, request)
 
 
 # ---- counts the README quotes, from the tables they count ----------------------------------------------
