@@ -5,7 +5,6 @@ around the step (its dataloader, loss scaling, logging, DDP) as a ratio. Goal: <
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -17,23 +16,16 @@ from verify.pool import WorkerPool
 GOAL = 1.05
 
 
-def _rank_env() -> None:
-    dist = torch.distributed
-    world, rank = str(dist.get_world_size()), str(dist.get_rank())
-    os.environ.update(WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
-    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-
-
 def trainer_steps(model_type: str, cp: int, steps: int, rows: int) -> list[float]:
     """Seconds from one step's start to the next's of ``BlockdiagTrainer`` (one pool rank): its dataloader,
     collation, step, logging and callbacks, as the hand loop's iteration counts its own."""
     from datasets import Dataset
     from transformers import DataCollatorWithFlattening, TrainerCallback, TrainingArguments
 
-    from blockdiag_dist.integrations.trainer import BlockdiagTrainer
+    from blockdiag_dist.integrations.trainer import BlockdiagTrainer, environment_from_group
     from examples.trl_sft import documents, tiny_model
 
-    _rank_env()
+    environment_from_group()
     stamps: list[float] = []
 
     class Stamps(TrainerCallback):

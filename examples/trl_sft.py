@@ -79,13 +79,9 @@ def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, pac
     from transformers import DataCollatorWithFlattening, TrainerCallback, TrainingArguments
     from trl import SFTConfig
 
-    from blockdiag_dist.integrations.trainer import BlockdiagSFTTrainer, BlockdiagTrainer
+    from blockdiag_dist.integrations.trainer import BlockdiagSFTTrainer, BlockdiagTrainer, environment_from_group
 
-    dist = torch.distributed
-    if dist.is_initialized():  # accelerate reads the launch from the environment; the group already exists
-        world, rank = str(dist.get_world_size()), str(dist.get_rank())
-        os.environ.update(WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    environment_from_group()  # accelerate reads the launch from the environment; the group may already exist
     common = dict(
         output_dir=output_dir or tempfile.mkdtemp(prefix="blockdiag-sft-"), max_steps=steps,
         per_device_train_batch_size=rows, learning_rate=lr, logging_steps=1, report_to=[],

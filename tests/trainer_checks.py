@@ -77,16 +77,10 @@ def perturbation_probe(model_type: str, cp: int, changed: int) -> dict:
 
     from transformers import TrainingArguments
 
-    from blockdiag_dist.integrations.trainer import BlockdiagTrainer
+    from blockdiag_dist.integrations.trainer import BlockdiagTrainer, environment_from_group
     from examples.trl_sft import documents
 
-    dist = torch.distributed
-    if dist.is_initialized():
-        world, rank = str(dist.get_world_size()), str(dist.get_rank())
-        import os
-
-        os.environ.update(WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    environment_from_group()
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True, bf16=False, disable_tqdm=True)
     trainer = BlockdiagTrainer(model=tiny_model(model_type, torch.float64), args=args, cp_size=cp)
     docs = documents(6, seed=3)
@@ -113,22 +107,17 @@ def vlm_on_rank(family: str, cp: int) -> dict:
     """One step of a tiny vision-language model by ``BlockdiagTrainer`` at CP ``cp``: its own forward on the full
     rows (``shard_primary=False``), documents with images packed by ``MultimodalPackingCollator``, float64
     throughout; every parameter's gradient before the optimizer step, and the step's targets."""
-    import os
     import tempfile
 
     from transformers import TrainerCallback, TrainingArguments
 
     from blockdiag_dist import CPOptions
     from blockdiag_dist.integrations import MultimodalPackingCollator
-    from blockdiag_dist.integrations.trainer import BlockdiagTrainer
+    from blockdiag_dist.integrations.trainer import BlockdiagTrainer, environment_from_group
     from examples.vlm import IMAGE_TOKEN, MERGE, build_tiny_vlm
     from verify.model.vlm_cases import SEQ_LEN, documents, float64_throughout
 
-    dist = torch.distributed
-    if dist.is_initialized():
-        world, rank = str(dist.get_world_size()), str(dist.get_rank())
-        os.environ.update(WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    environment_from_group()
     docs = documents(1)
     recorded: dict = {}
 

@@ -47,7 +47,7 @@ from ..batch import make_cp_blockdiag_batch_and_ctx
 from ..options import CPOptions
 from .packing import IGNORE_INDEX, shift_labels
 
-__all__ = ["BlockdiagSFTTrainer", "BlockdiagTrainer", "BlockdiagTrainerMixin", "document_positions"]
+__all__ = ["BlockdiagSFTTrainer", "BlockdiagTrainer", "BlockdiagTrainerMixin", "document_positions", "environment_from_group"]
 
 # Keys that describe the documents of the unsharded rows for other kernels; blockdiag takes them from the full doc ids.
 ROW_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -70,6 +70,20 @@ def document_positions(doc_ids: Tensor) -> Tensor:
     start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
     return torch.where(doc_ids == 0, torch.zeros_like(idx), idx - first)
+
+
+def environment_from_group() -> None:
+    """Set the launch variables accelerate reads (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``OMP_NUM_THREADS``) from the already initialised default process group, one node: for a process that joined its
+    group without a launcher (a ``FileStore``, a worker pool) before it builds ``TrainingArguments``. A no-op
+    without a group."""
+    import os
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world, rank = str(dist.get_world_size()), str(dist.get_rank())
+    os.environ.update(WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 class _CPGroups:
