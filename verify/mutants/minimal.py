@@ -17,6 +17,7 @@ equality become an undeclared difference, a bug (the id-equality leak of an impl
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import types
 from typing import Any
@@ -37,13 +38,17 @@ def minimal_adapter(inner_name: str, name: str) -> types.ModuleType:
     """A module ``name`` exposing ``inner_name``'s seed functions (and mixers) behind the minimal declaration."""
     inner = importlib.import_module(inner_name)
     module = types.ModuleType(name, f"``{inner_name}`` behind the minimal adapter (see verify.mutants.minimal).")
+    # a step of mixers alone (no attention call) is announced to blockdiag_dist-based modules, as the verifier does
+    announce = "expect_attention" in inspect.signature(inner.make_cp_blockdiag_batch_and_ctx).parameters
 
-    def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], loss_mask=None, padding_token_id=0):
+    def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], loss_mask=None, padding_token_id=0, *,
+                                        expect_attention: bool = True):
         if batch.get("_packed_seq_ids") is None or batch.get("attention_mask") is not None:
             given = sorted(k for k in ("_packed_seq_ids", "attention_mask") if batch.get(k) is not None)
             raise Unsupported(f"minimal adapter: expected documents as _packed_seq_ids and no attention_mask, got "
                               f"{', '.join(given) or 'neither'}")
-        return inner.make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id)
+        extra = {"expect_attention": expect_attention} if announce else {}
+        return inner.make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id, **extra)
 
     module.make_cp_blockdiag_batch_and_ctx = make_cp_blockdiag_batch_and_ctx
     module.cp_blockdiag_sdpa = inner.cp_blockdiag_sdpa  # its signature says which windows and variants it takes
