@@ -65,8 +65,8 @@ def _draw_declaration(rng: random.Random):
 def test_every_layout_meets_every_declared_value_at_every_cp_size(seed):
     """A random declaration (sources, windows, variants, kernels, exchanges, sharding layouts; CP sizes and
     dtypes of the run): every (layout, value) pair is met at every CP size and dtype, only declared values are
-    drawn, every case is applicable, and a (CP size, layout, dtype) group holds no more cases than its options
-    give or its largest dimension needs."""
+    drawn, every case is applicable, each kernel runs the plain attention, and a (CP size, layout, dtype) group
+    holds no more cases than its options give or its largest dimension needs (plus a plain case per kernel)."""
     support, options, kernels, exchanges, layouts, cps, dtypes = _draw_declaration(random.Random(seed))
     info = Declared(support, options)
     cases = list(default_matrix(cps=cps, dtypes=dtypes, kernels=kernels, exchanges=exchanges, layouts=layouts,
@@ -82,7 +82,10 @@ def test_every_layout_meets_every_declared_value_at_every_cp_size(seed):
         groups[(c.cp, c.name, c.dtype)] = groups.get((c.cp, c.name, c.dtype), 0) + 1
     widest = max(len(v) for v in allowed.values())
     slots = len(kernels) * len(exchanges) * len(layouts)
-    assert max(groups.values()) <= max(slots, widest), (groups, slots, widest)
+    # each kernel's first case is the plain attention: the kernels after the first may take one value slot each
+    assert max(groups.values()) <= max(slots, widest + len(kernels) - 1), (groups, slots, widest)
+    plain = {(c.cp, c.name, c.dtype, c.kernel) for c in cases if c.window < 0 and not c.variants}
+    assert plain == {(c.cp, c.name, c.dtype, c.kernel) for c in cases}
     expected_groups = {(cp, n, d) for cp in cps for n in NAMED_LAYOUTS for d in dtypes if not (n == "s-lt-cp" and cp == 1)}
     assert set(groups) == expected_groups
 

@@ -377,15 +377,17 @@ def case_values(case: Case) -> dict[str, str]:
 
 
 def _draw(rows: Rows, cp: int, name: str, slot: tuple, dtype: str, k: int, rot: dict[str, tuple],
-          need: dict[str, set[str]]) -> Case:
+          need: dict[str, set[str]], plain: bool = False) -> Case:
     """Case number ``k`` of one (CP size, layout, dtype): each covered dimension takes, from where its rotation
-    starts for ``k``, the first value this group still has to meet (else the value there); head dim and
-    checkpointing rotate by ``k`` alone."""
+    starts for ``k``, the first value this group still has to meet (else the value there); ``plain``: no window
+    and no variant. Head dim and checkpointing rotate by ``k`` alone."""
     chosen = {}
     for dim, values in rot.items():
         start = _OFFSET[dim](k) % len(values)
         order = values[start:] + values[:start]
         chosen[dim] = next((v for v in order if _value_name(dim, v) in need[dim]), order[0])
+    if plain:
+        chosen["window"], chosen["variant"] = -1, NO_VARIANT
     kernel, exchange, layout = slot
     sinks, softcap, chunk = chosen["variant"]
     return Case(
@@ -404,16 +406,20 @@ def default_matrix(
     layouts: Sequence[str | None] = (None,),
     applicable: Callable[[Case], bool] | None = None,
     support: Support = Support(),
+    cover: bool = True,
 ) -> Iterator[Case]:
     """Every named layout at every CP size, for every kernel x exchange x layout x dtype the implementation takes
     (``applicable``), plus what a covering needs: at every CP size, every named layout meets every doc-id source,
-    head shape (MHA, GQA, MQA), window and attention variant of ``support`` at least once per dtype.
+    head shape (MHA, GQA, MQA), window and attention variant of ``support`` at least once per dtype, and each kernel
+    offered runs the plain attention (no window, no variant) there first.
 
     The covered values are drawn from ``support`` only, never dropped afterwards: for each (CP size, layout,
     dtype) every case takes, per dimension, the next value in rotation that the group has not met yet; when the
     offered kernels, exchanges and sharding layouts give fewer cases than a group needs, cases of the first
     applicable option are added until it has met every value. Head dims and activation checkpointing rotate
-    across the cases. :func:`coverage` counts what a list of cases met."""
+    across the cases. :func:`coverage` counts what a list of cases met. ``cover=False``: the values rotate by the
+    case counter alone and no case is added: one case per option, as ``verify gpu`` sizes its matrix to its time
+    budget (no guarantee; its coverage is what :func:`coverage` counts)."""
     rot = support.rotations()
     k = 0
     for cp in cps:
@@ -422,7 +428,8 @@ def default_matrix(
                 continue  # S < CP needs CP >= 2
             rows = make(cp)
             slots = [(kernel, exchange, layout) for kernel in kernels for exchange in exchanges for layout in layouts]
-            need = {dtype: {dim: set(values) for dim, values in support.values().items()} for dtype in dtypes}
+            need = {dtype: {dim: set(values) if cover else set() for dim, values in support.values().items()}
+                    for dtype in dtypes}
 
             def met(case: Case) -> bool:
                 """Take the case's values off its group's needs; whether it met anything new."""
@@ -433,14 +440,18 @@ def default_matrix(
                         new = True
                 return new
 
+            plain_met: set[tuple] = set()  # (kernel, dtype): each kernel's first case is the plain attention
+
             for slot in slots:
                 for dtype in dtypes:
-                    case = _draw(rows, cp, name, slot, dtype, k, rot, need[dtype])
+                    plain = cover and (slot[0], dtype) not in plain_met
+                    case = _draw(rows, cp, name, slot, dtype, k, rot, need[dtype], plain)
                     k += 1
                     if applicable is None or applicable(case):
                         met(case)
+                        plain_met.add((slot[0], dtype))
                         yield case
-            for dtype in dtypes:  # a covering: cases until the group has met every value
+            for dtype in dtypes if cover else ():  # a covering: cases until the group has met every value
                 while any(need[dtype].values()):
                     for slot in slots:
                         case = _draw(rows, cp, name, slot, dtype, k, rot, need[dtype])

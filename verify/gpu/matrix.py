@@ -33,7 +33,8 @@ MAX_LISTED = 10  # failed cases listed per dtype (all are counted)
 
 def cases(quick: bool) -> list[Case]:
     """The CP 1 matrix, every case once per doc-id source."""
-    base = default_matrix(cps=(1,), dtypes=DTYPES, kernels=KERNELS, exchanges=(None,), layouts=(None,))
+    base = default_matrix(cps=(1,), dtypes=DTYPES, kernels=KERNELS, exchanges=(None,), layouts=(None,),
+                          cover=False)
     out = [dataclasses.replace(c, source=s) for c in base for s in SOURCES]
     return [c for c in out if c.name in QUICK_LAYOUTS] if quick else out
 

@@ -131,8 +131,10 @@ def cases(cp: int, quick: bool) -> list[Case]:
     """bfloat16 with the default exchange and layout, then float32 over every kernel x exchange x layout (the
     first layout only when ``quick``)."""
     layouts = tuple(LAYOUTS)[:1] if quick else tuple(LAYOUTS)
-    out = [*default_matrix(cps=(cp,), dtypes=("bfloat16",), kernels=KERNELS, exchanges=("auto",), layouts=("contiguous",)),
-           *default_matrix(cps=(cp,), dtypes=("float32",), kernels=KERNELS, exchanges=EXCHANGES, layouts=layouts)]
+    out = [*default_matrix(cps=(cp,), dtypes=("bfloat16",), kernels=KERNELS, exchanges=("auto",), layouts=("contiguous",),
+                          cover=False),
+           *default_matrix(cps=(cp,), dtypes=("float32",), kernels=KERNELS, exchanges=EXCHANGES, layouts=layouts,
+                          cover=False)]
     out = [c for c in out if exchange_mode(c) is not None]
     return [c for c in out if c.name in QUICK_LAYOUTS] if quick else out
 
