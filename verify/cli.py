@@ -170,7 +170,6 @@ def matrix_axes(info, args) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 
 def build_matrix(info, args) -> list[Case]:
-
     cps, dtypes = matrix_axes(info, args)
     kernels = tuple(csv_list(args.kernels)) if args.kernels else _offered(info, "kernel", ("varlen", "dense"))
     exchanges = tuple(csv_list(args.exchanges)) if args.exchanges else _offered(info, "kv_exchange", ("auto", "allgather", "halo", "a2a"))
@@ -201,6 +200,11 @@ def _run_matrix(args, info, console: Console) -> int:
     import torch
 
     torch.set_num_threads(1)  # the parent computes references beside busy workers: no intra-op thread pool
+    try:
+        info.support()
+    except ValueError as exc:  # it declares no doc-id source the attention cases give
+        console.print(f"verify: {exc}", markup=False)
+        return 2
     cases = build_matrix(info, args)
     if not cases:
         console.print("verify: no case matches the options given")
