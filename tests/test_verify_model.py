@@ -50,12 +50,12 @@ def prepared():
 
 
 def run(msession, prepared, model: str, cps=(1, 2), layouts=("spans-every-rank",), dtypes=("float64",), impl="blockdiag_dist",
-        exact=False):
+        exact=False, sources=("packed",)):
     p = prepared(model)
     sharding = "contiguous" if impl == "blockdiag_dist" else None
     cases = [ModelCase(model=model, args=tuple(p.args), cp=cp, layout=lay, dtype=dt, sharding=sharding, impl=impl,
-                       exact=exact)
-             for cp in cps for lay in layouts for dt in dtypes]
+                       exact=exact, source=source)
+             for cp in cps for lay in layouts for dt in dtypes for source in sources]
     return msession.run(cases, {model: p})
 
 
@@ -150,6 +150,18 @@ def test_off_by_one_is_named_in_the_first_layer_late_layer_in_the_second(msessio
         assert r.cls == "bug" and r.verdict["first_wrong_module"]["module"] == "model.layers.1.self_attn", r.why
 
 
+def test_the_id_equality_leak_is_reported_on_reused_ids_and_every_source_passes_there(msession, prepared):
+    """An implementation declaring ``_packed_seq_ids`` only that joins every token of an id (the minimal adapter
+    around ``docs_by_id``) is a bug on the reused-ids layout, named in the first attention; blockdiag_dist passes
+    it from each source a collator produces."""
+    for r in run(msession, prepared, "llama", cps=(2,), layouts=("reused-ids",), impl="verify.mutants.minimal.docs_by_id"):
+        assert r.cls == "bug" and r.verdict["first_wrong_module"]["module"] == "model.layers.0.self_attn", r.why
+        assert "--layouts reused-ids" in r.case.command() and "--sources packed" in r.case.command()
+    good = run(msession, prepared, "llama", cps=(2,), layouts=("reused-ids",), sources=("packed", "positions", "mask4d"))
+    assert [(r.case.source, r.cls) for r in good] == [("packed", "pass"), ("positions", "pass"), ("mask4d", "pass")], \
+        [r.why for r in good]
+
+
 def test_a_backward_only_bug_is_named_from_the_gradients(msession, prepared):
     (r,) = run(msession, prepared, "llama", cps=(2,), impl="verify.mutants.no_grad_reduce")
     assert r.cls == "bug" and "first_wrong_module" not in r.verdict, r.why
@@ -216,11 +228,16 @@ def test_cli_exit_status_and_json(msession, tmp_path, capsys):
                  msession) == 0
     data = json.loads(out.read_text())
     assert {r["class"] for r in data["results"]} == {"pass"} and data["models"]["llama"]["float32_ops"]
+    # the layout meets each doc-id source a collator produces, at CP 1 and 2
+    assert {(r["case"]["cp"], r["case"]["source"]) for r in data["results"]} == {
+        (cp, s) for cp in (1, 2) for s in ("packed", "positions", "mask4d")}
+    assert data["coverage"]["llama"]["layout x source"] == {"met": 3, "total": 3, "missing": []}
     assert _main(["--model", "llama", "--cp", "1", "--layouts", "rank-edges", "--dtypes", "float64", "--impl",
                   "verify.mutants.off_by_one"], msession) == 1
     assert "reproduce: python -m verify model --model llama --cp 1" in capsys.readouterr().out
     nxt = tmp_path / "next.json"
-    argv = ["--model", "qwen3_next", "--tiny", "--cp", "1", "--layouts", "rank-edges", "--dtypes", "float64"]
+    argv = ["--model", "qwen3_next", "--tiny", "--cp", "1", "--layouts", "rank-edges", "--dtypes", "float64", "--sources",
+            "packed"]
     strict = _main([*argv, "--json", str(nxt)], msession)
     (result,) = json.loads(nxt.read_text())["results"]
     assert strict == (1 if result["class"] == "unsupported" else 0) and result["class"] in ("unsupported", "pass")
@@ -232,6 +249,10 @@ def test_cli_exit_status_and_json(msession, tmp_path, capsys):
     pytest.param(["--model", "{bad}"], "expected a readable config.json", id="missing-file"),
     pytest.param(["--model", "llama", "--layouts", "nope"], "--layouts: expected names", id="unknown-layout"),
     pytest.param(["--model", "llama", "--impl", "no.such.module"], "cannot use --impl", id="unknown-impl"),
+    pytest.param(["--model", "llama", "--sources", "ids"], "--sources: expected names among packed, positions, mask4d",
+                 id="unknown-source"),
+    pytest.param(["--model", "llama", "--impl", "verify.mutants.minimal.toy", "--sources", "mask4d"],
+                 "--sources: expected sources verify.mutants.minimal.toy declares (packed), got mask4d", id="undeclared-source"),
     pytest.param(["--cp", "1"], "expected exactly one of --model", id="no-model"),
     pytest.param(["--model", "{invalid}"], "expected a JSON config", id="invalid-json"),
     pytest.param(["--model", "{unbuildable}"], "expected LlamaConfig to build a model", id="unbuildable"),

@@ -12,8 +12,8 @@ import shlex
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Case", "LAYERS", "LONG_LAYOUTS", "NAMED_LAYOUTS", "default_matrix", "format_rows", "long_cases", "mixer_matrix",
-           "parse_rows"]
+__all__ = ["Case", "LAYERS", "LONG_LAYOUTS", "NAMED_LAYOUTS", "Support", "case_values", "coverage", "coverage_line",
+           "default_matrix", "format_rows", "head_shape", "long_cases", "mixer_matrix", "parse_rows"]
 
 Rows = tuple[tuple[tuple[int, int], ...], ...]  # rows of (doc id, run length)
 
@@ -292,11 +292,110 @@ HEADS = ((2, 2), (4, 2), (3, 1))  # MHA, GQA, MQA
 CHECKPOINT_CYCLE = ("none", "reentrant", "none", "nonreentrant")  # half the cases recompute under checkpointing
 DIMS = (4, 3, 5)  # odd head dims included
 WINDOWS = (-1, 2, -1, 0)
-# attention variants, rotated in place (not multiplied): (sinks, softcap, chunk). The chunk length (3) and the
-# layouts' documents (which rarely start at a multiple of 3) make chunks counted from the row differ from
-# chunks counted from each document; softcap 5 bends scores of standard deviation ~4 (gain 2) markedly.
-VARIANTS = ((False, 0.0, -1), (True, 0.0, -1), (False, 0.0, -1), (False, 0.0, 3), (False, 0.0, -1), (False, 5.0, -1),
-            (False, 0.0, -1), (True, 5.0, 3))
+VARIANT_NAMES = ("sinks", "chunk", "softcap")  # the attention variants a case may ask for (Case.variants)
+# attention variants as (sinks, softcap, chunk). The chunk length (3) and the layouts' documents (which rarely start
+# at a multiple of 3) make chunks counted from the row differ from chunks counted from each document; softcap 5
+# bends scores of standard deviation ~4 (gain 2) markedly.
+VARIANT_VALUES = {"sinks": (True, 0.0, -1), "chunk": (False, 0.0, 3), "softcap": (False, 5.0, -1)}
+NO_VARIANT = (False, 0.0, -1)
+
+
+def head_shape(hq: int, hkv: int) -> str:
+    """``MHA`` (Hq = Hkv), ``MQA`` (Hkv = 1 < Hq) or ``GQA``."""
+    return "MHA" if hq == hkv else "MQA" if hkv == 1 else "GQA"
+
+
+@dataclass(frozen=True)
+class Support:
+    """What an implementation declares beyond its options (kernels, exchanges, sharding layouts): the doc-id sources
+    it reads, whether it takes ``window_size``, and the attention variants it carries. The matrix draws every
+    rotated value from these (:func:`default_matrix`), and its coverage is counted against them
+    (:func:`coverage`)."""
+
+    sources: tuple[str, ...] = SOURCES
+    windows: bool = True
+    variants: tuple[str, ...] = VARIANT_NAMES
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.sources if s not in SOURCES]
+        if bad or not self.sources:
+            raise ValueError(f"Support.sources: expected a non-empty subset of {SOURCES}, got {self.sources!r}")
+        bad = [v for v in self.variants if v not in VARIANT_NAMES]
+        if bad:
+            raise ValueError(f"Support.variants: expected a subset of {VARIANT_NAMES}, got {self.variants!r}")
+        # canonical order, so that equal declarations give equal matrices
+        object.__setattr__(self, "sources", tuple(s for s in SOURCES if s in self.sources))
+        object.__setattr__(self, "variants", tuple(v for v in VARIANT_NAMES if v in self.variants))
+
+    def rotations(self) -> dict[str, tuple]:
+        """Per covered dimension, the values in the order they rotate (a value may repeat: windows and variants
+        alternate with "none", so that about half the cases are plain)."""
+        singles = [VARIANT_VALUES[v] for v in self.variants]
+        variants: list[tuple[bool, float, int]] = []
+        for v in singles:
+            variants += [NO_VARIANT, v]
+        if len(singles) > 1:  # every declared variant together
+            together = (any(v[0] for v in singles), max(v[1] for v in singles), max(v[2] for v in singles))
+            variants += [NO_VARIANT, together]
+        return {
+            "source": self.sources,
+            "heads": HEADS,
+            "window": WINDOWS if self.windows else (-1,),
+            "variant": tuple(variants) or (NO_VARIANT,),
+        }
+
+    def values(self) -> dict[str, tuple[str, ...]]:
+        """Per covered dimension, the distinct values (as :func:`case_values` names them) every layout must meet."""
+        out = {}
+        for dim, values in self.rotations().items():
+            named = [_value_name(dim, v) for v in values]
+            out[dim] = tuple(dict.fromkeys(named))
+        return out
+
+
+COVERED = ("source", "heads", "window", "variant")  # the dimensions every layout meets (Support.rotations)
+# where each rotation starts for case number k (kept from the counter the matrix used before it was a covering)
+_OFFSET = {"source": lambda k: k // 5, "heads": lambda k: k, "window": lambda k: k // 2, "variant": lambda k: k // 2 + k // 16}
+
+
+def _value_name(dim: str, value) -> str:
+    if dim == "source":
+        return value
+    if dim == "heads":
+        return head_shape(*value)
+    if dim == "window":
+        return "none" if value < 0 else str(value)
+    sinks, softcap, chunk = value
+    return "+".join(n for n, on in (("sinks", sinks), ("chunk", chunk > 0), ("softcap", softcap > 0)) if on) or "none"
+
+
+def case_values(case: Case) -> dict[str, str]:
+    """The case's value of each covered dimension, named as :meth:`Support.values` names them."""
+    return {"source": case.source, "heads": head_shape(case.hq, case.hkv),
+            "window": "none" if case.window < 0 else str(case.window),
+            "variant": _value_name("variant", (case.sinks, case.softcap, case.chunk))}
+
+
+def _draw(rows: Rows, cp: int, name: str, slot: tuple, dtype: str, k: int, rot: dict[str, tuple],
+          need: dict[str, set[str]], plain: bool = False) -> Case:
+    """Case number ``k`` of one (CP size, layout, dtype): each covered dimension takes, from where its rotation
+    starts for ``k``, the first value this group still has to meet (else the value there); ``plain``: no window
+    and no variant. Head dim and checkpointing rotate by ``k`` alone."""
+    chosen = {}
+    for dim, values in rot.items():
+        start = _OFFSET[dim](k) % len(values)
+        order = values[start:] + values[:start]
+        chosen[dim] = next((v for v in order if _value_name(dim, v) in need[dim]), order[0])
+    if plain:
+        chosen["window"], chosen["variant"] = -1, NO_VARIANT
+    kernel, exchange, layout = slot
+    sinks, softcap, chunk = chosen["variant"]
+    return Case(
+        rows=rows, cp=cp, name=name, hq=chosen["heads"][0], hkv=chosen["heads"][1], dim=DIMS[(k // 3) % len(DIMS)],
+        window=chosen["window"], kernel=kernel, exchange=exchange, layout=layout, dtype=dtype, seed=k,
+        source=chosen["source"], checkpoint=CHECKPOINT_CYCLE[(k // 7) % len(CHECKPOINT_CYCLE)],
+        sinks=sinks, softcap=softcap, chunk=chunk,
+    )
 
 
 def default_matrix(
@@ -306,32 +405,92 @@ def default_matrix(
     exchanges: Sequence[str | None] = ("auto", "allgather", "halo", "a2a"),
     layouts: Sequence[str | None] = (None,),
     applicable: Callable[[Case], bool] | None = None,
+    support: Support = Support(),
+    cover: bool = True,
 ) -> Iterator[Case]:
-    """Every named layout at every CP size, for every kernel x exchange x layout x dtype; heads, head dims,
-    windows, doc-id sources, activation checkpointing and attention variants (sinks, softcap, chunks) rotate
-    across the cases so that each value meets every layout."""
+    """Every named layout at every CP size, for every kernel x exchange x layout x dtype the implementation takes
+    (``applicable``), plus what a covering needs: at every CP size, every named layout meets every doc-id source,
+    head shape (MHA, GQA, MQA), window and attention variant of ``support`` at least once per dtype, and each kernel
+    offered runs the plain attention (no window, no variant) there first.
+
+    The covered values are drawn from ``support`` only, never dropped afterwards: for each (CP size, layout,
+    dtype) every case takes, per dimension, the next value in rotation that the group has not met yet; when the
+    offered kernels, exchanges and sharding layouts give fewer cases than a group needs, cases of the first
+    applicable option are added until it has met every value. Head dims and activation checkpointing rotate
+    across the cases. :func:`coverage` counts what a list of cases met. ``cover=False``: the values rotate by the
+    case counter alone and no case is added: one case per option, as ``verify gpu`` sizes its matrix to its time
+    budget (no guarantee; its coverage is what :func:`coverage` counts)."""
+    rot = support.rotations()
     k = 0
     for cp in cps:
         for name, make in NAMED_LAYOUTS.items():
             if name == "s-lt-cp" and cp == 1:
                 continue  # S < CP needs CP >= 2
             rows = make(cp)
-            for kernel in kernels:
-                for exchange in exchanges:
-                    for layout in layouts:
-                        for dtype in dtypes:
-                            hq, hkv = HEADS[k % len(HEADS)]
-                            sinks, softcap, chunk = VARIANTS[(k // 2 + k // 16) % len(VARIANTS)]
-                            case = Case(
-                                rows=rows, cp=cp, name=name, hq=hq, hkv=hkv, dim=DIMS[(k // 3) % len(DIMS)],
-                                window=WINDOWS[(k // 2) % len(WINDOWS)], kernel=kernel, exchange=exchange,
-                                layout=layout, dtype=dtype, seed=k, source=SOURCES[(k // 5) % len(SOURCES)],
-                                checkpoint=CHECKPOINT_CYCLE[(k // 7) % len(CHECKPOINT_CYCLE)],
-                                sinks=sinks, softcap=softcap, chunk=chunk,
-                            )
+            slots = [(kernel, exchange, layout) for kernel in kernels for exchange in exchanges for layout in layouts]
+            need = {dtype: {dim: set(values) if cover else set() for dim, values in support.values().items()}
+                    for dtype in dtypes}
+
+            def met(case: Case) -> bool:
+                """Take the case's values off its group's needs; whether it met anything new."""
+                new = False
+                for dim, value in case_values(case).items():
+                    if value in need[case.dtype][dim]:
+                        need[case.dtype][dim].discard(value)
+                        new = True
+                return new
+
+            plain_met: set[tuple] = set()  # (kernel, dtype): each kernel's first case is the plain attention
+
+            for slot in slots:
+                for dtype in dtypes:
+                    plain = cover and (slot[0], dtype) not in plain_met
+                    case = _draw(rows, cp, name, slot, dtype, k, rot, need[dtype], plain)
+                    k += 1
+                    if applicable is None or applicable(case):
+                        met(case)
+                        plain_met.add((slot[0], dtype))
+                        yield case
+            for dtype in dtypes if cover else ():  # a covering: cases until the group has met every value
+                while any(need[dtype].values()):
+                    for slot in slots:
+                        case = _draw(rows, cp, name, slot, dtype, k, rot, need[dtype])
+                        if (applicable is None or applicable(case)) and met(case):
                             k += 1
-                            if applicable is None or applicable(case):
-                                yield case
+                            yield case
+                            break
+                    else:
+                        break  # no option takes what is left: coverage() reports the pairs never met
+
+
+def coverage(cases: Sequence[Case], cps: Sequence[int], dtypes: Sequence[str], support: Support = Support()
+             ) -> dict[str, dict]:
+    """Per covered dimension, the (named layout, value) pairs of ``support`` that the attention cases met at every
+    CP size in ``cps`` (where the layout exists) and dtype in ``dtypes``:
+    ``{"layout x source": {"met": 33, "total": 33, "missing": ["reused-ids x mask2d (CP 2 float32)", ...]}, ...}``."""
+    seen: set[tuple] = set()
+    for c in cases:
+        if c.layer == "attention" and c.name in NAMED_LAYOUTS:
+            for dim, value in case_values(c).items():
+                seen.add((c.cp, c.dtype, c.name, dim, value))
+    out: dict[str, dict] = {}
+    for dim, values in support.values().items():
+        met, missing = 0, []
+        for name in NAMED_LAYOUTS:
+            for value in values:
+                gaps = [f"CP {cp} {dtype}" for cp in cps for dtype in dtypes
+                        if not (name == "s-lt-cp" and cp == 1) and (cp, dtype, name, dim, value) not in seen]
+                if gaps:
+                    missing.append(f"{name} x {value} ({', '.join(gaps)})")
+                else:
+                    met += 1
+        out[f"layout x {dim}"] = {"met": met, "total": len(NAMED_LAYOUTS) * len(values), "missing": missing}
+    return out
+
+
+def coverage_line(cov: dict[str, dict]) -> str:
+    """``pairs met: layout x source 33/33, layout x heads 33/33, ...`` (at every CP size and dtype run)."""
+    return "pairs met at every CP size and dtype: " + ", ".join(f"{k} {v['met']}/{v['total']}" for k, v in cov.items())
 
 
 MIXER_HEADS = ((2, 2), (4, 2), (3, 1))  # gated delta rule: (value heads, key heads)

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from .cases import (
-    GROWTH_LIMIT, Case, add_case_arguments, case_from_args, default_matrix, error_growth, growth_cases, long_cases,
-    mixer_matrix,
+    GROWTH_LIMIT, Case, add_case_arguments, case_from_args, coverage, coverage_line, default_matrix, error_growth,
+    growth_cases, long_cases, mixer_matrix,
 )
 from .argtext import csv_list
 from .launch import under_torchrun
@@ -40,6 +40,10 @@ from .session import CaseResult, Session
 __all__ = ["main"]
 
 QUICK = {"cps": (1, 2, 4), "dtypes": ("float64", "float32")}
+# The most cases `make verify` (blockdiag_dist, every option it offers) may hold, full and --quick: the 3-minute budget
+# at the throughput measured on 2 CPU cores (docs/verifier.md, "The case matrix"); tests/test_verify_coverage.py
+# keeps the matrix within it.
+CASE_BUDGET = {"full": 2700, "quick": 1650}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -160,7 +164,8 @@ def _offered(info, option: str, values: tuple[str, ...]) -> tuple[str | None, ..
     return values if option in info.options else (None,)
 
 
-def build_matrix(info, args) -> list[Case]:
+def matrix_axes(info, args) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The CP sizes and dtypes a run of the matrix covers."""
     import torch
 
     cuda = under_torchrun() and torch.cuda.is_available() and (args.backend in (None, "nccl"))
@@ -168,13 +173,16 @@ def build_matrix(info, args) -> list[Case]:
     if args.quick:
         cps = tuple(c for c in cps if c in QUICK["cps"])
     dtypes = tuple(csv_list(args.dtypes)) if args.dtypes else (("float32", "bfloat16", "float16") if cuda else QUICK["dtypes"])
+    return cps, dtypes
+
+
+def build_matrix(info, args) -> list[Case]:
+    cps, dtypes = matrix_axes(info, args)
     kernels = tuple(csv_list(args.kernels)) if args.kernels else _offered(info, "kernel", ("varlen", "dense"))
     exchanges = tuple(csv_list(args.exchanges)) if args.exchanges else _offered(info, "kv_exchange", ("auto", "allgather", "halo", "a2a"))
     layouts = tuple(csv_list(args.layouts)) if args.layouts else _offered(info, "layout", _layouts_offered(info))
-    cases = [
-        c for c in default_matrix(cps=cps, dtypes=dtypes, kernels=kernels, exchanges=exchanges, layouts=layouts)
-        if applicable(info, c)
-    ]
+    cases = list(default_matrix(cps=cps, dtypes=dtypes, kernels=kernels, exchanges=exchanges, layouts=layouts,
+                                applicable=lambda c: applicable(info, c), support=info.support()))
     long_kernel = "varlen" if "varlen" in kernels else kernels[0]  # the size classes are the varlen kernel's
     cases += [c for c in long_cases(cps=cps, dtypes=dtypes, layouts=layouts, kernel=long_kernel) if applicable(info, c)]
     if "float32" in dtypes and 1 in cps and max(cps) > 1:  # float32 error must not grow with the CP size
@@ -199,6 +207,11 @@ def _run_matrix(args, info, console: Console) -> int:
     import torch
 
     torch.set_num_threads(1)  # the parent computes references beside busy workers: no intra-op thread pool
+    try:
+        info.support()
+    except ValueError as exc:  # it declares no doc-id source the attention cases give
+        console.print(f"verify: {exc}", markup=False)
+        return 2
     cases = build_matrix(info, args)
     if not cases:
         console.print("verify: no case matches the options given")
@@ -212,12 +225,28 @@ def _run_matrix(args, info, console: Console) -> int:
         per_kind = {kind: session.throughput(kind) for kind in ("attention", "mixer")}
     wall = time.perf_counter() - t0
     reporter.summary(results, wall, args.impl, per_cp, per_kind)
+    cov = report_coverage(info, args, [r.case for r in results], console)
     growth_ok = report_growth(results, console)
     if args.json:
         write_json(args.json, results, wall, args.impl, {
             "cases_per_second_by_cp": per_cp, **{f"cases_per_second_by_cp_{k}": v for k, v in per_kind.items()},
-            "error_by_cp": error_growth(results)})
+            "error_by_cp": error_growth(results), "coverage": cov})
     return 0 if all(r.ok for r in results) and growth_ok else 1
+
+
+def report_coverage(info, args, cases: Sequence[Case], console) -> dict:
+    """Print which (named layout, value) pairs the cases met at every CP size and dtype of the run (the line
+    ``pairs met at every CP size and dtype: layout x source 33/33, ...``) and up to five pairs never met; return
+    the counts for the JSON report."""
+    cps, dtypes = matrix_axes(info, args)
+    cov = coverage(cases, cps, dtypes, info.support())
+    console.print(coverage_line(cov), markup=False, soft_wrap=True)
+    missing = [m for v in cov.values() for m in v["missing"]]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        console.print("never met: " + "; ".join(missing[:5]) + more
+                      + (" (-k selects cases)" if getattr(args, "filter", None) else ""), markup=False, soft_wrap=True)
+    return cov
 
 
 def report_growth(results, console) -> bool:

@@ -43,7 +43,7 @@ from torch import Tensor
 from blockdiag_ref import DocLayout, reference_attention
 
 from .case_io import Metrics, impl_batch, summed_over_ranks
-from .cases import Case
+from .cases import SOURCES, Case, Support
 from .tolerances import BASELINE_BACKENDS, sdpa_backend
 
 __all__ = ["ImplInfo", "applicable", "check_case", "compared_on_ranks", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
@@ -74,6 +74,7 @@ class ImplInfo:
         sdpa_params = set(inspect.signature(self.sdpa).parameters)
         self.windows = "window_size" in sdpa_params
         self.variants = {v for v, kw in VARIANT_KWARGS.items() if kw in sdpa_params}
+        self.sources = tuple(self.conventions.sources)  # the doc-id sources it declares (all, unless it says)
         from .mixers import MIXER_LAYERS
 
         self.mixers = {layer for layer, fn in MIXER_LAYERS.items() if callable(getattr(self.module, fn, None))}
@@ -84,9 +85,17 @@ class ImplInfo:
         wanted = {"kernel": case.kernel, "kv_exchange": case.exchange, "layout": case.layout}
         if any(v is not None and k not in self.options for k, v in wanted.items()):
             return False
-        if not set(case.variants) <= self.variants:
+        if not set(case.variants) <= self.variants or case.source not in self.sources:
             return False
         return case.window < 0 or self.windows
+
+    def support(self) -> Support:
+        """What the matrix must cover for this implementation (:func:`verify.cases.default_matrix`)."""
+        sources = tuple(s for s in SOURCES if s in self.sources)
+        if not sources:
+            raise ValueError(f"--impl {self.name}: expected a doc-id source among {SOURCES} declared in its CONVENTIONS, "
+                             f"got {self.sources!r}")
+        return Support(sources=sources, windows=self.windows, variants=tuple(self.variants))
 
 
 def applicable(info, case: Case) -> bool:

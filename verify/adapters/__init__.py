@@ -4,7 +4,8 @@ An adapter is a small module exposing ``make_cp_blockdiag_batch_and_ctx(cp_mesh,
 ``(train_ctx, batch)`` and ``cp_blockdiag_sdpa(q, k, v, ...)``, like any ``--impl`` module, plus:
 
 - ``CONVENTIONS``: a :class:`Conventions` saying where the implementation's contract differs from ours
-  (what a document is, whether padding rows are zeroed, how a 4-D mask is read, batch rows, dtypes, devices);
+  (what a document is, whether padding rows are zeroed, how a 4-D mask is read, batch rows, dtypes, devices,
+  the doc-id sources it reads: the verifier's matrix covers exactly those);
   the verifier re-checks a failing case under them before calling it a bug;
 - ``VERSION``: the third party's version string (``None`` when it is not installed);
 - ``UNAVAILABLE``: ``None``, or why it cannot run here (package missing, CUDA only): ``--impl`` then stops

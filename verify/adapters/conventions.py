@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DOCUMENTS", "MASK4D", "OURS", "PADDING", "Conventions", "Unsupported", "attention_step"]
+__all__ = ["DOCUMENTS", "DOC_ID_SOURCES", "MASK4D", "OURS", "PADDING", "Conventions", "Unsupported", "attention_step"]
 
 DOCUMENTS = {
     "run": "a document is a maximal run of one non-zero id",
@@ -23,6 +23,12 @@ DOCUMENTS = {
 PADDING = {
     "zero": "padding rows output exactly 0 and padding keys/values get 0 gradient",
     "free": "padding rows are not zeroed (their outputs and gradients are left unspecified)",
+}
+DOC_ID_SOURCES = {
+    "packed": "_packed_seq_ids [B, S]: the documents' ids (0 = padding; an id may come back later in a row)",
+    "mask4d": "a 4-D boolean attention_mask [B, 1, S, S] of the documents",
+    "mask2d": "a 2-D attention_mask [B, S] holding the documents' ids",
+    "positions": "position_ids [B, S] restarting at 0 at every document (no ids, no mask)",
 }
 MASK4D = {
     "documents": "a 4-D attention_mask gives the documents",
@@ -50,11 +56,17 @@ class Conventions:
     layouts: str = "contiguous shards"
     windows: str = "none"
     notes: tuple[str, ...] = ()
+    # the doc-id sources it reads: "packed" (_packed_seq_ids), "mask4d" (a 4-D boolean mask), "mask2d" (a 2-D mask of
+    # ids), "positions" (restarting position_ids); the verifier builds no case from a source not declared
+    sources: tuple[str, ...] = ("packed", "mask4d", "mask2d", "positions")
 
     def __post_init__(self) -> None:
         for field, table in (("document", DOCUMENTS), ("padding", PADDING), ("mask4d", MASK4D)):
             if getattr(self, field) not in table:
                 raise ValueError(f"Conventions.{field}: expected one of {sorted(table)}, got {getattr(self, field)!r}")
+        bad = [s for s in self.sources if s not in DOC_ID_SOURCES]
+        if bad or not self.sources:
+            raise ValueError(f"Conventions.sources: expected a non-empty subset of {sorted(DOC_ID_SOURCES)}, got {self.sources!r}")
 
     def differences(self) -> list[str]:
         """The comparison conventions that differ from ours, as ``field=value``."""

@@ -53,7 +53,8 @@ def wide_cases(quick: bool) -> list[Case]:
 
 def cases(quick: bool) -> list[Case]:
     """The wide cases, then the CP 1 matrix, every case of it once per doc-id source."""
-    base = default_matrix(cps=(1,), dtypes=DTYPES, kernels=KERNELS, exchanges=(None,), layouts=(None,))
+    base = default_matrix(cps=(1,), dtypes=DTYPES, kernels=KERNELS, exchanges=(None,), layouts=(None,),
+                          cover=False)
     out = [dataclasses.replace(c, source=s) for c in base for s in SOURCES]
     return wide_cases(quick) + ([c for c in out if c.name in QUICK_LAYOUTS] if quick else out)
 

@@ -168,8 +168,10 @@ def cases(cp: int, quick: bool) -> list[Case]:
     layouts = tuple(LAYOUTS)[:1] if quick else tuple(LAYOUTS)
     out = [*flash_cases(cp, quick),
            *mixer_matrix(cps=(cp,), dtypes=("float32",), layouts=("contiguous", "balanced")),
-           *default_matrix(cps=(cp,), dtypes=("bfloat16",), kernels=KERNELS, exchanges=("auto",), layouts=("contiguous",)),
-           *default_matrix(cps=(cp,), dtypes=("float32",), kernels=KERNELS, exchanges=EXCHANGES, layouts=layouts)]
+           *default_matrix(cps=(cp,), dtypes=("bfloat16",), kernels=KERNELS, exchanges=("auto",), layouts=("contiguous",),
+                           cover=False),
+           *default_matrix(cps=(cp,), dtypes=("float32",), kernels=KERNELS, exchanges=EXCHANGES, layouts=layouts,
+                           cover=False)]
     out = [c for c in out if exchange_mode(c) is not None]
     return [c for c in out if c.name in QUICK_LAYOUTS] if quick else out
 

@@ -49,7 +49,7 @@ from torch import nn
 
 from .harness import _VISION, StepResult, cp_step
 from .judge import compare_all, limit
-from .layouts import make_packed, model_rows
+from .layouts import batch_for_source, make_packed, model_rows
 from .multimodal import make_multimodal, multimodal_forward
 from .precision import Promote
 from .record import Key, ModuleRecorder, rows_of
@@ -77,6 +77,7 @@ class ModelCase:
     impl: str = OURS
     seed: int = 0
     exact: bool = False  # every op in float64 (Promote), the truth's and the step's: no float32 rounding anywhere
+    source: str = "packed"  # how the documents reach the batch function (verify.model.layouts.MODEL_SOURCES)
 
     @property
     def rows(self):
@@ -84,11 +85,11 @@ class ModelCase:
 
     def label(self) -> str:
         shard = f" {self.sharding}" if self.sharding else ""
-        return f"{self.model} cp{self.cp} {self.layout} {self.dtype}{shard}" + (" exact" if self.exact else "")
+        return f"{self.model} cp{self.cp} {self.layout} {self.source} {self.dtype}{shard}" + (" exact" if self.exact else "")
 
     def command(self) -> str:
         a = ["python", "-m", "verify", "model", *self.args, "--cp", str(self.cp), "--layouts", self.layout,
-             "--dtypes", self.dtype]
+             "--dtypes", self.dtype, "--sources", self.source]
         if self.sharding:
             a += ["--sharding", self.sharding]
         if self.impl != OURS:
@@ -181,15 +182,23 @@ def _step_on_rank(case: ModelCase, prepared: Prepared, model: nn.Module, recorde
     if prepared.multimodal:  # the model's own forward on the whole multimodal batch: no pre-embedding
         if "shard_primary" in impl.make_params:  # keep the model's inputs whole: it embeds and splices on full rows
             options["shard_primary"] = False
+        if case.source != "packed":  # the CLI builds no such case; a hand-made one is refused before any step
+            raise ValueError(f"source: expected packed for a vision-language model, got {case.source}")
         packed = make_multimodal(model, case.rows, _vocab(prepared), case.seed)
         res = cp_step(model, packed.batch, env["cp_mesh"], multimodal_forward, make_batch_and_ctx=impl.make,
                       track_rows=True, recorder=recorder, **options)
     else:
         packed = make_packed(case.rows, _vocab(prepared), case.seed)
+<<<<<<< HEAD
         res = cp_step(model, packed.batch, env["cp_mesh"], make_batch_and_ctx=impl.make, embed=case.impl != OURS,
                       track_rows=True, recorder=recorder, **options)
     out: dict[str, Any] = {"rank": env["rank"], "loss": res.loss, "targets": res.targets, "notes": res.notes,
                            "exercised": res.exercised}
+=======
+        res = cp_step(model, batch_for_source(packed, case.source), env["cp_mesh"], make_batch_and_ctx=impl.make,
+                      embed=case.impl != OURS, track_rows=True, recorder=recorder, **options)
+    out: dict[str, Any] = {"rank": env["rank"], "loss": res.loss, "targets": res.targets, "notes": res.notes}
+>>>>>>> i34
     if env["rank"] == 0:
         out["grads"] = res.grads
     if res.rows is None or not res.records:

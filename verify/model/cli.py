@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
                    help="document layouts: " + ", ".join(MODEL_LAYOUTS) + " (or 'all')")
     p.add_argument("--dtypes", default="float64,float32")
+    p.add_argument("--sources", default=None, help="how the documents reach the batch function: packed (_packed_seq_ids), "
+                   "positions (restarting position_ids), mask4d (default: each the implementation declares; a "
+                   "vision-language model: packed); every layout meets each at every CP size")
     p.add_argument("--sharding", default=None, help="sharding layouts of the implementation: contiguous, balanced, auto "
                    "(default: contiguous, where the implementation offers a choice)")
     p.add_argument("--impl", default="blockdiag_dist", help="module under test, or an adapter name")
@@ -103,7 +106,7 @@ def main(args: argparse.Namespace, session=None) -> int:
     from ..report import _plain, make_console
     from ..runner import impl_info
     from .check import ModelCase
-    from .layouts import MODEL_LAYOUTS
+    from .layouts import MODEL_LAYOUTS, MODEL_SOURCES, TEXT_ONLY_SOURCES, covering, model_coverage
     from .run import ModelSession, model_info
     from .zoo import PRESETS, resolve
 
@@ -141,6 +144,15 @@ def main(args: argparse.Namespace, session=None) -> int:
         impl = impl_info(args.impl)
     except (ImportError, ValueError) as exc:
         return _usage(console, f"cannot use --impl {args.impl}: {exc}")
+    declared = [x for x in MODEL_SOURCES if x in impl.sources]
+    sources = csv_list(args.sources) if args.sources else declared
+    bad = [x for x in sources if x not in MODEL_SOURCES]
+    if bad or not sources:
+        return _usage(console, f"--sources: expected names among {', '.join(MODEL_SOURCES)}, got {', '.join(bad) or 'none'}")
+    undeclared = [x for x in sources if x not in impl.sources]
+    if undeclared:
+        return _usage(console, f"--sources: expected sources {args.impl} declares ({', '.join(declared) or 'none'}), "
+                      f"got {', '.join(undeclared)}")
     shardings: list[str | None] = [None]
     if "layout" in impl.options:
         shardings = csv_list(args.sharding) if args.sharding else ["contiguous"]
@@ -160,11 +172,16 @@ def main(args: argparse.Namespace, session=None) -> int:
             prepared[name] = resolve(name, tiny=args.tiny)
         except ValueError as exc:  # ModelSpecError, TinyConfigError
             return _usage(console, str(exc))
+    model_sources = {name: [x for x in sources if not (prepared[name].multimodal and x in TEXT_ONLY_SOURCES)] for name in names}
+    empty = [name for name in names if not model_sources[name]]
+    if empty:
+        return _usage(console, f"--sources: expected packed for the vision-language model(s) {', '.join(empty)}, got "
+                      f"{', '.join(sources)}")
     cases = [
         ModelCase(model=name, args=tuple(prepared[name].args), cp=cp, layout=layout, dtype=dtype, sharding=s,
-                  impl=args.impl, seed=args.seed, exact=args.exact)
-        for name in names for cp in cps for layout in layouts
-        for dtype in dtypes for s in shardings
+                  impl=args.impl, seed=args.seed, exact=args.exact, source=source)
+        for name in names for cp in cps for layout, source, dtype in covering(layouts, model_sources[name], dtypes)
+        for s in shardings
     ]
     console.print(f"verify model: {len(names)} model(s) x {len(cases) // max(1, len(names))} cases, --impl {args.impl}",
                   markup=False)
@@ -188,12 +205,22 @@ def main(args: argparse.Namespace, session=None) -> int:
         if own:
             session.close()
     wall = time.perf_counter() - t0
+<<<<<<< HEAD
     _summary(console, results, names, infos)
     _refusals(console, results, layers)
     counts = Counter(r.cls for r in results)
     console.print(f"verify model: {len(results)} cases in {wall:.1f} s: " + ", ".join(f"{c} {k}" for c, k in counts.items()),
                   markup=False)
+=======
+    _summary(console, results, names, infos, wall)
+    coverage = {name: model_coverage([r.case for r in results if r.case.model == name], cps, layouts,
+                                     model_sources[name], dtypes) for name in names}
+    for name in names:
+        console.print(f"{name}: " + ", ".join(f"{k} {v['met']}/{v['total']}" for k, v in coverage[name].items())
+                      + " pairs met at every CP size", markup=False, soft_wrap=True)
+>>>>>>> i34
     data = {"impl": args.impl, "wall_seconds": round(wall, 1), "cps": cps, "layouts": layouts, "dtypes": dtypes,
+            "sources": sources, "coverage": coverage,
             "environment": _environment(), "models": {n: infos[n] for n in names},
             "results": [r.to_dict() for r in results]}
     if args.json:

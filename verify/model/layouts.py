@@ -10,6 +10,7 @@ Shape legend: B rows, S packed length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,7 @@ from blockdiag_ref import DocLayout
 from ..cases import NAMED_LAYOUTS, Rows, format_rows
 from .tiny import SPECIAL_TOKENS
 
-__all__ = ["DEFAULT_LAYOUTS", "MODEL_LAYOUTS", "Packed", "make_packed", "model_rows"]
+__all__ = ["DEFAULT_LAYOUTS", "MODEL_LAYOUTS", "MODEL_SOURCES", "Packed", "batch_for_source", "covering", "make_packed", "model_coverage", "model_rows"]
 
 # name -> scale of the named layout's runs
 MODEL_LAYOUTS: dict[str, int] = {
@@ -36,7 +37,60 @@ MODEL_LAYOUTS: dict[str, int] = {
     "one-long": 3,  # one document over the whole row
     "single-tokens": 1,  # documents of one token (no target)
 }
-DEFAULT_LAYOUTS = ("spans-every-rank", "rank-edges", "padding-rank", "many-short")
+DEFAULT_LAYOUTS = ("spans-every-rank", "rank-edges", "padding-rank", "many-short", "reused-ids")
+
+# How a trainer's collator hands the documents to the batch function (a case sends exactly one of them):
+MODEL_SOURCES: dict[str, str] = {
+    "packed": "_packed_seq_ids: the layout's own ids (an id may come back later in a row: reused-ids)",
+    "positions": "position_ids restarting at 0 at every document, nothing else (a flattening collator)",
+    "mask4d": "a 4-D boolean attention_mask [B, 1, S, S] of the documents, with the restarting position_ids",
+}
+TEXT_ONLY_SOURCES = ("positions", "mask4d")  # a vision-language batch gives its documents as _packed_seq_ids
+
+
+def covering(layouts: Sequence[str], sources: Sequence[str], dtypes: Sequence[str]) -> list[tuple[str, str, str]]:
+    """``(layout, source, dtype)`` triples in which every layout meets every source and every dtype at least once:
+    ``max(len(sources), len(dtypes))`` per layout, the pairing of sources and dtypes shifted from layout to
+    layout (so that each source also meets each dtype once there are enough layouts)."""
+    if not layouts or not sources or not dtypes:
+        raise ValueError(f"covering: expected layouts, sources and dtypes, got {list(layouts)}, {list(sources)}, {list(dtypes)}")
+    n = max(len(sources), len(dtypes))
+    return [(layout, sources[(i + j) % len(sources)], dtypes[(i + j // len(sources)) % len(dtypes)])
+            for j, layout in enumerate(layouts) for i in range(n)]
+
+
+def model_coverage(cases: Sequence, cps: Sequence[int], layouts: Sequence[str], sources: Sequence[str],
+                   dtypes: Sequence[str]) -> dict[str, dict]:
+    """The (layout, source) and (layout, dtype) pairs the model cases met at every CP size in ``cps``:
+    ``{"layout x source": {"met": 15, "total": 15, "missing": ["reused-ids x mask4d (CP 2)", ...]}, ...}``."""
+    seen = {(c.cp, c.layout, "source", c.source) for c in cases} | {(c.cp, c.layout, "dtype", c.dtype) for c in cases}
+    out = {}
+    for dim, values in (("source", sources), ("dtype", dtypes)):
+        missing = []
+        for layout in layouts:
+            for value in values:
+                gaps = [f"CP {cp}" for cp in cps if (cp, layout, dim, value) not in seen]
+                if gaps:
+                    missing.append(f"{layout} x {value} ({', '.join(gaps)})")
+        total = len(layouts) * len(values)
+        out[f"layout x {dim}"] = {"met": total - len(missing), "total": total, "missing": missing}
+    return out
+
+
+def batch_for_source(packed: Packed, source: str) -> dict[str, Tensor]:
+    """The batch a collator of ``source`` (:data:`MODEL_SOURCES`) gives: ``input_ids``, pre-shifted ``labels``, the
+    restarting ``position_ids``, and the documents as ``_packed_seq_ids`` (the layout's own ids, reused ones
+    included), or nothing more (``positions``), or a 4-D boolean ``attention_mask``. ``packed.batch`` (whose
+    ``_packed_seq_ids`` number the documents apart, for the parent's bookkeeping) is not changed."""
+    if source not in MODEL_SOURCES:
+        raise ValueError(f"source: expected one of {', '.join(MODEL_SOURCES)}, got {source!r}")
+    ids = torch.tensor([[i for i, n in row for _ in range(n)] for row in packed.rows], dtype=torch.int64)
+    batch = {k: v for k, v in packed.batch.items() if k != "_packed_seq_ids"}
+    if source == "packed":
+        batch["_packed_seq_ids"] = ids
+    elif source == "mask4d":
+        batch["attention_mask"] = DocLayout.from_doc_ids(ids).materialize_mask()
+    return batch
 
 
 def model_rows(name: str, cp: int) -> Rows:

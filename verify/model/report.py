@@ -71,7 +71,8 @@ def write_markdown(path: str, data: dict[str, Any]) -> None:
         "",
         "Each case is one training step of a tiny model built from its transformers config (random weights from one "
         "seed) on a packed batch of one of the verifier's layouts (" + ", ".join(f"`{x}`" for x in data["layouts"])
-        + "), in " + ", ".join(data["dtypes"]) + ", run under CP through the implementation and compared with each "
+        + "; documents given as " + ", ".join(f"`{x}`" for x in data.get("sources", ["packed"]))
+        + ", every layout meeting each at every CP size), in " + ", ".join(data["dtypes"]) + ", run under CP through the implementation and compared with each "
         "document run alone on one device (stock attention, the same weights): the loss, every parameter's gradient "
         "and every module's output. Classes (decided by `verify/model/check.py`): **pass**; **bug** (the first wrong "
         "module in forward order is named); **unsupported** (a clear refusal on every rank, quoted); **crash**; "

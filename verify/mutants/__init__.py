@@ -42,6 +42,11 @@ Classed by ``verify.classify`` (as third-party code is): ``off_by_one``, ``no_gr
 ``raise_forward``, ``raise_backward``, ``kill_rank`` crashes, ``refuse_rows`` unsupported, ``docs_by_id`` a
 contract (a pass once re-checked with its declared document definition). ``late_layer`` is wrong only in a model's
 later layers: the attention verifier (one call per step) passes it, ``python -m verify model`` names the layer.
+
+``verify.mutants.minimal.<name>`` (``toy`` and every module above) is the same code behind an adapter declaring
+minimal support: one kernel, one exchange, ``_packed_seq_ids`` only, our conventions otherwise. The matrix's
+covering must find every bug through it with ``--quick`` too (``python -m verify --impl
+verify.mutants.minimal.docs_by_id --quick`` fails on reused ids).
 """
 
 from ._toy import BUGS
