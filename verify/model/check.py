@@ -189,16 +189,10 @@ def _step_on_rank(case: ModelCase, prepared: Prepared, model: nn.Module, recorde
                       track_rows=True, recorder=recorder, **options)
     else:
         packed = make_packed(case.rows, _vocab(prepared), case.seed)
-<<<<<<< HEAD
-        res = cp_step(model, packed.batch, env["cp_mesh"], make_batch_and_ctx=impl.make, embed=case.impl != OURS,
-                      track_rows=True, recorder=recorder, **options)
-    out: dict[str, Any] = {"rank": env["rank"], "loss": res.loss, "targets": res.targets, "notes": res.notes,
-                           "exercised": res.exercised}
-=======
         res = cp_step(model, batch_for_source(packed, case.source), env["cp_mesh"], make_batch_and_ctx=impl.make,
                       embed=case.impl != OURS, track_rows=True, recorder=recorder, **options)
-    out: dict[str, Any] = {"rank": env["rank"], "loss": res.loss, "targets": res.targets, "notes": res.notes}
->>>>>>> i34
+    out: dict[str, Any] = {"rank": env["rank"], "loss": res.loss, "targets": res.targets, "notes": res.notes,
+                           "exercised": res.exercised}
     if env["rank"] == 0:
         out["grads"] = res.grads
     if res.rows is None or not res.records:

@@ -205,20 +205,16 @@ def main(args: argparse.Namespace, session=None) -> int:
         if own:
             session.close()
     wall = time.perf_counter() - t0
-<<<<<<< HEAD
     _summary(console, results, names, infos)
     _refusals(console, results, layers)
-    counts = Counter(r.cls for r in results)
-    console.print(f"verify model: {len(results)} cases in {wall:.1f} s: " + ", ".join(f"{c} {k}" for c, k in counts.items()),
-                  markup=False)
-=======
-    _summary(console, results, names, infos, wall)
     coverage = {name: model_coverage([r.case for r in results if r.case.model == name], cps, layouts,
                                      model_sources[name], dtypes) for name in names}
     for name in names:
         console.print(f"{name}: " + ", ".join(f"{k} {v['met']}/{v['total']}" for k, v in coverage[name].items())
                       + " pairs met at every CP size", markup=False, soft_wrap=True)
->>>>>>> i34
+    counts = Counter(r.cls for r in results)
+    console.print(f"verify model: {len(results)} cases in {wall:.1f} s: " + ", ".join(f"{c} {k}" for c, k in counts.items()),
+                  markup=False)
     data = {"impl": args.impl, "wall_seconds": round(wall, 1), "cps": cps, "layouts": layouts, "dtypes": dtypes,
             "sources": sources, "coverage": coverage,
             "environment": _environment(), "models": {n: infos[n] for n in names},
