@@ -46,7 +46,7 @@ from blockdiag_ref import DocLayout
 
 __all__ = [
     "SNAP_TARGET", "TARGET", "CumulativeWork", "balanced_positions", "balanced_runs", "doc_boundaries",
-    "doc_interiors", "position_work", "snapped_positions", "snapped_runs",
+    "doc_interiors", "interval_ranges", "position_work", "snapped_positions", "snapped_runs",
 ]
 
 TARGET = 1.02  # max/mean attention work accepted before trying finer chunks
@@ -193,9 +193,18 @@ def runs_of(intervals: list[list[tuple[int, int]]]) -> Tensor:
     return torch.from_numpy(np.stack([rank[new], start[new], merged, local[new]], 1).reshape(-1, 4))
 
 
-def _positions_of(runs: Tensor, world: int, local_len: int) -> Tensor:
-    from .shard_plan import interval_ranges
+def interval_ranges(starts: Tensor, lengths: Tensor) -> Tensor:
+    """Concatenation of ``arange(s, s + n)`` for each ``(s, n)``: intervals to the tokens they hold.
 
+    >>> interval_ranges(torch.tensor([5, 0]), torch.tensor([2, 3])).tolist()
+    [5, 6, 0, 1, 2]
+    """
+    total = int(lengths.sum()) if lengths.numel() else 0
+    offsets = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+    return torch.repeat_interleave(starts, lengths) + offsets
+
+
+def _positions_of(runs: Tensor, world: int, local_len: int) -> Tensor:
     return interval_ranges(runs[:, 1], runs[:, 2]).view(world, local_len)
 
 

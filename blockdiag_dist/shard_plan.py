@@ -16,7 +16,7 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-from .balance import CumulativeWork, balanced_positions, balanced_runs
+from .balance import CumulativeWork, balanced_positions, balanced_runs, interval_ranges
 
 __all__ = ["FlatIndex", "ShardPlan", "interval_ranges", "padded_doc_starts", "padded_segments", "plan_shards"]
 
@@ -183,17 +183,6 @@ class FlatIndex:
         kc = k.clamp(min=0)
         off = x - self.start[kc]
         return torch.where((k >= 0) & (off < self.length[kc]), self.row[kc] + off, -1)
-
-
-def interval_ranges(starts: Tensor, lengths: Tensor) -> Tensor:
-    """Concatenation of ``arange(s, s + n)`` for each ``(s, n)``: intervals to the tokens they hold.
-
-    >>> interval_ranges(torch.tensor([5, 0]), torch.tensor([2, 3])).tolist()
-    [5, 6, 0, 1, 2]
-    """
-    total = int(lengths.sum()) if lengths.numel() else 0
-    offsets = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-    return torch.repeat_interleave(starts, lengths) + offsets
 
 
 def plan_shards(seq_len: int, world: int, layout: str = "contiguous", *, work: Tensor | None = None) -> ShardPlan:
