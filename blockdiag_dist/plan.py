@@ -115,7 +115,7 @@ class ExchangePlan:
         runs = self.shards.rank_runs(rank)
         runs = runs[torch.argsort(runs[:, 1])]
         r_start, r_end = runs[:, 1].contiguous(), (runs[:, 1] + runs[:, 2]).contiguous()
-        dest, row, lo, hi = r.unbind(1)
+        dest, row, lo, hi = r.t().contiguous()  # contiguous columns: searchsorted copies strided values
         i0 = torch.searchsorted(r_end, lo, right=True)  # first run ending after lo
         n = (torch.searchsorted(r_start, hi) - i0).clamp(min=0)  # ... up to the last starting before hi
         k = torch.repeat_interleave(torch.arange(r.shape[0]), n)
@@ -229,7 +229,7 @@ def _cut(ranges: Tensor, shards: ShardPlan) -> Tensor:
     (runs sorted by position tile ``[0, Sp)``)."""
     runs = shards.by_position
     run_start = runs[:, 1].contiguous()
-    dest, row, lo, hi = ranges.unbind(1)
+    dest, row, lo, hi = ranges.t().contiguous()  # contiguous columns: searchsorted copies strided values
     r0 = torch.searchsorted(run_start, lo, right=True) - 1
     n = torch.searchsorted(run_start, hi - 1, right=True) - r0
     k = torch.repeat_interleave(torch.arange(ranges.shape[0]), n)

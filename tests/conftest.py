@@ -12,6 +12,29 @@ from verify.session import Session
 
 TRAIN_TASK_TIMEOUT_S = 120.0  # per training run on every rank: a deadline for hangs, not a speed limit
 
+# The longest tests (``pytest --durations``), started first: under xdist a long test collected late ends the run
+# alone while the other workers wait. Prefixes of node ids, in the order they start.
+LONG_FIRST = (
+    "tests/test_gpu_check.py::test_dry_run_runs_every_step_on_cpu",
+    "tests/test_hardening.py::test_float32_error_does_not_grow_with_cp_size",
+    "tests/test_readme.py::test_shell_command[docs/trainer.md:run:torchrun",
+    "tests/test_readme.py::test_shell_command[docs/multimodal.md:run:torchrun",
+    "tests/test_verify.py::test_pool_runs_tasks_reports_failures_respawns_and_leaves_no_process",
+    "tests/test_verify_coverage.py::test_cli_quick_reports_the_id_equality_leak_and_writes_coverage",
+)
+
+
+def pytest_collection_modifyitems(items):
+    def order(item) -> int:
+        return next((i for i, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)), len(LONG_FIRST))
+
+    ids = [item.nodeid for item in items]
+    for prefix in LONG_FIRST:  # a renamed test must be renamed here too
+        file = prefix.split("::")[0] + "::"
+        if any(i.startswith(file) for i in ids) and not any(i.startswith(prefix) for i in ids):
+            raise pytest.UsageError(f"tests/conftest.py LONG_FIRST: expected a test whose id starts {prefix!r}, got none")
+    items.sort(key=order)  # stable: every other test keeps its place
+
 
 @pytest.fixture(scope="session")
 def session():

@@ -294,10 +294,16 @@ def check_command(page: str, command: str, run: bool, shims: dict[bool, Path], r
         assert _git_status() == before, f"{page}: {command!r} changed the clone:\n{_git_status()}"
 
 
-@pytest.mark.parametrize("page, command, run", COMMANDS,
-                         ids=[f"{page}:{'run' if run else 'parse'}:{cmd[:70]}" for page, cmd, run in COMMANDS])
-def test_shell_command(page, command, run, shims, request):
-    check_command(page, command, run, shims, request)
+# each distinct command once, naming every page that shows it (a command two pages show runs once)
+DISTINCT: dict[tuple[str, bool], list[str]] = {}
+for _page, _cmd, _run in COMMANDS:
+    DISTINCT.setdefault((_cmd, _run), []).append(_page)
+
+
+@pytest.mark.parametrize("pages, command, run", [(", ".join(p), c, r) for (c, r), p in DISTINCT.items()],
+                         ids=[f"{p[0]}:{'run' if r else 'parse'}:{c[:70]}" for (c, r), p in DISTINCT.items()])
+def test_shell_command(pages, command, run, shims, request):
+    check_command(pages, command, run, shims, request)
 
 
 @pytest.mark.parametrize("command, wrong, shown", BROKEN, ids=[wrong for _, wrong, _ in BROKEN])
