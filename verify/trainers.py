@@ -242,7 +242,7 @@ def run_trainer_rows(rows: Sequence[tuple[str, str]] = DEFAULT_ROWS, *, timeout:
     versions = trainer_versions()
     out: dict[str, Any] = {"versions": versions, "cp": CP, "rows": []}
     own = pool is None
-    pool = pool or WorkerPool(CP, collective_timeout=timeout)
+    pool = pool or WorkerPool(CP, collective_timeout=timeout, keep_after_uniform_error=True)
     t_all = time.perf_counter()
     try:
         for path, model in rows:
