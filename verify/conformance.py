@@ -154,6 +154,10 @@ def write_markdown(path: str, data: dict[str, Any]) -> None:
     if skipped:
         lines += ["", "## Skipped", ""]
         lines += [f"- `{n}`: {e['unavailable']}" for n, e in skipped]
+    if data.get("ringmaster_state"):
+        from .ringmaster_state import markdown as state_markdown
+
+        lines += [""] + state_markdown(data["ringmaster_state"])
     if data.get("trainers"):
         from .trainers import markdown
 
@@ -230,10 +234,19 @@ def main(args) -> int:
     cases = conformance_cases(cps, dtypes, layouts=layouts)
     console.print(f"conformance: {len(impls)} implementations x {len(cases)} cases", markup=False)
     data = run_conformance(impls, cases, case_timeout=args.case_timeout, console=console, backend=args.backend or "gloo")
-    if trainer_rows is not None:
-        from .trainers import run_trainer_rows
+    state = getattr(args, "ringmaster_state", False)
+    if trainer_rows is not None or state:
+        from .pool import WorkerPool
+        from .trainers import CP, run_trainer_rows
 
-        data["trainers"] = run_trainer_rows(trainer_rows, timeout=args.trainer_timeout, console=console)
+        with WorkerPool(CP, collective_timeout=args.trainer_timeout, keep_after_uniform_error=True) as pool:
+            if trainer_rows is not None:
+                data["trainers"] = run_trainer_rows(trainer_rows, timeout=args.trainer_timeout, console=console,
+                                                    pool=pool)
+            if state:
+                from .ringmaster_state import run_state_rows
+
+                data["ringmaster_state"] = run_state_rows(pool, timeout=args.trainer_timeout, console=console)
     if args.json:
         import os
 

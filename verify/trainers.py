@@ -221,6 +221,31 @@ def _failed(row: TrainerRow, failure) -> None:
         row.cls, row.why = "crash", f"raised on rank(s) {failure.ranks}" + ("" if every_rank else " only")
 
 
+def trl_guard() -> dict[str, str] | None:
+    """TRL's own refusal of packing under context parallelism, read from the installed ``trl``'s source (the
+    ``raise ValueError`` in ``SFTTrainer.__init__`` that names both): ``{"text": ..., "where": "file:line"}``, or None
+    when trl is missing or has no such guard. It runs after accelerate builds its ``Accelerator``, so on CPU
+    accelerate's own refusal (``MULTI_CPU``) comes first."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("trl")  # read, not imported (importing trl takes seconds)
+    path = os.path.join(spec.submodule_search_locations[0], "trainer", "sft_trainer.py") if spec else ""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+            arg = node.exc.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and "context parallelism" in arg.value \
+                    and "Packing" in arg.value:
+                name = getattr(node.exc.func, "id", "?")
+                where = f"trl/trainer/{os.path.basename(path)}:{node.lineno}"
+                return {"text": f"{name}: {arg.value}", "where": where}
+    return None
+
+
 def trainer_rows(spec: str | None = None) -> list[tuple[str, str]]:
     """``"path:model,path:model"`` -> pairs (default: :data:`DEFAULT_ROWS`); unknown paths are refused."""
     if not spec:
@@ -240,7 +265,7 @@ def run_trainer_rows(rows: Sequence[tuple[str, str]] = DEFAULT_ROWS, *, timeout:
     from .pool import PoolError, WorkerPool
 
     versions = trainer_versions()
-    out: dict[str, Any] = {"versions": versions, "cp": CP, "rows": []}
+    out: dict[str, Any] = {"versions": versions, "cp": CP, "rows": [], "trl_guard": trl_guard()}
     own = pool is None
     pool = pool or WorkerPool(CP, collective_timeout=timeout, keep_after_uniform_error=True)
     t_all = time.perf_counter()
@@ -295,4 +320,9 @@ def markdown(data: dict[str, Any]) -> list[str]:
         cls = "**BUG**" if r["cls"] == "bug" else r["cls"]
         lines.append(f"| {r['path']} | {r['model']} | {cls} | {err} | {msg or '-'} | `{r['replay']}` |")
     lines += ["", "Paths:", ""] + [f"- `{p}`: {d}" for p, d in PATHS.items()]
+    guard = data.get("trl_guard")
+    if guard and any(r["path"] == "trl-packing-cp" for r in data["rows"]):
+        lines += ["", f"TRL's own guard (read from the installed trl, `{guard['where']}`; it runs once the `Accelerator` "
+                  f"exists, so on CPU accelerate's refusal above comes first, and on GPUs this one): "
+                  f"\"{guard['text']}\""]
     return lines
