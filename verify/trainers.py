@@ -322,7 +322,7 @@ def markdown(data: dict[str, Any]) -> list[str]:
     lines += ["", "Paths:", ""] + [f"- `{p}`: {d}" for p, d in PATHS.items()]
     guard = data.get("trl_guard")
     if guard and any(r["path"] == "trl-packing-cp" for r in data["rows"]):
-        lines += ["", f"TRL's own guard (read from the installed trl, `{guard['where']}`; it runs once the `Accelerator` "
-                  f"exists, so on CPU accelerate's refusal above comes first, and on GPUs this one): "
-                  f"\"{guard['text']}\""]
+        lines += ["", f"TRL's own guard, read (not run) from the installed trl's source (`{guard['where']}`): it is "
+                  "checked after the `Trainer` has built its `Accelerator`, so on CPU accelerate's refusal above comes "
+                  f"first; where accelerate's CP builds (CUDA), this is the refusal: \"{guard['text']}\""]
     return lines
