@@ -267,7 +267,7 @@ def test_ringmaster_adapters_declare_its_conventions():
 
 
 @needs_ringmaster
-def test_ringmaster_cases_land_in_their_classes(keep_session, pools):
+def test_ringmaster_cases_land_in_their_classes(keep_session):
     """Through the conformance classifier: packed rows with middle and tail padding differ only by padding=free
     (real rows and every gradient right, ring and Ulysses); a 4-D mask is ringmaster's quoted refusal; its
     cp_linear_scan crosses documents (a contract: document=row, exact against one scan of the whole row)."""
@@ -280,7 +280,8 @@ def test_ringmaster_cases_land_in_their_classes(keep_session, pools):
     _, verdict = _classify(keep_session, "ringmaster", dataclasses.replace(REUSED, source="mask4d"))
     assert verdict.cls == "unsupported"
     assert verdict.message == "ValueError: Context parallelism requires a right-padded causal 2D mask"
-    errors = linear_scan_errors(pools(2).run(_scan_on_rank, timeout=120, name="ringmaster cp_linear_scan"))
+    pool = keep_session.pool(2)  # the CP 2 pool the cases above ran in
+    errors = linear_scan_errors(pool.run(_scan_on_rank, timeout=120, name="ringmaster cp_linear_scan"))
     assert errors["row"] < 1e-12 and errors["documents"] > 1e-2, errors
 
 
