@@ -1,5 +1,5 @@
-"""axolotl-ringmaster's state passing for recurrent mixers (``ringmaster.strategies.state_passing``) on packed documents,
-CP 2 on gloo: a small table of the conformance report (``python -m verify conformance --ringmaster-state``).
+"""axolotl-ringmaster's state passing for recurrent mixers (``ringmaster.strategies.state_passing``) on packed
+documents, CP 2 on gloo: a small table of the conformance report (``python -m verify conformance --ringmaster-state``).
 
 Rows:
 
@@ -10,9 +10,9 @@ Rows:
   scan of the full sequence" (no document argument): a failure against the per-document reference that passes
   against the whole-row reference is a **contract** (``document=row``), otherwise a **bug**.
 - ``model step``: one training step of a tiny model from its config (Llama: attention only; Qwen3.5: Gated
-  DeltaNet + attention; Nemotron-H: Mamba2 + attention) through ringmaster as its trainer adapters run one (:func:`_model_step_on_rank`),
-  every parameter's gradient judged against each document run alone (float64, :func:`verify.trainers.
-  per_document_truth`), or its refusal quoted.
+  DeltaNet + attention; Nemotron-H: Mamba2 + attention) through ringmaster as its trainer adapters run one
+  (:func:`_model_step_on_rank`), every parameter's gradient judged against each document run alone (float64,
+  :func:`verify.trainers.per_document_truth`), or its refusal quoted.
 """
 
 from __future__ import annotations
