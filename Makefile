@@ -23,9 +23,11 @@ install: $(STAMP)
 
 # Third-party CP implementations the conformance report judges (verify/adapters), pinned, without their full
 # dependency trees: nemo-automodel's blockdiag_cp needs torch only; ring-attention-pytorch needs einops,
-# beartype and jaxtyping (which needs wadler-lindig). ring-flash-attn is CUDA only (it imports flash_attn).
+# beartype and jaxtyping (which needs wadler-lindig); axolotl-ringmaster needs torch and transformers (its optional
+# flash-linear-attention kernels are not installed: the report quotes its refusal). ring-flash-attn is CUDA only
+# (it imports flash_attn).
 PEERS := nemo-automodel==0.7.0 ring-attention-pytorch==0.5.20 einops==0.8.2 beartype==0.23.1 \
-         jaxtyping==0.3.11 wadler-lindig==0.1.8
+         jaxtyping==0.3.11 wadler-lindig==0.1.8 axolotl-ringmaster==0.2.7
 PEERS_STAMP := $(VENV)/.peers-installed
 
 $(PEERS_STAMP): $(STAMP) Makefile
@@ -84,9 +86,11 @@ train-demo: $(STAMP)
 	$(PY) -m examples.demo --cp 2
 
 # Every implementation (ours and the third parties in verify/adapters) x layout x doc-id source x CP x dtype,
-# each case classed pass / contract / unsupported / bug / crash / hang: CONFORMANCE.md and results/conformance.json.
+# each case classed pass / contract / unsupported / bug / crash / hang; then axolotl-ringmaster's state passing and
+# the Trainers section (one step at CP 2 through our trainers, accelerate's CP and TRL, against each document alone):
+# CONFORMANCE.md and results/conformance.json.
 conformance: $(PEERS_STAMP)
-	$(PY) -m verify conformance --md CONFORMANCE.md --json results/conformance.json $(ARGS)
+	$(PY) -m verify conformance --trainers --ringmaster-state --md CONFORMANCE.md --json results/conformance.json $(ARGS)
 
 # The GPU check (docs/gpu.md): report.json and summary.txt in $(OUT), under 8 minutes. No install: on a
 # GPU machine it runs the working tree on that machine's python3 (torch, numpy); here the venv's python if any.

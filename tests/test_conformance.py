@@ -20,6 +20,8 @@ from verify.session import Session
 
 PEERS = all(importlib.util.find_spec(m) for m in ("nemo_automodel", "ring_attention_pytorch"))
 needs_peers = pytest.mark.skipif(not PEERS, reason="third-party packages missing: run `make peers` (make test does)")
+needs_ringmaster = pytest.mark.skipif(not importlib.util.find_spec("ringmaster"),
+                                      reason="axolotl-ringmaster missing: run `make peers` (make test does)")
 
 # reused ids (1 comes back after 2), middle and tail padding, documents across the rank boundary
 REUSED = Case(rows=parse_rows("1x2,2x3,1x2,0x1,2x2,0x2"), cp=2, hq=4, hkv=2, dim=3, name="reused")
@@ -102,6 +104,10 @@ def _error(ranks, lines):
         pytest.param([1], ["ValueError: B > 1"], "crash", "ValueError: B > 1", id="one-rank-strands-the-other"),
         pytest.param([0, 1], ["ValueError", "ValueError"], "crash", "ValueError: ", id="no-message"),
         pytest.param([0, 1], ["RuntimeError: overflow", "RuntimeError: overflow"], "crash", "RuntimeError: overflow", id="unclear"),
+        pytest.param([0, 1], ["NotImplementedError: Could not run 'aten::f' with arguments from the 'CPU' backend.\n"
+                              "Meta: registered at x.cpp:1 [backend fallback]"] * 2, "unsupported",
+                     "NotImplementedError: Could not run 'aten::f' with arguments from the 'CPU' backend.",
+                     id="multi-line-message"),
     ],
 )
 def test_refusals_need_a_clear_error_on_every_rank(ranks, lines, cls, message):
@@ -236,3 +242,59 @@ def test_a_pool_that_cannot_start_reports_every_case_as_crash():
         results = s.run(cases, impl="verify.mutants.toy")
     assert [r.status for r in results] == ["crash"] * 3
     assert all("PoolError" in r.details and "KeyError" not in r.details for r in results), [r.details for r in results]
+
+
+# ---- axolotl-ringmaster ---------------------------------------------------------------------------------------
+def test_ringmaster_adapters_declare_its_conventions():
+    """Taken from ringmaster 0.2.7's code: documents are the runs between restarts of position_ids (ours), padding
+    tokens form segments of their own (free), every attention source is offered (a 4-D mask is refused by it)."""
+    from types import SimpleNamespace
+
+    from verify.adapters import Unsupported
+    from verify.adapters.ringmaster import CONVENTIONS, ULYSSES_CONVENTIONS, UNAVAILABLE, restarting_positions
+
+    for conv in (CONVENTIONS, ULYSSES_CONVENTIONS):
+        assert conv.differences() == ["padding=free"] and conv.sources == ("packed", "mask4d", "mask2d")
+    assert module_path("ringmaster") == "verify.adapters.ringmaster"
+    assert module_path("ringmaster_ulysses") == "verify.adapters.ringmaster_ulysses"
+    assert restarting_positions(torch.tensor([[1, 1, 2, 0, 0, 1]])).tolist() == [[0, 1, 0, 0, 1, 0]]
+    if UNAVAILABLE is None:  # CP 1: no ringmaster code runs (RingmasterConfig(size=1).enabled is False): refused
+        from verify.adapters.ringmaster import make_cp_blockdiag_batch_and_ctx
+
+        one = SimpleNamespace(size=lambda: 1, get_local_rank=lambda: 0)
+        with pytest.raises(Unsupported, match="does not run at CP 1"):
+            make_cp_blockdiag_batch_and_ctx(one, None, {"inputs_embeds": torch.zeros(1, 4, 2)})
+
+
+@needs_ringmaster
+def test_ringmaster_cases_land_in_their_classes(keep_session):
+    """Through the conformance classifier: packed rows with middle and tail padding differ only by padding=free
+    (real rows and every gradient right, ring and Ulysses); a 4-D mask is ringmaster's quoted refusal; its
+    cp_linear_scan crosses documents (a contract: document=row, exact against one scan of the whole row)."""
+    from verify.ringmaster_state import _scan_on_rank, linear_scan_errors
+
+    for impl in ("ringmaster", "ringmaster_ulysses"):
+        conv = impl_info(impl).conventions
+        _, verdict = _classify(keep_session, impl, REUSED, conv)
+        assert verdict.cls == "contract" and verdict.conventions == ["padding=free"], verdict
+    _, verdict = _classify(keep_session, "ringmaster", dataclasses.replace(REUSED, source="mask4d"))
+    assert verdict.cls == "unsupported"
+    assert verdict.message == "ValueError: Context parallelism requires a right-padded causal 2D mask"
+    pool = keep_session.pool(2)  # the CP 2 pool the cases above ran in
+    errors = linear_scan_errors(pool.run(_scan_on_rank, timeout=120, name="ringmaster cp_linear_scan"))
+    assert errors["row"] < 1e-12 and errors["documents"] > 1e-2, errors
+
+
+# ---- the Trainers section ---------------------------------------------------------------------------------------
+def test_trainer_rows_are_parsed_and_trls_guard_is_read_from_its_source():
+    from verify.trainers import DEFAULT_ROWS, trainer_rows, trl_guard
+
+    assert trainer_rows(None) == list(DEFAULT_ROWS)
+    assert trainer_rows("accelerate-cp:llama, blockdiag-sft:qwen3_5") == [("accelerate-cp", "llama"),
+                                                                         ("blockdiag-sft", "qwen3_5")]
+    with pytest.raises(ValueError, match="expected PATH:MODEL with PATH one of .* got 'stock:llama'"):
+        trainer_rows("stock:llama")
+    if importlib.util.find_spec("trl"):
+        guard = trl_guard()
+        assert guard["text"].startswith("ValueError: Packing is not compatible with context parallelism")
+        assert guard["where"].startswith("trl/trainer/sft_trainer.py:")

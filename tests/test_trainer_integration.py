@@ -18,19 +18,17 @@ from examples.trl_sft import run_sft, tiny_model, tiny_tokenizer  # noqa: E402
 from trainer_checks import (  # noqa: E402
     per_document_truth, perturbation_probe, run_on_rank, sft_on_rank, vlm_on_rank, worst_gradient_error,
 )
+from verify.trainers import FLOAT64_LIMIT, TRL_FLOAT32_HEAD_LIMIT  # noqa: E402  (the limits the report uses)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TIMEOUT_S = 240.0  # per run on every rank: a deadline for hangs, not a speed limit
-FLOAT64_LIMIT = 1e-10
 FAMILIES = ["llama", "qwen3_5", "nemotron_h", "lfm2", "gpt_oss"]
 # transformers' models compute parts of a float64 model in float32 (RMSNorms, rotary angles, the loss's logits, MoE
 # routing; the stock Gated DeltaNet / Mamba2 gates): runs and truths here compute the whole forward in float64
 # (examples.trl_sft.promoted; measured <= 3.2e-14 at CP 2 for every family). As written, a float64 hidden state that
 # differs from the truth's in its last bits can round to another float32: measured 1.5e-7 (Llama, DP 2 x CP 2).
-# TRL 1.16's SFTTrainer scores tokens with its fused LM head in float32 whatever the model's dtype
-# (trl/kernels/chunked_logprob.py): measured 3.9e-7 (Llama) and 6.2e-7 (Qwen3.5) at CP 2 against the float64 truth.
-TRL_FLOAT32_HEAD_LIMIT = 1e-6
+# TRL 1.16's SFTTrainer scores tokens with its fused LM head in float32: TRL_FLOAT32_HEAD_LIMIT (verify/trainers.py).
 # The Trainer logs the loss through a float32 accumulator (its tr_loss): logged losses agree to float32.
 LOGGED_LOSS_LIMIT = 1e-6
 

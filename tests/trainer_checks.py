@@ -1,13 +1,13 @@
 """Pool-worker and truth helpers of tests/test_trainer_integration.py: TRL's SFTTrainer with blockdiag CP
-(``examples.trl_sft.run_sft``) and the per-document truth it is judged against."""
+(``examples.trl_sft.run_sft``); the per-document truth it is judged against is :mod:`verify.trainers`' (the
+conformance report's Trainers section uses the same)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from examples.trl_sft import promoted, run_sft, tiny_model
+from examples.trl_sft import run_sft, tiny_model
+from verify.trainers import per_document_truth, worst_gradient_error  # noqa: F401  (the truth the report uses too)
 
 
 def sft_on_rank(model_type: str, cp: int, steps: int, dtype: str, record: bool, trainer: str = "sft") -> dict:
@@ -19,49 +19,6 @@ def sft_on_rank(model_type: str, cp: int, steps: int, dtype: str, record: bool, 
     if torch.distributed.get_rank() != 0:
         out = {"losses": out["losses"]}
     return out
-
-
-def per_document_truth(model_type: str, batch: dict, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient of the step's loss with each document of ``batch`` run alone through the same
-    model (stock attention, one row, no CP), the losses summed over the step's targets.
-
-    ``batch``: the collator's full rows (``input_ids``, ``labels`` in transformers' convention, ``position_ids``
-    restarting at every document)."""
-    from verify.model.hybrid import float64_kernel
-
-    model = tiny_model(model_type, dtype)
-    ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
-    targets = int((labels[:, 1:] != -100).sum())
-    # the stock Gated DeltaNet / Mamba2 compute gates in float32 (blockdiag's in float64); the rest as the runs do
-    with float64_kernel(model), promoted(model):
-        _documents_backward(model, ids, labels, pos, targets)
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _documents_backward(model, ids, labels, pos, targets: int) -> None:
-    for b in range(ids.shape[0]):
-        starts = (pos[b] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
-        for s, e in zip(starts[:-1], starts[1:]):
-            lab = labels[b:b + 1, s:e]
-            if e - s < 2 or bool((lab[:, 1:] == -100).all()):
-                continue
-            out = model(input_ids=ids[b:b + 1, s:e], labels=lab, num_items_in_batch=targets, use_cache=False)
-            out.loss.backward()
-
-
-def worst_gradient_error(got: dict[str, torch.Tensor], truth: dict[str, torch.Tensor],
-                         skip: Callable[[str], bool] = lambda n: False) -> tuple[float, str]:
-    """(largest relative error of a parameter's gradient, its name): ``max|g - t| / max|t|`` per parameter, every
-    parameter of the truth but those ``skip`` names (a parameter without a gradient in ``got`` counts as all-zero)."""
-    worst, name = 0.0, ""
-    for n, t in truth.items():
-        if skip(n):
-            continue
-        g = got.get(n, torch.zeros_like(t))
-        err = float((g.double() - t.double()).abs().max() / t.double().abs().max().clamp_min(1e-300))
-        if err > worst:
-            worst, name = err, n
-    return worst, name
 
 
 def run_on_rank(model_type: str, cp: int, steps: int, kwargs: dict) -> dict:

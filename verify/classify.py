@@ -108,8 +108,12 @@ _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?:: (.*))?$")
 
 
 def _last_exception(traceback_text: str) -> tuple[str, str]:
-    """(exception type without its module, message) from a traceback's last unindented line."""
-    for ln in reversed([ln for ln in traceback_text.splitlines() if ln.strip()]):
+    """(exception type without its module, the first line of its message) from a traceback: the first unindented
+    line after the last frame (a message may run over several lines, e.g. the dispatcher's list of backends)."""
+    lines = [ln for ln in traceback_text.splitlines() if ln.strip()]
+    frames = [i for i, ln in enumerate(lines) if ln.startswith("  File ")]
+    after = lines[frames[-1] + 1:] if frames else lines
+    for ln in (after if frames else reversed(after)):
         m = _EXC_LINE.match(ln)
         if m and not ln[0].isspace():
             return m.group(1).rsplit(".", 1)[-1], (m.group(2) or "").strip()

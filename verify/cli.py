@@ -4,7 +4,7 @@
     python -m verify case --rows 1x5,2x2,0x3 --cp 4 [--heads 4:2 --dim 5 --window 2 ...]
     python -m verify fuzz --examples 200 --seed 0      (or --long --budget 600: documents up to 1,100 tokens)
     python -m verify plan --seqlens 300,20,700 --pad 4 --cp 4
-    python -m verify conformance [--impls nemo,ring_attention] [--md CONFORMANCE.md] [--json PATH]
+    python -m verify conformance [--impls nemo,ring_attention] [--trainers] [--ringmaster-state] [--md CONFORMANCE.md]
     python -m verify gpu --out DIR [--device cpu|cuda] [--quick]
     python -m verify model --model llama|qwen3_next|path/config.json [--tiny] --cp 1,2 [--impl MODULE] [--json PATH]
     python -m verify model --catalogue [--cp 1,2] [--md docs/models.md] [--json PATH]   (every model type, classed)
@@ -90,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     conf.add_argument("--backend", default=None)
     conf.add_argument("--md", metavar="PATH", help="write the Markdown report here")
     conf.add_argument("--json", metavar="PATH", help="write the JSON report here")
+    conf.add_argument("--trainers", action="store_true",
+                      help="also the Trainers section: one step at CP 2 through our trainers, accelerate's CP and TRL")
+    conf.add_argument("--trainer-rows", default=None, metavar="PATH:MODEL,...",
+                      help="the Trainers rows (default: every path x llama, qwen3_5; see verify/trainers.py)")
+    conf.add_argument("--trainer-timeout", type=float, default=300.0, help="deadline of one Trainers row, seconds")
+    conf.add_argument("--ringmaster-state", action="store_true",
+                      help="also axolotl-ringmaster's state passing on packed documents (verify/ringmaster_state.py)")
 
     plan = sub.add_parser("plan", help="inspect the exchange plan of a layout: needed tokens, bytes per mode, work per rank")
     plan.add_argument("--seqlens", help="document lengths of one row, e.g. 300,20,700 (rows separated by /)")

@@ -154,6 +154,14 @@ def write_markdown(path: str, data: dict[str, Any]) -> None:
     if skipped:
         lines += ["", "## Skipped", ""]
         lines += [f"- `{n}`: {e['unavailable']}" for n, e in skipped]
+    if data.get("ringmaster_state"):
+        from .ringmaster_state import markdown as state_markdown
+
+        lines += [""] + state_markdown(data["ringmaster_state"])
+    if data.get("trainers"):
+        from .trainers import markdown
+
+        lines += [""] + markdown(data["trainers"])
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -214,12 +222,31 @@ def main(args) -> int:
     torch.set_num_threads(1)
     console = make_console()
     impls = [s.strip() for s in args.impls.split(",")] if args.impls else list(ADAPTERS)
+    impls = [] if impls == ["none"] else impls
+    trainer_rows = None
+    if getattr(args, "trainers", False):
+        from .trainers import trainer_rows as parse_rows
+
+        trainer_rows = parse_rows(args.trainer_rows)  # refused before any case runs
     cps = tuple(int(c) for c in args.cp.split(","))
     dtypes = tuple(d.strip() for d in args.dtypes.split(","))
     layouts = [s.strip() for s in args.layouts.split(",")] if args.layouts else None
     cases = conformance_cases(cps, dtypes, layouts=layouts)
     console.print(f"conformance: {len(impls)} implementations x {len(cases)} cases", markup=False)
     data = run_conformance(impls, cases, case_timeout=args.case_timeout, console=console, backend=args.backend or "gloo")
+    state = getattr(args, "ringmaster_state", False)
+    if trainer_rows is not None or state:
+        from .pool import WorkerPool
+        from .trainers import CP, run_trainer_rows
+
+        with WorkerPool(CP, collective_timeout=args.trainer_timeout, keep_after_uniform_error=True) as pool:
+            if trainer_rows is not None:
+                data["trainers"] = run_trainer_rows(trainer_rows, timeout=args.trainer_timeout, console=console,
+                                                    pool=pool)
+            if state:
+                from .ringmaster_state import run_state_rows
+
+                data["ringmaster_state"] = run_state_rows(pool, timeout=args.trainer_timeout, console=console)
     if args.json:
         import os
 
@@ -237,4 +264,9 @@ def _exit_status(data: dict[str, Any], console) -> int:
         f"{n}: " + (", ".join(f"{c} {k}" for c, k in e["counts"].items() if k) if not e["unavailable"] else "skipped")
         for n, e in data["impls"].items()), markup=False)
     ours = data["impls"].get("blockdiag_dist")
-    return 1 if ours and not ours["unavailable"] and ours["counts"]["pass"] != len(ours["cells"]) else 0
+    ours_trainers = [r for r in (data.get("trainers") or {}).get("rows", []) if r["path"].startswith("blockdiag-")]
+    if ours_trainers:
+        console.print("trainers: " + "; ".join(f"{r['path']} {r['model']}: {r['cls']}" for r in data["trainers"]["rows"]),
+                      markup=False)
+    failed = ours and not ours["unavailable"] and ours["counts"]["pass"] != len(ours["cells"])
+    return 1 if failed or any(r["cls"] != "pass" for r in ours_trainers) else 0

@@ -28,6 +28,8 @@ ADAPTERS: dict[str, str] = {
     "ring_attention": "verify.adapters.ring_attention",
     "torch_cp": "verify.adapters.torch_cp",
     "ring_flash_attn": "verify.adapters.ring_flash_attn",
+    "ringmaster": "verify.adapters.ringmaster",
+    "ringmaster_ulysses": "verify.adapters.ringmaster_ulysses",
 }
 
 
