@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .mixers._common import active_state
 from .state import StepState
 
 __all__ = ["DsaIndex", "SCORE_BUDGET", "dsa_attention", "dsa_index_bytes"]
@@ -120,7 +121,7 @@ def dsa_attention(
     selection: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    state: StepState,
+    state: StepState | None = None,
 ) -> tuple[Tensor, Tensor]:
     """DSA per document over this rank's rows: ``(out [B, H, L, Dv], selection int64 [B, L, K])``.
 
@@ -133,12 +134,19 @@ def dsa_attention(
         index: the indexer's inputs (:class:`DsaIndex`) to select with, or
         selection: ``[B, L, K]`` an earlier layer's selection (GLM-5's shared layers), positions in the document.
         scale: the attention's softmax scale. dropout_p: attention dropout (SDPA's).
-        state: the active step (:func:`blockdiag_dist.current_state`).
+        state: the step (default: the active one, :func:`blockdiag_dist.current_state`).
 
     Padding rows are exactly 0 and their selection ``-1``; latents at padding positions get no gradient.
     Raises ``ValueError`` (the same on every rank, before any collective) on inputs of the wrong shape.
     """
+    state = active_state(state, query, "dsa_attention")
     _check(query, latent, index, selection, topk, state.local_len)
+    return _dsa(query, latent, expand, topk, index, selection, scale, dropout_p, state, _pieces)
+
+
+def _dsa(query: Tensor, latent: Tensor, expand, topk: int, index: DsaIndex | None, selection: Tensor | None,
+         scale: float | None, dropout_p: float, state: StepState, plan_pieces) -> tuple[Tensor, Tensor]:
+    """:func:`dsa_attention` with the candidates of each piece's queries from ``plan_pieces(state, wp)``."""
     B, H, L, _ = query.shape
     F_lat = latent.shape[-1]
     wp = state.agreed_window_plan(-1)
@@ -148,7 +156,7 @@ def dsa_attention(
     if index is not None:  # one message: latents and (detached) indexer keys side by side
         tok = torch.cat([tok, index.key.detach().reshape(B * L, -1).to(tok.dtype)], dim=1)
     buf = state.exchange(tok, wp)  # [Tk, F (+ Di)]
-    pieces = state.mixer_plan(("dsa", -1), lambda: _pieces(state, wp))
+    pieces = state.mixer_plan(("dsa", plan_pieces), lambda: plan_pieces(state, wp))
     keys_all, values_all = expand(buf[:, :F_lat])  # [Tk, H, D], [Tk, H, Dv]
     index_keys = None if index is None else buf[:, F_lat:].detach().float()
     longest = int(state.docs.doc_spans[:, 2].sub(state.docs.doc_spans[:, 1]).max()) if state.docs.doc_spans.numel() else 1
