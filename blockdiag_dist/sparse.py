@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .mixers._common import active_state
+from .mixers._common import active_state, bind
 from .state import StepState
 
 __all__ = ["DsaIndex", "SCORE_BUDGET", "dsa_attention", "dsa_index_bytes"]
@@ -188,6 +188,11 @@ def _dsa(query: Tensor, latent: Tensor, expand, topk: int, index: DsaIndex | Non
             o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                                dropout_p=dropout_p, scale=scale)
             out[p.row, l0:l1] = o[0].transpose(0, 1)
+    # the exchange and the query stay in the graph on a rank whose rows use none of them (padding only): the
+    # exchange's backward collective runs on every rank, the query gets its (zero) gradient (an empty slice's sum:
+    # exactly 0, whatever the tensors hold)
+    out = out + (buf[:0].sum() + query.reshape(-1)[:0].sum()).to(out.dtype)
+    bind(out, (query, latent), state)
     return out.transpose(1, 2), sel_out
 
 
