@@ -64,12 +64,15 @@ def dsa_steps(S: int, seed: int, reps: int) -> dict:
 
 
 def bench_dsa(S: int = 8192, reps: int = 3, seed: int = 0, timeout: float = 1800) -> dict:
-    """CP 2 (two processes, half the cores each) against CP 1 (one process, every core), and the bytes."""
+    """CP 2 (two processes, half the cores each) against CP 1 (one process, every core; and one process on one
+    core, the work of the two ranks summed: what CP 2 costs over the same work undivided), and the bytes."""
     cores = os.cpu_count() or 1
     before = torch.get_num_threads()
-    torch.set_num_threads(cores)
     try:
+        torch.set_num_threads(cores)
         single = dsa_steps(S, seed, reps)
+        torch.set_num_threads(1)
+        one_core = dsa_steps(S, seed, reps)
     finally:
         torch.set_num_threads(before)
     with WorkerPool(2, threads_per_worker=max(1, cores // 2), collective_timeout=timeout) as pool:
@@ -78,5 +81,6 @@ def bench_dsa(S: int = 8192, reps: int = 3, seed: int = 0, timeout: float = 1800
     r0 = per_rank[0]
     return {"S": S, "topk": TOPK, "heads": H, "head_dims": [D, DV], "latent": F, "indexer": [HI, DI], "dtype": "float32",
             "docs": r0["docs"], "cores": cores, "single_seconds": single["seconds"], "cp2_seconds": cp2,
+            "one_core_seconds": one_core["seconds"], "cp2_over_one_core": cp2 / one_core["seconds"],
             "cp2_over_single": cp2 / single["seconds"], "mode": r0["mode"], "recv_bytes_per_rank": r0["recv_bytes"],
             "min_recv_bytes_per_rank": r0["min_recv_bytes"], "allgather_recv_bytes_per_rank": r0["allgather_recv_bytes"]}
