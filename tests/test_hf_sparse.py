@@ -1,6 +1,7 @@
 """DeepSeek Sparse Attention models (DeepSeek-V3.2; GLM-5 with its shared-indexer layers) train under CP with the
 same few lines as Llama: the loss and every parameter's gradient equal each document run alone on one device
-(stock ``sdpa``), at CP 1, 2, 4, on contiguous and balanced layouts, in float64. (Refused by the guard before:
+(stock ``sdpa``), at CP 1, 2, 4, on contiguous and balanced layouts, with activation checkpointing (reentrant and
+not) and without, in float64. (Refused by the guard before:
 their indexer read the documents from a mask that a registered attention does not get.)
 
 What the models compute in float32 whatever their dtype (identical op for op in the truth and under CP, see
@@ -55,24 +56,24 @@ def test_cp1_matches_each_document_alone_and_the_selection_matters():
     assert dense.per_param["model.layers.0.self_attn.q_b_proj.weight"] > 1e-2, dense.summary()
 
 
-CP_RUNS = {  # CP size -> (family, layout)
-    2: [("deepseek_v32", "balanced"), ("glm_moe_dsa", "contiguous")],
-    4: [("deepseek_v32", "contiguous"), ("glm_moe_dsa", "balanced")],
+CP_RUNS = {  # CP size -> (family, layout, activation checkpointing)
+    2: [("deepseek_v32", "balanced", None), ("glm_moe_dsa", "contiguous", "non_reentrant")],
+    4: [("deepseek_v32", "contiguous", "reentrant"), ("glm_moe_dsa", "balanced", None)],
 }
 
 
 @pytest.mark.parametrize("cp", sorted(CP_RUNS))
 def test_cp_matches_each_document_alone(pools, cp):
     runs = CP_RUNS[cp]
-    calls = [((family,), {"layout": layout}) for family, layout in runs]
-    names = [f"{family} cp{cp} {layout}" for family, layout in runs]
+    calls = [((family,), {"layout": layout, "checkpointing": ck}) for family, layout, ck in runs]
+    names = [f"{family} cp{cp} {layout} ckpt={ck}" for family, layout, ck in runs]
     found = []
-    for name, (family, _), per_rank in zip(names, runs, pools(cp).run_many(cp_parity_step, calls, timeout=TIMEOUT,
+    for name, (family, _, _), per_rank in zip(names, runs, pools(cp).run_many(cp_parity_step, calls, timeout=TIMEOUT,
                                                                            names=names)):
         assert isinstance(per_rank, list), per_rank
         found += problems(name, family, per_rank[0])
     ids = dsa_batch(dsa_docs())["_packed_seq_ids"]
-    for _, layout in runs:  # documents cross ranks: indexer keys and latents move
+    for _, layout, _ in runs:  # documents cross ranks: indexer keys and latents move
         assert sum(plan_step(ids, cp, layout).exchange(-1).needed_tokens()) > 0
     assert not found, "\n".join(found)
 

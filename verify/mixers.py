@@ -310,8 +310,13 @@ def check_mixer_case(case: Case, impl, cp_mesh, rank: int, world: int, device: t
         calls = 2 if case.checkpoint != "none" else 1  # a checkpoint's recompute exchanges again
         m.equal("mixer_recv_elements_fwd", sum(e.recv_elements for e in fwd), 0 if want is None else calls * want)
         info["mode"] = "local" if want is None else ("history" if case.layer == "conv" else "summary")
-        if case.layer == "sparse":  # the keys' exchange: the attention's, for an unbounded window
+        if case.layer == "sparse":  # the keys' exchange: the attention's, for an unbounded window, needed-only
             info["mode"] = state.window_plan(-1).mode
+            n = _sizes(case)
+            needed = state.comm_report(-1)["min_recv"][rank] if info["mode"] != "allgather" else None
+            got = state.traffic.totals("forward")["recv_elements"]
+            if needed is not None:  # latents and indexer keys of each needed token, once per forward
+                m.equal("dsa_recv_elements_fwd", got, calls * needed * (n["F"] + n["D"]))
         info["notes"] = list(getattr(state, "notes", []))
         if case.layer == "conv":  # the history tokens that arrived, checked by the parent against the reference mask
             info["arrived"] = [list(e.recv_by_source) for e in fwd]
