@@ -160,6 +160,7 @@ def _dsa(query: Tensor, latent: Tensor, expand, topk: int, index: DsaIndex | Non
     keys_all, values_all = expand(buf[:, :F_lat])  # [Tk, H, D], [Tk, H, Dv]
     index_keys = None if index is None else buf[:, F_lat:].detach().float()
     longest = int(state.docs.doc_spans[:, 2].sub(state.docs.doc_spans[:, 1]).max()) if state.docs.doc_spans.numel() else 1
+    longest = max([longest] + [p.doc_len for p in pieces])  # (the candidates' row: its document's, here)
     K = min(topk, longest) if selection is None else selection.shape[-1]
     sel_out = torch.full((B, L, K), -1, dtype=torch.int64, device=query.device)
     out = query.new_zeros(B, L, H, values_all.shape[-1])
