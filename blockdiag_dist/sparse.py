@@ -37,7 +37,7 @@ from torch import Tensor
 from .mixers._common import active_state, bind
 from .state import StepState
 
-__all__ = ["DsaIndex", "SCORE_BUDGET", "dsa_attention", "dsa_index_bytes"]
+__all__ = ["DsaIndex", "SCORE_BUDGET", "dsa_attention"]
 
 SCORE_BUDGET = 1 << 22  # elements of one chunk's score tensor ([c, max(H, Hi), n]); bounds the working memory
 
@@ -167,16 +167,21 @@ def _dsa(query: Tensor, latent: Tensor, expand, topk: int, index: DsaIndex | Non
     heads = max(H, 1 if index is None else index.query.shape[2])
     for p in pieces:
         n_prefix = p.offset + p.length
-        chunk = max(1, SCORE_BUDGET // (heads * n_prefix))
+        # a chunk's scores [c, heads, n] and its top-k row [c, doc_len] stay within the budget
+        chunk = max(1, SCORE_BUDGET // max(heads * n_prefix, p.doc_len))
+        # the prefix's keys and values gathered once per piece: every chunk's are views of them (SDPA saves views
+        # for backward, not a copy per chunk)
+        k_piece = keys_all[p.key_rows].transpose(0, 1)  # [H, n_prefix, D]
+        v_piece = values_all[p.key_rows].transpose(0, 1)
+        keys_f32 = None if index is None else index_keys[p.key_rows]
         for c0 in range(0, p.length, chunk):
             c1 = min(p.length, c0 + chunk)
             l0, l1 = p.local_start + c0, p.local_start + c1
             n = p.offset + c1  # keys of the document up to the chunk's last query
-            rows = p.key_rows[:n]
             i = p.offset + c0 + torch.arange(c1 - c0, device=query.device).unsqueeze(1)
             if index is not None:
                 with torch.no_grad():
-                    chosen = _select(index, index_keys[rows], p.row, l0, l1, p.offset + c0, p.doc_len, topk)
+                    chosen = _select(index, keys_f32[:n], p.row, l0, l1, p.offset + c0, p.doc_len, topk)
                 sel_out[p.row, l0:l1, : chosen.shape[1]] = chosen
             else:
                 chosen = selection[p.row, l0:l1].long()
@@ -184,8 +189,7 @@ def _dsa(query: Tensor, latent: Tensor, expand, topk: int, index: DsaIndex | Non
             ok = (chosen >= 0) & (chosen <= i)
             mask = _selected_mask(chosen, ok, n)
             q = query[p.row, :, l0:l1]  # [H, c, D]
-            k = keys_all[rows].transpose(0, 1)  # [H, n, D]
-            v = values_all[rows].transpose(0, 1)
+            k, v = k_piece[:, :n], v_piece[:, :n]  # [H, n, D], [H, n, Dv]
             o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                                dropout_p=dropout_p, scale=scale)
             out[p.row, l0:l1] = o[0].transpose(0, 1)
@@ -203,8 +207,3 @@ def _selected_mask(chosen: Tensor, ok: Tensor, n: int) -> Tensor:
     mask.scatter_(1, torch.where(ok, chosen, n), True)  # not seen -> a spare column
     return mask[:, :n]
 
-
-def dsa_index_bytes(state: StepState, bytes_per_token: int) -> dict:
-    """What the DSA exchange moves per rank (its keys: indexer keys and latents, ``bytes_per_token`` each) with
-    the chosen exchange, needed-only, and an all-gather (:meth:`StepState.comm_report` of the unbounded window)."""
-    return state.comm_report(-1, bytes_per_token=bytes_per_token)
