@@ -26,6 +26,7 @@ from .dist import consensus_cost, peak_memory, timed_steps
 from .hybrid import bench_hybrid
 from .kernel import bench_kernel, bench_scaling
 from .plan import bench_plan
+from .sparse import bench_dsa
 from .peers import bench_peers
 from .trainer import bench_trainer
 from .vision import vision_steps
@@ -180,6 +181,7 @@ def run(quick: bool, only: list[str] | None = None) -> dict:
                                                                         (1 << 20, 64, "mean2k", "auto")))))
     sections.append(("hybrid", lambda: bench_hybrid((4096,) if quick else (8192, 32768), reps=1,
                                                     mem_S=8192 if quick else 32768, rounds=1 if quick else 2, console=console)))
+    sections.append(("sparse", lambda: bench_dsa(4096 if quick else 16384, reps=2 if quick else 3)))
     if only:
         unknown = sorted(set(only) - {n for n, _ in sections})
         if unknown:

@@ -206,6 +206,19 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                       f"{t['ratio']:.3f} (goal <= {t['goal']:.2f}: {met})"]]))
     if "hybrid" in res:
         out += hybrid_tables(res["hybrid"])
+    if "sparse" in res:
+        d = res["sparse"]
+        ag = max(d["allgather_recv_bytes_per_rank"])
+        out.append((f"DeepSeek Sparse Attention (dsa_attention): fwd+bwd, float32, S={d['S']} ({d['docs']} long-tail documents), "
+                    f"top-{d['topk']}, H={d['heads']}, D={d['head_dims'][0]}/{d['head_dims'][1]}, latent {d['latent']}, "
+                    f"indexer {d['indexer'][0]}x{d['indexer'][1]}; CP 2 (2 processes, half the cores each) against one process "
+                    f"on the same {d['cores']} cores; bytes of latents and indexer keys received per rank",
+                    ["single ms", "CP 2 ms", "CP 2 / single", "single on 1 core ms", "CP 2 / it", "exchange", "recv bytes per rank", "needed-only", "all-gather",
+                     "max recv / all-gather"],
+                    [[f"{d['single_seconds'] * 1e3:.0f}", f"{d['cp2_seconds'] * 1e3:.0f}", f"{d['cp2_over_single']:.2f}x",
+                      f"{d['one_core_seconds'] * 1e3:.0f}", f"{d['cp2_over_one_core']:.2f}x", d["mode"],
+                      str(d["recv_bytes_per_rank"]), str(d["min_recv_bytes_per_rank"]), str(d["allgather_recv_bytes_per_rank"]),
+                      f"{max(d['recv_bytes_per_rank']) / ag:.3f}" if ag else "-"]]))
     return out
 
 

@@ -12,6 +12,7 @@ from .mixers import causal_conv, gated_delta_rule, ssd
 from .options import CPOptions, configure_cp_varlen
 from .plan import ExchangePlan, ShardPlan, StepPlan, choose_layout, plan_exchange, plan_shards, plan_step
 from .runtime import cp_blockdiag_sdpa, sdpa_routing
+from .sparse import DsaIndex, dsa_attention
 from .sharding import gather_sequence, shard_tensor, unshard
 from .state import AttentionNotRoutedError, PlanMismatchError, StepState, current_state
 
@@ -19,6 +20,7 @@ __all__ = [
     "AttentionNotRoutedError",
     "CPOptions",
     "DocPlan",
+    "DsaIndex",
     "ExchangePlan",
     "PlanMismatchError",
     "Piece",
@@ -28,6 +30,7 @@ __all__ = [
     "StepState",
     "_cp_blockdiag_doc_ids",
     "choose_layout",
+    "dsa_attention",
     "configure_cp_varlen",
     "causal_conv",
     "cp_blockdiag_sdpa",
@@ -46,3 +49,4 @@ __all__ = [
 ]
 
 from .integrations import hf_mixers as _hf_mixers  # noqa: E402,F401 - registers the Gated DeltaNet and Mamba2 installers
+from .integrations import hf_sparse as _hf_sparse  # noqa: E402,F401 - registers the DeepSeek Sparse Attention installers

@@ -111,7 +111,10 @@ KNOWN_MIXERS: dict[str, str] = {
     # attention over compressed blocks (DeepSeek-V4), byte patching (BLT)
     "DeepseekV4HCACompressor": "compressed_attention", "DeepseekV4CSACompressor": "compressed_attention",
     "DeepseekV4Indexer": "compressed_attention",
-    # sparse attention over indexer-selected keys (DeepSeek-V3.2 DSA and its descendants)
+    # sparse attention over indexer-selected keys (DeepSeek-V3.2 DSA and its descendants). DeepSeek-V3.2's and
+    # GLM-5's attention layers are computed per document (blockdiag_dist.integrations.hf_sparse installs them: their
+    # indexers inside are then theirs); an indexer met in any other layer is refused
+    "DeepseekV32Attention": "sparse_attention", "GlmMoeDsaAttention": "sparse_attention",
     "DeepseekV32Indexer": "sparse_attention", "AXK2Indexer": "sparse_attention", "Dots3NoteTextIndexer": "sparse_attention",
     "Glm5NextTextIndexer": "sparse_attention", "GlmMoeDsaIndexer": "sparse_attention", "HYV4Indexer": "sparse_attention",
     "HYV4VLIndexer": "sparse_attention", "MiniMaxM3VLIndexer": "sparse_attention",

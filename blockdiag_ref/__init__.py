@@ -3,13 +3,15 @@
 Main entries: :class:`DocLayout` (documents of packed rows), :func:`doc_ids_from_batch` (doc ids from a
 training batch) and :func:`reference_attention` (float64 per-document causal attention); for hybrid models
 :func:`reference_causal_conv`, :func:`reference_gated_delta_rule`, :func:`reference_ssd` and
-:func:`reference_mamba2_mixer` (float64, token by token per document).
+:func:`reference_mamba2_mixer` (float64, token by token per document); for indexer-selected sparse attention
+(DeepSeek-V3.2's DSA) :func:`reference_dsa_attention` (:mod:`blockdiag_ref.sparse`).
 """
 
 from .attention import reference_attention
 from .batch import doc_ids_from_4d_mask, doc_ids_from_batch, doc_ids_from_position_ids
 from .layout import DocLayout, normalize_chunk, normalize_window
 from .recurrence import reference_causal_conv, reference_gated_delta_rule, reference_mamba2_mixer, reference_ssd
+from .sparse import reference_dsa_attention, reference_dsa_select, reference_sparse_attention
 
 __all__ = [
     "DocLayout",
@@ -20,7 +22,10 @@ __all__ = [
     "normalize_window",
     "reference_attention",
     "reference_causal_conv",
+    "reference_dsa_attention",
+    "reference_dsa_select",
     "reference_gated_delta_rule",
     "reference_mamba2_mixer",
+    "reference_sparse_attention",
     "reference_ssd",
 ]

@@ -5,8 +5,8 @@ every rank at CP 1 and CP 2 with a message naming the layer or variant, before a
 
 Families computed per document instead (Gated DeltaNet, sinks, chunked attention, softcap, vision-language
 models; the Mamba2 layers of Nemotron-H, Bamba, Granite-4 hybrids, Zamba2, Falcon-H1 and Mamba2 itself; LFM2's
-short convolutions) have parity tests of their own (test_hybrid*, test_hf_hybrid, test_hf_mamba2,
-test_hf_short_conv, test_attention_variants*, test_vlm)."""
+short convolutions; DeepSeek-V3.2's and GLM-5's sparse attention) have parity tests of their own (test_hybrid*,
+test_hf_hybrid, test_hf_mamba2, test_hf_short_conv, test_attention_variants*, test_vlm, test_hf_sparse)."""
 
 from __future__ import annotations
 
@@ -67,10 +67,11 @@ FAMILIES = [
     pytest.param("bart", dict(vocab_size=128, d_model=64, encoder_ffn_dim=64, decoder_ffn_dim=64,
                               encoder_attention_heads=4, decoder_attention_heads=4, decoder_layers=2),
                  "UnsupportedLayerError", r"\(BartDecoder\).*positional embedding computed from the row", id="bart-row-positions"),
-    pytest.param("deepseek_v32", dict(_DECODER, num_key_value_heads=4, **_MLA, **_MOE, q_lora_rank=32, n_routed_experts=4,
-                                      n_group=1, topk_group=1, index_topk=4, index_head_dim=16, index_n_heads=2,
-                                      first_k_dense_replace=1, num_hidden_layers=2),
-                 "UnsupportedLayerError", r"\(DeepseekV32Indexer\).*sparse attention", id="deepseek-v32-sparse"),
+    # DSA of A.X-K2 (DeepSeek-V3.2's and GLM-5's are computed per document: test_hf_sparse)
+    pytest.param("axk2", dict(_DECODER, num_key_value_heads=4, **_MLA, **_MOE, q_lora_rank=32, n_routed_experts=4,
+                              index_topk=4, index_head_dim=16, index_n_heads=2, num_hidden_layers=2, bos_token_id=1,
+                              eos_token_id=2),
+                 "UnsupportedLayerError", r"\(AXK2Indexer\).*sparse attention", id="axk2-sparse"),
     pytest.param("llama4_text", dict(_DECODER, head_dim=16, intermediate_size_mlp=64, num_local_experts=2,
                                      num_hidden_layers=2, no_rope_layers=[1, 0], attention_chunk_size=None,
                                      layer_types=["full_attention", "full_attention"], attn_temperature_tuning=True,

@@ -20,7 +20,8 @@ Rows = tuple[tuple[tuple[int, int], ...], ...]  # rows of (doc id, run length)
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 SOURCES = ("packed", "mask4d", "mask2d")
 CHECKPOINTS = ("none", "reentrant", "nonreentrant")
-LAYERS = ("attention", "conv", "gated_delta", "mamba2")  # the layer a case judges (verify.runner; verify.mixers for the others)
+LAYERS = ("attention", "conv", "gated_delta", "mamba2", "sparse")  # the layer a case judges (verify.runner; verify.mixers
+# for the others: sparse = DeepSeek Sparse Attention, the indexer's top-k per document)
 
 
 def parse_rows(text: str) -> Rows:
@@ -85,7 +86,7 @@ class Case:
     backend: str | None = None  # SDPA backend forced on the implementation (e.g. "math"); None = torch's choice
     gain: float = 2.0  # gain of the q and k projections: scores have a standard deviation of about gain ** 2
     layer: str = "attention"  # attention | conv (causal depthwise convolution) | gated_delta (Gated DeltaNet) | mamba2 (SSD)
-    width: int = 4  # the convolution's width (layer conv)
+    width: int = 4  # the convolution's width (layer conv); the indexer's top-k (layer sparse)
     sinks: bool = False  # attention sinks: one learned logit per query head (drawn ~ N(0, 2^2)), its gradient checked
     softcap: float = 0.0  # logit soft-capping softcap * tanh(scores / softcap); 0 = none
     chunk: int = -1  # chunked local attention: chunks of this many positions from each document's start; -1 = none
@@ -140,7 +141,8 @@ class Case:
         gain = f" gain{self.gain:g}" if self.gain != 2.0 else ""
         if self.layer != "attention":
             kind = {"conv": f"conv w{self.width} C{self.hq * self.dim}", "gated_delta": f"gdr {self.hq}:{self.hkv}x{self.dim}",
-                    "mamba2": f"ssd {self.hq}:{self.hkv}x{self.dim}"}[self.layer]
+                    "mamba2": f"ssd {self.hq}:{self.hkv}x{self.dim}",
+                    "sparse": f"dsa top{self.width} {self.hq}x{self.dim} idx{self.hkv}"}[self.layer]
             return f"{kind} {self.name} cp{self.cp} {self.layout or ''} {self.dtype}{ckpt}".replace("  ", " ")
         var = ("" if not self.sinks else " sinks") + (f" cap{self.softcap:g}" if self.softcap > 0 else "") + (
             f" chunk{self.chunk}" if self.chunk > 0 else "")
@@ -166,7 +168,7 @@ class Case:
         if self.chunk > 0:
             a += ["--chunk", str(self.chunk)]
         if self.layer != "attention":
-            a += ["--layer", self.layer] + (["--width", str(self.width)] if self.layer == "conv" else [])
+            a += ["--layer", self.layer] + (["--width", str(self.width)] if self.layer in ("conv", "sparse") else [])
         for flag, value in (("--kernel", self.kernel), ("--exchange", self.exchange), ("--layout", self.layout)):
             if value:
                 a += [flag, value]
@@ -202,7 +204,7 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gain", type=float, default=2.0, help="q/k projection gain; scores have std ~ gain**2 (peaked softmax from ~4)")
     p.add_argument("--sdpa-backend", default=None, help="force the implementation onto one SDPA backend (math, flash_attention, ...)")
     p.add_argument("--layer", default="attention", choices=LAYERS, help="the layer judged: attention, or a mixer of hybrid models")
-    p.add_argument("--width", type=int, default=4, help="the convolution's width (--layer conv)")
+    p.add_argument("--width", type=int, default=4, help="the convolution's width (--layer conv), the indexer's top-k (--layer sparse)")
     p.add_argument("--sinks", action="store_true", help="attention sinks: one learned logit per query head")
     p.add_argument("--softcap", type=float, default=0.0, help="logit soft-capping softcap * tanh(scores / softcap)")
     p.add_argument("--chunk", type=int, default=-1, help="chunked local attention: chunk length from each document's start")

@@ -9,7 +9,13 @@ The blocks (``case.layer``):
   -> the gated delta rule -> ``Wo`` -> summed cross-entropy;
 - ``mamba2``: ``x`` -> ``xs = x Wx [B, S, H, Dh]`` (``H = case.hq``, ``Dh = case.dim``), ``dt = softplus(x Wdt +
   dt_bias) [B, S, H]``, ``B, C = x Wb, x Wc [B, S, G, N]`` (``G = case.hkv``, ``N = case.dim + 1``), ``A = -exp(A_log)``,
-  ``D`` -> Mamba2's SSD -> ``Wo`` -> summed cross-entropy.
+  ``D`` -> Mamba2's SSD -> ``Wo`` -> summed cross-entropy;
+- ``sparse``: DeepSeek Sparse Attention: ``q = x Wq [B, S, H, D]`` (``H = case.hq``, ``D = case.dim``), a latent
+  ``c = x Wl [B, S, D + 2]`` expanded to keys ``c Wk`` and values ``c Wv [., H, D + 1]``; an indexer of ``case.hkv``
+  heads of ``D`` whose queries, keys and weights are small integers drawn per position (the indexer has no
+  gradient, and its scores are then exact in every dtype: the same top-k, ties included, in the reference and the
+  implementation) keeping the top ``case.width`` keys of each query's document prefix -> attention over them ->
+  ``Wo`` -> summed cross-entropy.
 
 1. reference: float64, single device, ``blockdiag_ref.reference_causal_conv`` / ``reference_gated_delta_rule`` /
    ``reference_ssd``
@@ -36,7 +42,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
 
-from blockdiag_ref import reference_causal_conv, reference_gated_delta_rule, reference_ssd
+from blockdiag_ref import reference_causal_conv, reference_dsa_attention, reference_gated_delta_rule, reference_ssd
 
 from .case_io import Metrics, impl_batch, summed_over_ranks
 from .cases import Case
@@ -44,13 +50,26 @@ from .cases import Case
 __all__ = ["MIXER_LAYERS", "check_mixer_case", "mixer_expected", "mixer_inputs", "mixer_summed_metrics"]
 
 VOCAB = 11
-MIXER_LAYERS = {"conv": "causal_conv", "gated_delta": "gated_delta_rule", "mamba2": "ssd"}  # layer -> the module's function
+MIXER_LAYERS = {"conv": "causal_conv", "gated_delta": "gated_delta_rule", "mamba2": "ssd", "sparse": "dsa_attention"}  # layer -> the module's function
 BASELINE = "reference-in-dtype"
 
 
 def _sizes(case: Case) -> dict[str, int]:
     return {"E": case.hidden, "C": case.hq * case.dim, "Hv": case.hq, "Hk": case.hkv, "K": case.dim, "V": case.dim + 1,
-            "H": case.hq, "G": case.hkv, "Dh": case.dim, "N": case.dim + 1}
+            "H": case.hq, "G": case.hkv, "Dh": case.dim, "N": case.dim + 1, "F": case.dim + 2, "Hi": case.hkv,
+            "D": case.dim, "Dv": case.dim + 1}
+
+
+INDEX_SCALE = 0.5  # the indexer's scale: a power of two keeps its integer scores exact
+
+
+def index_inputs(case: Case) -> dict[str, Tensor]:
+    """The indexer's inputs of a ``sparse`` case, ``[B, S, ...]`` float64 small integers (exact in every dtype):
+    ``iq [B, S, Hi, D]``, ``ik [B, S, D]``, ``iw [B, S, Hi]``. Identical on every rank (one seeded generator)."""
+    g = torch.Generator().manual_seed(3000 + case.seed)
+    B, S, n = case.batch_size, case.seq_len, _sizes(case)
+    draw = lambda *shape: torch.randint(-2, 3, shape, generator=g).to(torch.float64)  # noqa: E731
+    return {"iq": draw(B, S, n["Hi"], n["D"]), "ik": draw(B, S, n["D"]), "iw": draw(B, S, n["Hi"])}
 
 
 def mixer_inputs(case: Case) -> dict[str, Tensor]:
@@ -77,6 +96,9 @@ def mixer_inputs(case: Case) -> dict[str, Tensor]:
         out.update(wx=w(n["E"], n["H"] * n["Dh"]), wdt=w(n["E"], n["H"]), dt_bias=0.3 * w(n["H"], fan=1) + 1.0,
                    A_log=A_log, wb=w(n["E"], n["G"] * n["N"]), wc=w(n["E"], n["G"] * n["N"]),
                    D=w(n["H"], fan=1), wo=w(n["H"] * n["Dh"], VOCAB))
+    elif case.layer == "sparse":
+        out.update(wq=w(n["E"], n["H"] * n["D"]), wl=w(n["E"], n["F"]), wk=w(n["F"], n["H"] * n["D"]),
+                   wv=w(n["F"], n["H"] * n["Dv"]), wo=w(n["H"] * n["Dv"], VOCAB))
     else:
         out.update(wq=w(n["E"], n["Hk"] * n["K"]), wk=w(n["E"], n["Hk"] * n["K"]), wv=w(n["E"], n["Hv"] * n["V"]),
                    wa=w(n["E"], n["Hv"]), wb=w(n["E"], n["Hv"]), wo=w(n["Hv"] * n["V"], VOCAB))
@@ -84,8 +106,9 @@ def mixer_inputs(case: Case) -> dict[str, Tensor]:
 
 
 WEIGHTS = {"conv": ("wu", "weight", "bias", "wo"), "gated_delta": ("wq", "wk", "wv", "wa", "wb", "wo"),
-           "mamba2": ("wx", "wdt", "dt_bias", "A_log", "wb", "wc", "D", "wo")}
-MIXER_INPUTS = {"conv": ("u",), "gated_delta": ("q", "k", "v", "g", "beta"), "mamba2": ("xs", "dt", "Bm", "Cm")}
+           "mamba2": ("wx", "wdt", "dt_bias", "A_log", "wb", "wc", "D", "wo"), "sparse": ("wq", "wl", "wk", "wv", "wo")}
+MIXER_INPUTS = {"conv": ("u",), "gated_delta": ("q", "k", "v", "g", "beta"), "mamba2": ("xs", "dt", "Bm", "Cm"),
+                "sparse": ("q", "latent")}
 
 
 def _block(case: Case, x: Tensor, ws: dict[str, Tensor], labels: Tensor, mix) -> dict[str, Tensor]:
@@ -105,6 +128,16 @@ def _block(case: Case, x: Tensor, ws: dict[str, Tensor], labels: Tensor, mix) ->
             t.retain_grad()
         out = mix(res["xs"], res["dt"], -torch.exp(ws["A_log"]), res["Bm"], res["Cm"], ws["D"])
         feats = out.reshape(B, L, -1).to(x.dtype)
+    elif case.layer == "sparse":
+        res = {"q": (x @ ws["wq"]).view(B, L, n["H"], n["D"]), "latent": x @ ws["wl"]}
+        for t in res.values():
+            t.retain_grad()
+
+        def expand(rows: Tensor) -> tuple[Tensor, Tensor]:  # [T, F] -> keys [T, H, D], values [T, H, Dv]
+            return (rows @ ws["wk"]).view(-1, n["H"], n["D"]), (rows @ ws["wv"]).view(-1, n["H"], n["Dv"])
+
+        out = mix(res["q"].transpose(1, 2), res["latent"], expand).transpose(1, 2)  # [B, L, H, Dv]
+        feats = out.reshape(B, L, -1)
     else:
         q = (x @ ws["wq"]).view(B, L, n["Hk"], n["K"])
         k = (x @ ws["wk"]).view(B, L, n["Hk"], n["K"])
@@ -143,6 +176,16 @@ def _single_device(case: Case, inputs: dict[str, Tensor], dtype: torch.dtype, de
     elif case.layer == "mamba2":
         def mix(xs, dt, A, Bm, Cm, D):
             return reference_ssd(xs, dt, A, Bm, Cm, ids, D=D, dtype=dtype)
+    elif case.layer == "sparse":
+        idx = index_inputs(case)
+
+        def mix(q, latent, expand):
+            B, S = latent.shape[:2]
+            k, v = expand(latent.reshape(B * S, -1))
+            k, v = (t.view(B, S, *t.shape[1:]).transpose(1, 2) for t in (k, v))
+            # scores in float32 as the model computes them (exact here: small integers), topk on the same rows
+            return reference_dsa_attention(q, k, v, idx["iq"], idx["iw"], idx["ik"], ids, case.width,
+                                           index_scale=INDEX_SCALE, score_dtype=torch.float32)[0]
     else:
         def mix(q, k, v, g, beta):
             return reference_gated_delta_rule(q, k, v, g, beta, ids, dtype=dtype)
@@ -182,6 +225,17 @@ def _run_impl(case: Case, impl, inputs: dict[str, Tensor], dtype, device, cp_mes
     elif case.layer == "mamba2":
         def mix(xs, dt, A, Bm, Cm, D):
             return fn(xs, dt, A, Bm, Cm, D)
+    elif case.layer == "sparse":
+        from blockdiag_dist.sparse import DsaIndex
+
+        idx = index_inputs(case)
+        pos = batch["position_ids"].to(torch.int64).clamp(max=case.seq_len - 1).cpu()  # CP padding: any row
+        rows = torch.arange(case.batch_size)[:, None].expand_as(pos)
+        index = DsaIndex(query=idx["iq"][rows, pos].to(device, dtype), key=idx["ik"][rows, pos].to(device, dtype),
+                         weights=idx["iw"][rows, pos].to(device, torch.float32), scale=INDEX_SCALE)
+
+        def mix(q, latent, expand):
+            return fn(q, latent, expand, topk=case.width, index=index)[0]
     else:
         def mix(q, k, v, g, beta):
             return fn(q, k, v, g, beta)
@@ -201,6 +255,8 @@ def _run_impl(case: Case, impl, inputs: dict[str, Tensor], dtype, device, cp_mes
 def _expected_elements(case: Case, state, rank: int) -> int | None:
     """Elements this rank's mixer receives per forward by its plan (None when the plan moves nothing)."""
     n = _sizes(case)
+    if case.layer == "sparse":  # its keys travel in the attention exchange (state.traffic), not the mixers'
+        return None
     if case.layer == "conv":
         from blockdiag_dist.mixers import plan_conv
 
@@ -254,6 +310,13 @@ def check_mixer_case(case: Case, impl, cp_mesh, rank: int, world: int, device: t
         calls = 2 if case.checkpoint != "none" else 1  # a checkpoint's recompute exchanges again
         m.equal("mixer_recv_elements_fwd", sum(e.recv_elements for e in fwd), 0 if want is None else calls * want)
         info["mode"] = "local" if want is None else ("history" if case.layer == "conv" else "summary")
+        if case.layer == "sparse":  # the keys' exchange: the attention's, for an unbounded window, needed-only
+            info["mode"] = state.window_plan(-1).mode
+            n = _sizes(case)
+            needed = state.comm_report(-1)["min_recv"][rank] if info["mode"] != "allgather" else None
+            got = state.traffic.totals("forward")["recv_elements"]
+            if needed is not None:  # latents and indexer keys of each needed token, once per forward
+                m.equal("dsa_recv_elements_fwd", got, calls * needed * (n["F"] + n["D"]))
         info["notes"] = list(getattr(state, "notes", []))
         if case.layer == "conv":  # the history tokens that arrived, checked by the parent against the reference mask
             info["arrived"] = [list(e.recv_by_source) for e in fwd]

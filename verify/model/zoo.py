@@ -59,6 +59,10 @@ PRESETS: dict[str, Preset] = {
          ("layer_types", ["full_attention", "full_attention"]))),
     "gemma2": Preset("gemma2", "logit soft-capping (attention and final), sliding and global layers"),
     "bloom": Preset("bloom", "ALiBi position bias"),
+    "deepseek_v32": Preset("deepseek_v32", "DeepSeek Sparse Attention: the indexer's top-4 of each query's document "
+                           "prefix, MLA over the selected keys"),
+    "glm_moe_dsa": Preset("glm_moe_dsa", "GLM-5: DSA with a shared-indexer layer (reuses the previous layer's top-k)",
+                          (("indexer_types", ["full", "shared"]),)),
 }
 
 

@@ -31,6 +31,8 @@ MIXER_BUGS = {
     "conv_unmasked": "the convolution's history is not masked by document: a document reads the previous one's tail",
     "history_wrong_rank": "the convolution's history is the previous rank's last rows, whatever the layout holds there",
     "ssd_no_decay": "the SSD's fold drops the transitions: a state crossing a piece held elsewhere is not decayed by it",
+    "topk_over_row": "the DSA indexer's candidates are the row's earlier tokens (a global causal mask, as NeMo Automodel's "
+                     "packed path), not the query's document: top-k slots and attention go to other documents",
 }
 
 
@@ -133,12 +135,36 @@ def _conv_prev_rank(x: Tensor, weight: Tensor, bias: Tensor | None = None, activ
     return ACTIVATIONS[activation](out) * (docs.doc_index >= 0)[..., None]
 
 
+def _row_pieces(state, wp):
+    """Each piece's candidates: every earlier token of its row in the key buffer, whatever its document."""
+    from blockdiag_dist.sparse import _Piece
+
+    sp, out = state.plan.shards.padded_len, []
+    for p in state.docs.pieces:
+        flat = p.row * sp + torch.arange(0, p.end)
+        rows = wp.key_index[flat]
+        keep = rows >= 0
+        rows, before = rows[keep], int(keep[: p.start].sum())
+        out.append(_Piece(p.row, p.local_start, p.length, before, before + p.length, rows.to(state.device)))
+    return tuple(out)
+
+
+def dsa_topk_over_row(query: Tensor, latent: Tensor, expand, *, topk: int, index=None, selection=None, scale=None,
+                      dropout_p: float = 0.0, state=None):
+    from blockdiag_dist.sparse import _dsa
+
+    state = active_state(state, query, "dsa_attention")
+    return _dsa(query, latent, expand, topk, index, selection, scale, dropout_p, state, _row_pieces)
+
+
 def mixer_module(bug: str):
     assert bug in MIXER_BUGS, bug
     if bug == "conv_unmasked":
         return _conv_unmasked, good_gdr, good_ssd
     if bug == "history_wrong_rank":
         return _conv_prev_rank, good_gdr, good_ssd
+    if bug == "topk_over_row":
+        return good_conv, good_gdr, good_ssd
     if bug == "ssd_no_decay":
         return good_conv, good_gdr, _ssd(bug)
     return good_conv, _gated_delta(bug), _ssd(bug)

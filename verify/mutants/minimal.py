@@ -31,7 +31,7 @@ __all__ = ["CONVENTIONS", "NAMES", "minimal_adapter"]
 
 CONVENTIONS = Conventions(sources=("packed",), notes=("minimal support: one kernel, one exchange, _packed_seq_ids only",))
 NAMES = ("toy", *BUGS, *(f"mixer_{bug}" for bug in MIXER_BUGS))
-MIXER_FUNCTIONS = ("causal_conv", "gated_delta_rule", "ssd")
+MIXER_FUNCTIONS = ("causal_conv", "gated_delta_rule", "ssd", "dsa_attention")
 
 
 def minimal_adapter(inner_name: str, name: str) -> types.ModuleType:
