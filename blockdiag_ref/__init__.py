@@ -6,9 +6,9 @@ training batch) and :func:`reference_attention` (float64 per-document causal att
 :func:`reference_mamba2_mixer` (float64, token by token per document).
 """
 
-from .attention import reference_attention
+from .attention import reference_attention, temperature_scale
 from .batch import doc_ids_from_4d_mask, doc_ids_from_batch, doc_ids_from_position_ids
-from .layout import DocLayout, normalize_chunk, normalize_window
+from .layout import DocLayout, normalize_chunk, normalize_temperature, normalize_window
 from .recurrence import reference_causal_conv, reference_gated_delta_rule, reference_mamba2_mixer, reference_ssd
 
 __all__ = [
@@ -17,10 +17,12 @@ __all__ = [
     "doc_ids_from_batch",
     "doc_ids_from_position_ids",
     "normalize_chunk",
+    "normalize_temperature",
     "normalize_window",
     "reference_attention",
     "reference_causal_conv",
     "reference_gated_delta_rule",
     "reference_mamba2_mixer",
     "reference_ssd",
+    "temperature_scale",
 ]

@@ -3,9 +3,9 @@ of the pinned transformers, trained with the README's recipe (``attn_implementat
 ``pack_documents``, ``make_cp_blockdiag_batch_and_ctx``, forward and backward in ``train_ctx()``), is refused on
 every rank at CP 1 and CP 2 with a message naming the layer or variant, before any gradient exists.
 
-Families computed per document instead (Gated DeltaNet, sinks, chunked attention, softcap, vision-language
-models; the Mamba2 layers of Nemotron-H, Bamba, Granite-4 hybrids, Zamba2, Falcon-H1 and Mamba2 itself; LFM2's
-short convolutions) have parity tests of their own (test_hybrid*, test_hf_hybrid, test_hf_mamba2,
+Families computed per document instead (Gated DeltaNet, sinks, chunked attention, softcap, Llama 4's NoPE
+temperature tuning, vision-language models; the Mamba2 layers of Nemotron-H, Bamba, Granite-4 hybrids, Zamba2,
+Falcon-H1 and Mamba2 itself; LFM2's short convolutions) have parity tests of their own (test_hybrid*, test_hf_hybrid, test_hf_mamba2,
 test_hf_short_conv, test_attention_variants*, test_vlm)."""
 
 from __future__ import annotations
@@ -71,11 +71,6 @@ FAMILIES = [
                                       n_group=1, topk_group=1, index_topk=4, index_head_dim=16, index_n_heads=2,
                                       first_k_dense_replace=1, num_hidden_layers=2),
                  "UnsupportedLayerError", r"\(DeepseekV32Indexer\).*sparse attention", id="deepseek-v32-sparse"),
-    pytest.param("llama4_text", dict(_DECODER, head_dim=16, intermediate_size_mlp=64, num_local_experts=2,
-                                     num_hidden_layers=2, no_rope_layers=[1, 0], attention_chunk_size=None,
-                                     layer_types=["full_attention", "full_attention"], attn_temperature_tuning=True,
-                                     floor_scale=4),
-                 "UnsupportedAttentionError", r"NoPE attention temperature tuning.*torch.arange", id="llama4-nope-temperature"),
 ]
 
 
