@@ -279,7 +279,8 @@ class RankDocs:
       ``[N, 3]``: see :class:`DocPlan`;
     - ``pieces``: this rank's :class:`Piece` s, local order; ``plan``: every rank's (:class:`DocPlan`);
     - ``doc_index`` int64 ``[B, L]`` (device): the document of each local row, -1 on padding;
-    - ``doc_position`` int64 ``[B, L]`` (device): each local row's position inside its document, -1 on padding;
+    - ``doc_position`` int64 ``[B, L]`` (device) / ``doc_position_cpu`` (host): each local row's position inside
+      its document, -1 on padding;
     - ``token_index`` int64 ``[T]`` (device): the local token (``b * L + l``) of each real token, pieces
       concatenated in local order, and ``cu_pieces`` (device) / ``cu_pieces_cpu`` int64 ``[Pr + 1]``: their
       boundaries in that packed stream (what a varlen kernel over this rank's pieces takes).
@@ -310,7 +311,8 @@ class RankDocs:
         self.cu_pieces: Tensor = self.cu_pieces_cpu.to(device)
         self.cu_seqlens: Tensor = plan.cu_seqlens.to(device)
         self.doc_index: Tensor = index.view(plan.batch_size, L).to(device)
-        self.doc_position: Tensor = position.view(plan.batch_size, L).to(device)
+        self.doc_position_cpu: Tensor = position.view(plan.batch_size, L)
+        self.doc_position: Tensor = self.doc_position_cpu.to(device)
 
     @property
     def world(self) -> int:

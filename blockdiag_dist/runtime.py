@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from blockdiag_ref import normalize_chunk, normalize_window
+from blockdiag_ref import normalize_chunk, normalize_temperature, normalize_window, temperature_scale
 
 from ._stock import stock_sdpa
 from .binding import bind_output, bind_reentrant_forward, in_backward, recompute_state
@@ -48,6 +48,7 @@ def cp_blockdiag_sdpa(
     sinks: Tensor | None = None,
     softcap: float | None = None,
     chunk_size: int | None = None,
+    temperature: Sequence[float] | None = None,
 ) -> Tensor:
     """Scaled dot-product attention, per document and across CP ranks while a step context is active.
 
@@ -66,6 +67,11 @@ def cp_blockdiag_sdpa(
     - ``chunk_size``: chunked local attention (Llama 4): a query sees only the keys of its own chunk of
       ``chunk_size`` positions of its document, chunks counted from the document's start (outside a step: from
       the first key of the row). Combines with ``window_size``.
+    - ``temperature=(floor_scale, attn_scale)``: Llama 4's NoPE query temperature: each query is multiplied by
+      ``log1p(floor((t + 1) / floor_scale)) * attn_scale + 1`` for its position ``t`` inside its document (outside
+      a step: its position in the row, bottom-right aligned to the keys, as ``Llama4TextAttention`` computes it),
+      the scale in float32 as the model computes it (:func:`blockdiag_ref.temperature_scale`); the query's
+      gradient carries it.
 
     With an active context (``with train_ctx():``): ``query [B, Hq, L, D]``, ``key [B, Hkv, L, D]`` and
     ``value [B, Hkv, L, Dv]`` are this rank's rows; the result ``[B, Hq, L, Dv]`` is causal attention inside
@@ -87,10 +93,12 @@ def cp_blockdiag_sdpa(
     if noncausal not in NONCAUSAL:
         raise ValueError(f"cp_blockdiag_sdpa: noncausal expected one of {NONCAUSAL}, got {noncausal!r}")
     chunk = normalize_chunk(chunk_size)
+    temp = normalize_temperature(temperature)
     variants = sinks is not None or softcap is not None or chunk > 0
     if variants:
         _check_variants(query, sinks, softcap)
     if state is None:
+        query = _with_temperature(query, key, temp, None)
         if variants:
             return _single_device(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
                                   sinks, softcap, chunk)
@@ -103,6 +111,7 @@ def cp_blockdiag_sdpa(
         )
     if attn_mask is not None or not (is_causal or window_size is not None or chunk > 0):
         if _non_causal_call(state, query, attn_mask, is_causal, noncausal) == "local":
+            query = _with_temperature(query, key, temp, None)
             if variants:  # as without a step: on the tensors as given, with their mask
                 return _single_device(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
                                       sinks, softcap, chunk)
@@ -113,6 +122,8 @@ def cp_blockdiag_sdpa(
     left = normalize_window(window_size)
     query, key, value = _autocast_like_sdpa(query, key, value)
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)
+    called_query = query  # what the call's autograd nodes start from (bind_output)
+    query = _with_temperature(query, key, temp, state)
     wp = state.agreed_window_plan(left, chunk)
     state.attention_kinds.add((left, chunk, sinks is not None, None if softcap is None else float(softcap)))
     B, Hq, L, D = query.shape
@@ -136,7 +147,7 @@ def cp_blockdiag_sdpa(
             use_flash=why_not is None, sinks=sinks, softcap=softcap,
         )
     if torch.is_grad_enabled():
-        bind_output(out, (query, key, value) + (() if sinks is None else (sinks,)), state)
+        bind_output(out, (called_query, key, value) + (() if sinks is None else (sinks,)), state)
     return out.view(B, L, Hq, Dv).transpose(1, 2)
 
 
@@ -152,6 +163,24 @@ def _check_variants(query: Tensor, sinks: Tensor | None, softcap: float | None) 
             raise ValueError(f"cp_blockdiag_sdpa: sinks expected on the query's device {query.device}, got {sinks.device}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
         raise ValueError(f"cp_blockdiag_sdpa: softcap expected None or a number > 0, got {softcap!r}")
+
+
+def _with_temperature(query: Tensor, key: Tensor, temperature: tuple[float, float] | None, state: StepState | None) -> Tensor:
+    """``query [B, Hq, L, D]`` times the NoPE temperature of each query's position: inside its document under a
+    step (from the step's plan, computed once per step on the host), else in its row (bottom-right aligned to
+    ``key``, as the model computes it). Multiplied in float32 or wider, returned in the query's dtype."""
+    if temperature is None:
+        return query
+    if not isinstance(query, Tensor) or query.dim() != 4 or not isinstance(key, Tensor) or key.dim() < 2:
+        got = tuple(query.shape) if isinstance(query, Tensor) else type(query).__name__
+        raise ValueError(f"cp_blockdiag_sdpa: temperature expected a query [B, H, L, D], got {got}")
+    if state is None:
+        Lq, Lk = query.shape[-2], key.shape[-2]
+        scale = temperature_scale(torch.arange(Lk - Lq, Lk)[None, :], *temperature).to(query.device)
+    else:
+        scale = state.mixer_plan(("temperature", *temperature), lambda: temperature_scale(
+            state.docs.doc_position_cpu, *temperature).to(state.device))
+    return (query * scale[:, None, :, None]).to(query.dtype)
 
 
 def _single_device(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, sinks, softcap,

@@ -7,9 +7,9 @@ training batch) and :func:`reference_attention` (float64 per-document causal att
 (DeepSeek-V3.2's DSA) :func:`reference_dsa_attention` (:mod:`blockdiag_ref.sparse`).
 """
 
-from .attention import reference_attention
+from .attention import reference_attention, temperature_scale
 from .batch import doc_ids_from_4d_mask, doc_ids_from_batch, doc_ids_from_position_ids
-from .layout import DocLayout, normalize_chunk, normalize_window
+from .layout import DocLayout, normalize_chunk, normalize_temperature, normalize_window
 from .recurrence import reference_causal_conv, reference_gated_delta_rule, reference_mamba2_mixer, reference_ssd
 from .sparse import reference_dsa_attention, reference_dsa_select, reference_sparse_attention
 
@@ -19,6 +19,7 @@ __all__ = [
     "doc_ids_from_batch",
     "doc_ids_from_position_ids",
     "normalize_chunk",
+    "normalize_temperature",
     "normalize_window",
     "reference_attention",
     "reference_causal_conv",
@@ -28,4 +29,5 @@ __all__ = [
     "reference_mamba2_mixer",
     "reference_sparse_attention",
     "reference_ssd",
+    "temperature_scale",
 ]

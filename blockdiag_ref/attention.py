@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .layout import DocLayout
+from .layout import DocLayout, normalize_temperature
 
-__all__ = ["reference_attention"]
+__all__ = ["reference_attention", "temperature_scale"]
 
 
 def reference_attention(
@@ -31,6 +31,7 @@ def reference_attention(
     sinks: Tensor | None = None,
     softcap: float | None = None,
     chunk_size: int | None = None,
+    temperature: Sequence[float] | None = None,
 ) -> Tensor:
     """Per-document causal attention, computed in float64 and returned in ``query``'s dtype.
 
@@ -49,6 +50,8 @@ def reference_attention(
             mask and the softmax.
         chunk_size: chunked local attention (Llama 4): a query sees only keys of its own chunk of
             ``chunk_size`` positions, chunks counted from its document's start.
+        temperature: ``(floor_scale, attn_scale)``: Llama 4's NoPE query temperature. Each query is multiplied by
+            :func:`temperature_scale` of its position inside its document before the scores.
 
     Returns:
         ``[B, Hq, S, Dv]``. Rows at padding positions are exactly 0, and no gradient reaches keys or values
@@ -71,8 +74,11 @@ def reference_attention(
     D = query.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     group = query.shape[1] // key.shape[1]
+    temperature = normalize_temperature(temperature)
     with torch.autocast(device_type=query.device.type, enabled=False):
         q = query.to(torch.float64)
+        if temperature is not None:
+            q = q * temperature_scale(layout.doc_positions, *temperature).to(q.device)[:, None, :, None]
         k = key.to(torch.float64).repeat_interleave(group, dim=1)
         v = value.to(torch.float64).repeat_interleave(group, dim=1)
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale
@@ -89,6 +95,20 @@ def reference_attention(
         probs = torch.where(has_key, probs, 0.0)
         out = torch.matmul(probs, v)
     return out.to(query.dtype)
+
+
+def temperature_scale(positions: Tensor, floor_scale: float, attn_scale: float) -> Tensor:
+    """Llama 4's NoPE query temperature for positions ``t`` inside their documents: float32 (any shape, on the CPU)
+    ``log1p(floor((t + 1) / floor_scale)) * attn_scale + 1``, computed in float32 on the CPU exactly as
+    ``Llama4TextAttention`` computes it (so that a float64 model agrees with the stock one to float64 rounding);
+    1 where ``t < 0`` (padding).
+
+    >>> temperature_scale(torch.tensor([-1, 0, 1]), 2, 0.5)
+    tensor([1.0000, 1.0000, 1.3466])
+    """
+    t = positions.detach().to("cpu", torch.int64)
+    scale = torch.log1p(torch.floor((t.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return torch.where(t >= 0, scale, torch.ones((), dtype=torch.float32))
 
 
 def _check_variants(query: Tensor, sinks: Tensor | None, softcap: float | None) -> None:

@@ -12,13 +12,14 @@ documents, and so does ``1 0 1`` hold two.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import cached_property
 
 import torch
 from torch import Tensor
 
-__all__ = ["DocLayout", "normalize_chunk", "normalize_window"]
+__all__ = ["DocLayout", "normalize_chunk", "normalize_temperature", "normalize_window"]
 
 
 def normalize_window(window_size: Sequence[int] | None) -> int:
@@ -60,6 +61,27 @@ def normalize_chunk(chunk_size: int | None) -> int:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected None or an int >= 1 (positions per chunk), got {chunk_size!r}")
     return chunk_size
+
+
+def normalize_temperature(temperature: Sequence[float] | None) -> tuple[float, float] | None:
+    """Return ``(floor_scale, attn_scale)`` of Llama 4's NoPE query temperature; ``None`` means none.
+
+    A query at position ``t`` of its document is multiplied by ``log1p(floor((t + 1) / floor_scale)) * attn_scale
+    + 1`` (Llama 4's ``attn_temperature_tuning``; :func:`blockdiag_ref.temperature_scale`).
+
+    >>> normalize_temperature(None), normalize_temperature((8192, 0.1))
+    (None, (8192, 0.1))
+    """
+    if temperature is None:
+        return None
+    if isinstance(temperature, (str, bytes)) or not isinstance(temperature, Sequence) or len(temperature) != 2:
+        raise ValueError(f"temperature: expected None or a pair (floor_scale, attn_scale) of numbers, got {temperature!r}")
+    floor_scale, attn_scale = temperature
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (floor_scale, attn_scale)):
+        raise ValueError(f"temperature: expected a pair (floor_scale, attn_scale) of numbers, got {temperature!r}")
+    if not floor_scale > 0 or not math.isfinite(floor_scale) or not math.isfinite(attn_scale):
+        raise ValueError(f"temperature: expected a finite floor_scale > 0 and a finite attn_scale, got {temperature!r}")
+    return floor_scale, attn_scale
 
 
 def _check_doc_ids(doc_ids: object, what: str = "doc_ids", check_values: bool = True) -> Tensor:
@@ -223,6 +245,15 @@ class DocLayout:
         """int64 ``[B, S]``: the start position of each token's document (``-1`` on padding)."""
         starts = torch.cat([torch.tensor([-1]), self.segments[:, 1]])
         return starts[self.segment_ids]
+
+    @property
+    def doc_positions(self) -> Tensor:
+        """int64 ``[B, S]``: each token's position inside its document (``-1`` on padding).
+
+        >>> DocLayout.from_seqlens([3, 2], pad=1).doc_positions.tolist()
+        [[0, 1, 2, 0, 1, -1]]
+        """
+        return torch.where(self.segment_ids != 0, torch.arange(self.seq_len)[None, :] - self.doc_starts, -1)
 
     def chunked(self, chunk_size: int) -> DocLayout:
         """The layout whose documents are the chunks of ``chunk_size`` positions of each document, counted from

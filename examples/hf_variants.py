@@ -3,8 +3,9 @@ model's own stock attention (same weights), for parity against each document run
 
 - ``gpt-oss``: attention sinks (``s_aux``, one learned logit per head) on every layer, layer 0 a sliding
   window of 8, layer 1 full; mixture-of-experts MLPs;
-- ``llama4``: chunked local attention (``attention_chunk_size=8``) on layer 0 (RoPE), full attention on the
-  NoPE layer 1; NoPE temperature tuning off (it is refused: the model computes it from its rows' ``arange``);
+- ``llama4``: as released, chunked local attention (``attention_chunk_size=8``) on layer 0 (RoPE), full attention
+  on the NoPE layer 1 with temperature tuning on (``attn_temperature_tuning``, ``attn_scale=0.1``; ``floor_scale=4``
+  instead of 8192, so that short documents reach it): its queries scaled by their positions inside their documents;
 - ``gemma2``: logit soft-capping 2.0 on both layers (``final_logit_softcapping`` on the logits too), layer 0 a
   sliding window of 8; scores scaled by ``head_dim ** -0.5`` and initial weights of standard deviation 0.3, so
   that scores reach the cap.
@@ -33,7 +34,8 @@ SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_lay
 VARIANT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type, config beside SHAPE)
     "gpt-oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
     "llama4": ("llama4_text", dict(intermediate_size_mlp=32, num_local_experts=2, attention_chunk_size=8,
-                                   attn_temperature_tuning=False, no_rope_layer_interval=2)),
+                                   attn_temperature_tuning=True, attn_scale=0.1, floor_scale=4,
+                                   no_rope_layer_interval=2)),
     # query_pre_attn_scalar = head_dim and larger initial weights: scores of a few units, which a cap of 2 bends
     # (at transformers' default init they are ~1e-3 and the cap changes nothing)
     "gemma2": ("gemma2", dict(sliding_window=8, attn_logit_softcapping=2.0, query_pre_attn_scalar=8, initializer_range=0.3)),

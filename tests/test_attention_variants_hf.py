@@ -1,12 +1,14 @@
 """Attention variants of transformers models carried under CP: tiny gpt-oss (sinks, sliding and full layers, MoE),
-Llama 4 (chunked local attention, chunks of 8) and Gemma 2 (logit soft-capping, sliding layers), float64, at CP 1,
+Llama 4 as released (chunked local attention, chunks of 8; NoPE temperature tuning on) and Gemma 2 (logit
+soft-capping, sliding layers), float64, at CP 1,
 2 and 4: the loss and every parameter's gradient against each document run alone through the model's own stock
 attention with the same weights (``verify.model.harness``).
 
 Two layouts: documents 20, 12, 16 in a row of 48, and 7, 26, 11 with 2 padding tokens (46), where no chunk
 boundary (counted from a document's start) falls on a rank boundary at CP 2 or 4. Dropping a variant in the
-attention function (what the integration did before) moves the result by more than 1e-3: the limit below is far
-from it. What stays refused (NoPE temperature tuning, per-token sinks, unknown layer types) raises.
+attention function (what the integration did before) moves the result by more than 1e-3, and so does Llama 4's
+temperature from the rows' positions (what the model computes once packed): the limit below is far from it. What
+stays refused (per-token sinks, unknown layer types) raises.
 """
 
 from __future__ import annotations
@@ -100,11 +102,21 @@ def test_dropping_the_variant_is_far_outside_the_limit(name, variant, monkeypatc
     assert compare(ref, cp1(name, "20-12-16"), model, LIMIT).worst > 1e3 * LIMIT
 
 
-def test_nope_temperature_tuning_stays_refused():
-    """Llama 4's NoPE layers scale queries by positions from torch.arange over the rows (wrong once packed)."""
-    model, _ = build_variant_models("llama4", attn_temperature_tuning=True)
+def test_nope_temperature_from_the_rows_is_far_outside_the_limit(monkeypatch):
+    """Llama 4's NoPE layers scale queries by their positions in the rows (``torch.arange``): kept as the model
+    computes it (the layer's scale not divided out, no per-document temperature), the packed step is wrong."""
+    monkeypatch.setattr(hf_integration, "_without_row_temperature", lambda query, key, temperature: query)
+    monkeypatch.setattr(hf_integration, "cp_blockdiag_sdpa", _dropping("temperature"))
+    ref, model = truth("llama4", "20-12-16")
+    assert compare(ref, cp1("llama4", "20-12-16"), model, LIMIT).worst > 1e3 * LIMIT
+
+
+def test_nope_temperature_with_a_bad_floor_scale_is_refused():
+    model, _ = build_variant_models("llama4", stock=False)
+    model.model.layers[1].self_attn.floor_scale = 0
     ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, pack_documents(documents((20, 12, 16)), seq_len=48))
-    with pytest.raises(UnsupportedAttentionError, match=r"Llama4TextAttention.*NoPE attention temperature tuning"):
+    with pytest.raises(UnsupportedAttentionError, match=r"Llama4TextAttention: expected NoPE temperature tuning with a "
+                       r"number floor_scale > 0.*got floor_scale=0"):
         with ctx():
             text_forward(model, batch)
 

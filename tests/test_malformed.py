@@ -123,6 +123,8 @@ SDPA_ROWS = [
     ("attn-mask-call", "an `attn_mask` under an active step, without an opt-in", qkv(OK), {"enable_gqa": True, "attn_mask": torch.ones(7, 7, dtype=torch.bool)}, r"got is_causal=True with an attn_mask of shape \(7, 7\)"),
     ("noncausal-name", "an unknown `noncausal` mode", qkv(OK), {"enable_gqa": True, "is_causal": False, "noncausal": "bidirectional"}, "noncausal expected one of \\('raise', 'causal', 'local'\\), got 'bidirectional'"),
     ("dropout-range", "`dropout_p` outside [0, 1]", qkv(OK), {"enable_gqa": True, "dropout_p": 1.5}, "expected 0 <= dropout_p <= 1, got 1.5"),
+    ("temperature-pair", "a NoPE `temperature` that is not a pair", qkv(OK), {"enable_gqa": True, "temperature": (4,)}, r"temperature: expected None or a pair \(floor_scale, attn_scale\) of numbers, got \(4,\)"),
+    ("temperature-floor", "a NoPE `temperature` with `floor_scale <= 0`", qkv(OK), {"enable_gqa": True, "temperature": (0, 0.1)}, r"temperature: expected a finite floor_scale > 0 and a finite attn_scale, got \(0, 0.1\)"),
 ]
 
 def gdr_inputs(L=7, Hk=2, Hv=4, K=3, V=2, dtype=torch.float64):
@@ -153,6 +155,7 @@ MIXER_ROWS = [
 OTHER_ROWS = [
     ("configure-name", "an unknown name given to `configure_cp_varlen`", lambda: configure_cp_varlen(attn_backend="xformers"), "attn_backend: expected one of 'auto', 'varlen', 'flash'.*got 'xformers'"),
     ("reference-gqa", "`reference_attention` with Hq != Hkv and no `enable_gqa`", lambda: reference_attention(*qkv(OK), torch.ones(2, 7, dtype=torch.long)), "needs enable_gqa=True"),
+    ("reference-temperature", "`reference_attention` with a `temperature` that is not numbers", lambda: reference_attention(*qkv(OK), torch.ones(2, 7, dtype=torch.long), enable_gqa=True, temperature=(4, "0.1")), r"temperature: expected a pair \(floor_scale, attn_scale\) of numbers, got \(4, '0.1'\)"),
     ("layout-lengths", "a document of length 0 in `DocLayout.from_seqlens`", lambda: DocLayout.from_seqlens([3, 0]), r"expected document lengths >= 1 \(ints\), got row 0 = \[3, 0\]"),
     ("mixer-no-step", "a mixer called outside a CP step", lambda: causal_conv(torch.zeros(2, 7, 5), torch.zeros(5, 4)), r"causal_conv: expected an active CP step .*got none"),
 ]

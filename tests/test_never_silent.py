@@ -3,10 +3,11 @@ of the pinned transformers, trained with the README's recipe (``attn_implementat
 ``pack_documents``, ``make_cp_blockdiag_batch_and_ctx``, forward and backward in ``train_ctx()``), is refused on
 every rank at CP 1 and CP 2 with a message naming the layer or variant, before any gradient exists.
 
-Families computed per document instead (Gated DeltaNet, sinks, chunked attention, softcap, vision-language
-models; the Mamba2 layers of Nemotron-H, Bamba, Granite-4 hybrids, Zamba2, Falcon-H1 and Mamba2 itself; LFM2's
-short convolutions; DeepSeek-V3.2's and GLM-5's sparse attention) have parity tests of their own (test_hybrid*,
-test_hf_hybrid, test_hf_mamba2, test_hf_short_conv, test_attention_variants*, test_vlm, test_hf_sparse)."""
+Families computed per document instead (Gated DeltaNet, sinks, chunked attention, softcap, Llama 4's NoPE
+temperature tuning, vision-language models; the Mamba2 layers of Nemotron-H, Bamba, Granite-4 hybrids, Zamba2,
+Falcon-H1 and Mamba2 itself; LFM2's short convolutions; DeepSeek-V3.2's and GLM-5's sparse attention) have parity
+tests of their own (test_hybrid*, test_hf_hybrid, test_hf_mamba2, test_hf_short_conv, test_attention_variants*,
+test_vlm, test_hf_sparse)."""
 
 from __future__ import annotations
 
@@ -72,11 +73,6 @@ FAMILIES = [
                               index_topk=4, index_head_dim=16, index_n_heads=2, num_hidden_layers=2, bos_token_id=1,
                               eos_token_id=2),
                  "UnsupportedLayerError", r"\(AXK2Indexer\).*sparse attention", id="axk2-sparse"),
-    pytest.param("llama4_text", dict(_DECODER, head_dim=16, intermediate_size_mlp=64, num_local_experts=2,
-                                     num_hidden_layers=2, no_rope_layers=[1, 0], attention_chunk_size=None,
-                                     layer_types=["full_attention", "full_attention"], attn_temperature_tuning=True,
-                                     floor_scale=4),
-                 "UnsupportedAttentionError", r"NoPE attention temperature tuning.*torch.arange", id="llama4-nope-temperature"),
 ]
 
 

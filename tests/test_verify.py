@@ -166,8 +166,9 @@ VARIANT_BUGS = {
     "sinks_ignored": {"sinks": True},
     "chunk_from_row": {"chunk": 3},  # row 1's second document starts at position 7: its chunks differ
     "softcap_after_softmax": {"softcap": 5.0},
+    "temperature_from_row": {"temperature": 2},  # every document but the row's first is scaled at the wrong positions
 }
-ALL_VARIANTS = {"sinks": True, "softcap": 5.0, "chunk": 3}
+ALL_VARIANTS = {"sinks": True, "softcap": 5.0, "chunk": 3, "temperature": 2}
 
 
 def test_the_correct_toy_passes_with_variants(session):
@@ -189,7 +190,8 @@ def test_verifier_reports_each_wrong_variant(session, bug):
 
 
 def test_variants_pass_on_every_kernel_and_exchange(session):
-    """blockdiag_dist with sinks, soft-capping and chunks, alone and together, at CP 1-4 on both kernels."""
+    """blockdiag_dist with sinks, soft-capping, chunks and the NoPE temperature, alone and together, at CP 1-4 on
+    both kernels."""
     kernels = (("varlen", "a2a"), ("dense", "allgather"), ("varlen", "auto"), ("dense", "a2a"))
     cases = [Case(**{**c.__dict__, "kernel": kernels[(i + cp) % 4][0], "exchange": kernels[(i + cp) % 4][1]})
              for i, v in enumerate((*VARIANT_BUGS.values(), ALL_VARIANTS)) for cp in (1, 2, 3, 4)

@@ -90,6 +90,7 @@ class Case:
     sinks: bool = False  # attention sinks: one learned logit per query head (drawn ~ N(0, 2^2)), its gradient checked
     softcap: float = 0.0  # logit soft-capping softcap * tanh(scores / softcap); 0 = none
     chunk: int = -1  # chunked local attention: chunks of this many positions from each document's start; -1 = none
+    temperature: int = -1  # NoPE query temperature (Llama 4): its floor_scale (attn_scale TEMPERATURE_ATTN_SCALE); -1 = none
 
     def __post_init__(self) -> None:
         if self.layer not in LAYERS:
@@ -110,6 +111,8 @@ class Case:
             raise ValueError(f"softcap: expected > 0 (or 0 = none), got {self.softcap}")
         if self.chunk == 0 or self.chunk < -1:
             raise ValueError(f"chunk: expected >= 1 (or -1 = none), got {self.chunk}")
+        if self.temperature == 0 or self.temperature < -1:
+            raise ValueError(f"temperature: expected a floor_scale >= 1 (or -1 = none), got {self.temperature}")
         if self.checkpoint not in CHECKPOINTS:
             raise ValueError(f"checkpoint: expected one of {CHECKPOINTS}, got {self.checkpoint!r}")
         if self.backend is not None:
@@ -127,8 +130,9 @@ class Case:
 
     @property
     def variants(self) -> tuple[str, ...]:
-        """The attention variants the case asks for: ``sinks``, ``softcap``, ``chunk``."""
-        return tuple(n for n, on in (("sinks", self.sinks), ("softcap", self.softcap > 0), ("chunk", self.chunk > 0)) if on)
+        """The attention variants the case asks for: ``sinks``, ``softcap``, ``chunk``, ``temperature``."""
+        return tuple(n for n, on in (("sinks", self.sinks), ("softcap", self.softcap > 0), ("chunk", self.chunk > 0),
+                                     ("temperature", self.temperature > 0)) if on)
 
     def doc_ids(self) -> list[list[int]]:
         return [[i for i, n in row for _ in range(n)] for row in self.rows]
@@ -145,7 +149,7 @@ class Case:
                     "sparse": f"dsa top{self.width} {self.hq}x{self.dim} idx{self.hkv}"}[self.layer]
             return f"{kind} {self.name} cp{self.cp} {self.layout or ''} {self.dtype}{ckpt}".replace("  ", " ")
         var = ("" if not self.sinks else " sinks") + (f" cap{self.softcap:g}" if self.softcap > 0 else "") + (
-            f" chunk{self.chunk}" if self.chunk > 0 else "")
+            f" chunk{self.chunk}" if self.chunk > 0 else "") + (f" temp{self.temperature}" if self.temperature > 0 else "")
         return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win}{var} {opts} {self.dtype} {self.source}{ckpt}{sdpa}{gain}".replace("  ", " ")
 
     def args(self) -> list[str]:
@@ -167,6 +171,8 @@ class Case:
             a += ["--softcap", repr(self.softcap)]
         if self.chunk > 0:
             a += ["--chunk", str(self.chunk)]
+        if self.temperature > 0:
+            a += ["--temperature", str(self.temperature)]
         if self.layer != "attention":
             a += ["--layer", self.layer] + (["--width", str(self.width)] if self.layer in ("conv", "sparse") else [])
         for flag, value in (("--kernel", self.kernel), ("--exchange", self.exchange), ("--layout", self.layout)):
@@ -208,6 +214,8 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sinks", action="store_true", help="attention sinks: one learned logit per query head")
     p.add_argument("--softcap", type=float, default=0.0, help="logit soft-capping softcap * tanh(scores / softcap)")
     p.add_argument("--chunk", type=int, default=-1, help="chunked local attention: chunk length from each document's start")
+    p.add_argument("--temperature", type=int, default=-1, metavar="FLOOR_SCALE",
+                   help="NoPE query temperature (Llama 4) with this floor_scale, from each query's position in its document")
 
 
 def case_from_args(ns: argparse.Namespace) -> Case:
@@ -217,7 +225,7 @@ def case_from_args(ns: argparse.Namespace) -> Case:
         window=ns.window, kernel=ns.kernel, exchange=ns.exchange, layout=ns.layout, dtype=ns.dtype, seed=ns.seed,
         source=ns.source, hidden=ns.hidden, checkpoint=ns.checkpoint, backend=ns.sdpa_backend, gain=ns.gain,
         layer=ns.layer, width=ns.width,
-        sinks=ns.sinks, softcap=ns.softcap, chunk=ns.chunk,
+        sinks=ns.sinks, softcap=ns.softcap, chunk=ns.chunk, temperature=ns.temperature,
     )
 
 
@@ -294,12 +302,16 @@ HEADS = ((2, 2), (4, 2), (3, 1))  # MHA, GQA, MQA
 CHECKPOINT_CYCLE = ("none", "reentrant", "none", "nonreentrant")  # half the cases recompute under checkpointing
 DIMS = (4, 3, 5)  # odd head dims included
 WINDOWS = (-1, 2, -1, 0)
-VARIANT_NAMES = ("sinks", "chunk", "softcap")  # the attention variants a case may ask for (Case.variants)
+VARIANT_NAMES = ("sinks", "chunk", "softcap", "temperature")  # the attention variants a case may ask for (Case.variants)
 # attention variants as (sinks, softcap, chunk). The chunk length (3) and the layouts' documents (which rarely start
 # at a multiple of 3) make chunks counted from the row differ from chunks counted from each document; softcap 5
 # bends scores of standard deviation ~4 (gain 2) markedly.
 VARIANT_VALUES = {"sinks": (True, 0.0, -1), "chunk": (False, 0.0, 3), "softcap": (False, 5.0, -1)}
 NO_VARIANT = (False, 0.0, -1)
+# The NoPE query temperature (Llama 4) rotates as a dimension of its own, on or off beside the other variants (every
+# one of them meets it): floor_scale 2 and attn_scale 0.5 scale a query by 1.35 at position 1 of its document and by
+# 2.2 at position 20, so that positions counted from the row instead are far off (Llama 4 ships 8192 and 0.1).
+TEMPERATURE_FLOOR, TEMPERATURE_ATTN_SCALE = 2, 0.5
 
 
 def head_shape(hq: int, hkv: int) -> str:
@@ -332,7 +344,7 @@ class Support:
     def rotations(self) -> dict[str, tuple]:
         """Per covered dimension, the values in the order they rotate (a value may repeat: windows and variants
         alternate with "none", so that about half the cases are plain)."""
-        singles = [VARIANT_VALUES[v] for v in self.variants]
+        singles = [VARIANT_VALUES[v] for v in self.variants if v in VARIANT_VALUES]
         variants: list[tuple[bool, float, int]] = []
         for v in singles:
             variants += [NO_VARIANT, v]
@@ -344,6 +356,7 @@ class Support:
             "heads": HEADS,
             "window": WINDOWS if self.windows else (-1,),
             "variant": tuple(variants) or (NO_VARIANT,),
+            "temperature": (-1, TEMPERATURE_FLOOR) if "temperature" in self.variants else (-1,),
         }
 
     def values(self) -> dict[str, tuple[str, ...]]:
@@ -355,9 +368,10 @@ class Support:
         return out
 
 
-COVERED = ("source", "heads", "window", "variant")  # the dimensions every layout meets (Support.rotations)
+COVERED = ("source", "heads", "window", "variant", "temperature")  # the dimensions every layout meets (Support.rotations)
 # where each rotation starts for case number k (kept from the counter the matrix used before it was a covering)
-_OFFSET = {"source": lambda k: k // 5, "heads": lambda k: k, "window": lambda k: k // 2, "variant": lambda k: k // 2 + k // 16}
+_OFFSET = {"source": lambda k: k // 5, "heads": lambda k: k, "window": lambda k: k // 2, "variant": lambda k: k // 2 + k // 16,
+           "temperature": lambda k: k // 3}
 
 
 def _value_name(dim: str, value) -> str:
@@ -367,6 +381,8 @@ def _value_name(dim: str, value) -> str:
         return head_shape(*value)
     if dim == "window":
         return "none" if value < 0 else str(value)
+    if dim == "temperature":
+        return "none" if value < 0 else "temperature"
     sinks, softcap, chunk = value
     return "+".join(n for n, on in (("sinks", sinks), ("chunk", chunk > 0), ("softcap", softcap > 0)) if on) or "none"
 
@@ -375,7 +391,8 @@ def case_values(case: Case) -> dict[str, str]:
     """The case's value of each covered dimension, named as :meth:`Support.values` names them."""
     return {"source": case.source, "heads": head_shape(case.hq, case.hkv),
             "window": "none" if case.window < 0 else str(case.window),
-            "variant": _value_name("variant", (case.sinks, case.softcap, case.chunk))}
+            "variant": _value_name("variant", (case.sinks, case.softcap, case.chunk)),
+            "temperature": _value_name("temperature", case.temperature)}
 
 
 def _draw(rows: Rows, cp: int, name: str, slot: tuple, dtype: str, k: int, rot: dict[str, tuple],
@@ -389,14 +406,15 @@ def _draw(rows: Rows, cp: int, name: str, slot: tuple, dtype: str, k: int, rot: 
         order = values[start:] + values[:start]
         chosen[dim] = next((v for v in order if _value_name(dim, v) in need[dim]), order[0])
     if plain:
-        chosen["window"], chosen["variant"] = -1, NO_VARIANT
+        chosen["window"], chosen["variant"], chosen["temperature"] = -1, NO_VARIANT, -1
     kernel, exchange, layout = slot
     sinks, softcap, chunk = chosen["variant"]
+    temperature = chosen["temperature"]
     return Case(
         rows=rows, cp=cp, name=name, hq=chosen["heads"][0], hkv=chosen["heads"][1], dim=DIMS[(k // 3) % len(DIMS)],
         window=chosen["window"], kernel=kernel, exchange=exchange, layout=layout, dtype=dtype, seed=k,
         source=chosen["source"], checkpoint=CHECKPOINT_CYCLE[(k // 7) % len(CHECKPOINT_CYCLE)],
-        sinks=sinks, softcap=softcap, chunk=chunk,
+        sinks=sinks, softcap=softcap, chunk=chunk, temperature=temperature,
     )
 
 

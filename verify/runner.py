@@ -40,16 +40,17 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
 
-from blockdiag_ref import DocLayout, reference_attention
+from blockdiag_ref import DocLayout, reference_attention, temperature_scale
 
 from .case_io import Metrics, impl_batch, summed_over_ranks
-from .cases import SOURCES, Case, Support
+from .cases import SOURCES, TEMPERATURE_ATTN_SCALE, Case, Support
 from .tolerances import BASELINE_BACKENDS, sdpa_backend
 
 __all__ = ["ImplInfo", "applicable", "check_case", "compared_on_ranks", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
 
 VOCAB = 11
-VARIANT_KWARGS = {"sinks": "sinks", "softcap": "softcap", "chunk": "chunk_size"}  # Case variant -> sdpa keyword
+VARIANT_KWARGS = {"sinks": "sinks", "softcap": "softcap", "chunk": "chunk_size",  # Case variant -> sdpa keyword
+                  "temperature": "temperature"}
 
 
 class ImplInfo:
@@ -158,6 +159,8 @@ def _variant_kwargs(case: Case, ws: dict[str, Tensor]) -> dict[str, Any]:
         out["softcap"] = case.softcap
     if case.chunk > 0:
         out["chunk_size"] = case.chunk
+    if case.temperature > 0:
+        out["temperature"] = (case.temperature, TEMPERATURE_ATTN_SCALE)
     return out
 
 
@@ -221,6 +224,12 @@ def _single_device(
                 with _forced(backend):
                     o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, enable_gqa=True)
                 return torch.where(pad, 0.0, o)
+        if "temperature" in variants:  # the query scaled as the model scales it, by its position in its document
+            scale = temperature_scale(DocLayout.from_doc_ids(inputs["doc_ids"]).doc_positions, *variants["temperature"])
+            scale, unscaled = scale.to(device)[:, None, :, None], attend
+
+            def attend(q, k, v):
+                return unscaled((q * scale).to(q.dtype), k, v)
 
     res = _block(case, x, ws, inputs["labels"].to(device), attend)
     with _forced(backend):

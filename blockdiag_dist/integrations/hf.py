@@ -107,18 +107,36 @@ def _check_layer(module: nn.Module, kwargs: dict[str, Any], softcap: float | Non
             f"config.attention_chunk_size={chunk} without a layer type for layer_idx="
             f"{getattr(module, 'layer_idx', None)}: blockdiag cannot tell a chunked layer from a full one",
         )
-    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
-        raise _refuse(
-            module, "a layer whose math follows its position_ids",
-            "NoPE attention temperature tuning (config.attn_temperature_tuning=True): the layer scales queries by "
-            "positions it takes from torch.arange over the rows, not from position_ids, which is wrong for every "
-            "document but the row's first once packed, with or without CP",
-        )
     if layer_type == "chunked_attention":
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
             raise _refuse(module, "config.attention_chunk_size an int >= 1 on a chunked layer", f"{chunk!r}")
         return chunk
     return None
+
+
+def _nope_temperature(module: nn.Module) -> tuple[float, float] | None:
+    """``(floor_scale, attn_scale)`` of a NoPE layer with Llama 4's temperature tuning (``attn_temperature_tuning``
+    on a layer without RoPE), None for any other layer."""
+    if not (getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)):
+        return None
+    floor_scale, attn_scale = getattr(module, "floor_scale", None), getattr(module, "attn_scale", None)
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (floor_scale, attn_scale))
+    if not numbers or not floor_scale > 0:
+        raise _refuse(module, "NoPE temperature tuning with a number floor_scale > 0 and a number attn_scale",
+                      f"floor_scale={floor_scale!r}, attn_scale={attn_scale!r}")
+    return floor_scale, attn_scale
+
+
+def _without_row_temperature(query: Tensor, key: Tensor, temperature: tuple[float, float]) -> Tensor:
+    """Undo the temperature a NoPE layer applied to ``query [B, Hq, Lq, D]`` before calling attention: it scaled
+    query ``i`` by its row position ``past + i`` (``torch.arange`` plus the cached length ``past = Lk - Lq``), in
+    float32 on the query's device; divided by the same numbers here. ``cp_blockdiag_sdpa(temperature=...)`` then
+    scales by each query's position inside its document (under a step; in its row outside one)."""
+    floor_scale, attn_scale = temperature
+    Lq, Lk = query.shape[-2], key.shape[-2]
+    positions = torch.arange(Lq, device=query.device) + (Lk - Lq)
+    applied = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (query / applied[:, None]).to(query.dtype)
 
 
 def _layer_type(module: nn.Module, config: Any) -> str | None:
@@ -152,7 +170,10 @@ def blockdiag_attention_forward(
     Carried, per document across CP ranks: ``s_aux`` (gpt-oss' per-head attention sinks ``[Hq]``),
     ``softcap`` (Gemma 2's logit soft-capping) and chunked local attention (Llama 4: a layer whose
     ``config.layer_types[layer_idx]`` is ``"chunked_attention"`` attends within chunks of
-    ``config.attention_chunk_size`` positions of each document, counted from the document's start).
+    ``config.attention_chunk_size`` positions of each document, counted from the document's start) and NoPE
+    temperature tuning (Llama 4's ``attn_temperature_tuning``: the layer scaled its queries by their positions in
+    the rows, ``torch.arange``; that scale is divided out and each query is scaled by its position inside its
+    document instead, the positions each document has when run alone).
 
     A bidirectional layer (``is_causal=False``) of an encoder whose tensors CP does not shard (a vision tower's
     patches: the module's ``config`` is a ``vision_config`` / ``audio_config`` sub-config, and it is not a layer
@@ -161,15 +182,20 @@ def blockdiag_attention_forward(
     bidirectional layer is refused.
 
     Every other keyword is honoured or refused (``UnsupportedAttentionError``, the same on every rank, before
-    any collective): per-token ``sinks``, position biases, sparse indices, NoPE temperature tuning and keywords
-    it does not know are refused; so are a bidirectional layer on the sequence CP shards and, under a step, an
+    any collective): per-token ``sinks``, position biases, sparse indices and keywords it does not know are
+    refused; so are a bidirectional layer on the sequence CP shards and, under a step, an
     additive float ``attention_mask`` (a bias).
     """
     chunk = _check_layer(module, kwargs, softcap)
+    temperature = _nope_temperature(module)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not causal:
+        if temperature is not None:
+            raise _refuse(module, "NoPE temperature tuning on a causal layer", "a bidirectional layer with it")
         return _encoder_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                                   kwargs), None
+    if temperature is not None:  # positions from the rows -> positions inside each document (cp_blockdiag_sdpa)
+        query = _without_row_temperature(query, key, temperature)
     if attention_mask is not None and attention_mask.is_floating_point() and current_state() is not None:
         raise _refuse(
             module, "no attention_mask, or a bool one (replaced by the per-document causal mask)",
@@ -190,6 +216,7 @@ def blockdiag_attention_forward(
         sinks=kwargs.get("s_aux"),
         softcap=softcap,
         chunk_size=chunk,
+        temperature=temperature,
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -51,12 +51,8 @@ PRESETS: dict[str, Preset] = {
     "qwen2_5_vl": Preset("qwen2_5_vl", "vision-language: vision tower (windowed and full blocks), mRoPE"),
     "qwen3_vl": Preset("qwen3_vl", "vision-language: vision tower with deepstack levels, mRoPE"),
     "gpt_oss": Preset("gpt_oss", "attention sinks, sliding and full layers, MoE"),
-    "llama4": Preset("llama4_text", "chunked attention, NoPE layers (temperature tuning off), MoE",
-                     (("attn_temperature_tuning", False),)),
-    "llama4_nope_temperature": Preset(
-        "llama4_text", "NoPE temperature tuning on (no chunks): the model takes positions from its rows",
-        (("attn_temperature_tuning", True), ("attention_chunk_size", None),
-         ("layer_types", ["full_attention", "full_attention"]))),
+    "llama4": Preset("llama4_text", "as released: chunked attention, NoPE layers with temperature tuning, MoE",
+                     (("attn_temperature_tuning", True),)),
     "gemma2": Preset("gemma2", "logit soft-capping (attention and final), sliding and global layers"),
     "bloom": Preset("bloom", "ALiBi position bias"),
     "deepseek_v32": Preset("deepseek_v32", "DeepSeek Sparse Attention: the indexer's top-4 of each query's document "

@@ -22,6 +22,7 @@ same code with one bug that CP systems are known to ship:
 | `sinks_ignored`    | the sinks never join the softmax denominator (``s_aux`` dropped)        | fail             |
 | `chunk_from_row`   | chunk boundaries counted from the row's start, not each document's      | fail             |
 | `softcap_after_softmax` | ``softcap * tanh(.)`` applied to the probabilities, not the scores | fail             |
+| `temperature_from_row` | the NoPE temperature from the query's row position, not its document's (Llama 4 as shipped) | fail |
 
 The mixers of hybrid models (``--layer conv`` / ``--layer gated_delta`` / ``--layer mamba2`` / ``--layer sparse`` cases;
 ``verify.mutants._mixers``): blockdiag_dist itself with one mistake in its convolution or its recurrences (the
@@ -38,8 +39,9 @@ recurrence bugs are planted in both the gated delta rule and Mamba2's SSD).
 | `mixer_topk_over_row`      | DeepSeek Sparse Attention's indexer picks its top-k among the row's earlier tokens, not the document's (NeMo Automodel's packed path) | fail |
 
 Classed by ``verify.classify`` (as third-party code is): ``off_by_one``, ``no_grad_reduce``,
-``leak_across_docs``, ``nonzero_padding``, ``short_straddle``, ``kv_scale`` and the three variant bugs
-(``sinks_ignored``, ``chunk_from_row``, ``softcap_after_softmax``, on cases with the variant) are bugs, ``skip_collective`` a hang,
+``leak_across_docs``, ``nonzero_padding``, ``short_straddle``, ``kv_scale`` and the four variant bugs
+(``sinks_ignored``, ``chunk_from_row``, ``softcap_after_softmax``, ``temperature_from_row``, on cases with the
+variant) are bugs, ``skip_collective`` a hang,
 ``raise_forward``, ``raise_backward``, ``kill_rank`` crashes, ``refuse_rows`` unsupported, ``docs_by_id`` a
 contract (a pass once re-checked with its declared document definition). ``late_layer`` is wrong only in a model's
 later layers: the attention verifier (one call per step) passes it, ``python -m verify model`` names the layer.

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from blockdiag_ref import DocLayout, doc_ids_from_batch
+from blockdiag_ref import DocLayout, doc_ids_from_batch, temperature_scale
 
 BUGS = (
     "off_by_one",  # the causal mask lets each query see one future key
@@ -37,6 +37,7 @@ BUGS = (
     "sinks_ignored",  # the sinks never join the softmax denominator (an attention function dropping s_aux)
     "chunk_from_row",  # chunk boundaries counted from the row's first position instead of each document's start
     "softcap_after_softmax",  # softcap * tanh(p / softcap) on the probabilities instead of on the scores
+    "temperature_from_row",  # the NoPE temperature from each query's position in the row, not in its document
 )
 
 KV_SCALE = {torch.float64: 1e-9}  # relative perturbation of kv_scale per dtype; 1e-4 for every other dtype
@@ -104,10 +105,10 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
         return ctx, batch
 
     def cp_blockdiag_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                          window_size=None, *, sinks=None, softcap=None, chunk_size=None):
+                          window_size=None, *, sinks=None, softcap=None, chunk_size=None, temperature=None):
         st = _state.get("active")
         if st is None:
-            if sinks is not None or softcap is not None or chunk_size is not None:
+            if sinks is not None or softcap is not None or chunk_size is not None or temperature is not None:
                 raise ValueError("toy: attention variants are computed under a step only")
             return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         rank, world, L = st["rank"], st["world"], st["L"]
@@ -151,6 +152,10 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
                 cq, ck = (qpos - start[:, qpos]) // chunk_size, (kpos - start) // chunk_size
             mask &= cq[:, :, None] == ck[:, None, :]
         pad_rows = seg_q[:, :, 0] == 0
+        if temperature is not None:
+            in_doc = torch.where(pad_rows, -1, qpos[None, :] - st["start"][:, qpos])
+            where = qpos[None, :].expand_as(in_doc) if bug == "temperature_from_row" else in_doc
+            query = (query * temperature_scale(where, *temperature).to(query.device)[:, None, :, None]).to(query.dtype)
         if bug == "nonzero_padding":
             mask = mask | (pad_rows[:, :, None] & (kpos[None, None, :] <= qpos[None, :, None]))
         if sinks is not None or softcap is not None:
