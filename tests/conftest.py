@@ -1,13 +1,12 @@
 """Shared fixtures: one verifier session per test process, whose pools (one per CP size) live for the
-whole run, so that torch import and process-group start are paid once per CP size, not per test; likewise
-one pool per world size for the training tests."""
+whole run, so that torch import and process-group start are paid once per CP size, not per test; the training
+tests run on the same pools."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from verify.pool import WorkerPool
 from verify.session import Session
 
 TRAIN_TASK_TIMEOUT_S = 120.0  # per training run on every rank: a deadline for hangs, not a speed limit
@@ -53,19 +52,12 @@ def emulated_session():
 
 
 @pytest.fixture(scope="session")
-def pools():
-    """World size -> a persistent WorkerPool for training runs, spawned on first use, shared by the test files
-    of this process, closed at the end of the session."""
-    started: dict[int, WorkerPool] = {}
-
-    def get(world: int) -> WorkerPool:
-        if world not in started:
-            started[world] = WorkerPool(world, collective_timeout=TRAIN_TASK_TIMEOUT_S)
-        return started[world]
-
-    yield get
-    for pool in started.values():
-        pool.close()
+def pools(session):
+    """World size -> a persistent WorkerPool for training runs: the verifier session's pool of that size (spawned on
+    first use, respawned after a failed task), so that training runs and the verifier's cases of one test process
+    share one torch import and one process group per world size (the session's collectives wait up to twice its
+    case timeout, 120 s: ``TRAIN_TASK_TIMEOUT_S``)."""
+    return session.pool
 
 
 def assert_pass(results):
