@@ -158,5 +158,11 @@ for _family in (
         installer=f"{_HF}:install_mamba2",
         summary="(M [H], C [H, Dh, N]) per continuing piece (C only for a document's first piece)",
     ),
+    MixerFamily(
+        name="kda", kind="delta_attention", layer="kda",
+        function="blockdiag_dist.mixers:kimi_delta_attention", reference="blockdiag_ref:reference_kda",
+        classes=("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"), installer=f"{_HF}:install_kda",
+        summary="(M [H, K, K], C [H, K, V]) per continuing piece (C only for a document's first piece)",
+    ),
 ):
     register_family(_family)

@@ -90,8 +90,7 @@ MIXER_KINDS: dict[str, str] = {
 KNOWN_MIXERS: dict[str, str] = {
     # Mamba (selective scan)
     "MambaMixer": "mamba", "FalconMambaMixer": "mamba", "JambaMambaMixer": "mamba", "ZambaMambaMixer": "mamba",
-    # delta rule (KDA), linear and lightning attention
-    "KimiLinearDeltaAttention": "delta_attention", "BailingHybridDeltaAttention": "delta_attention",
+    # linear and lightning attention
     "Glm5NextTextLinearAttention": "linear_attention", "MiniMaxLightningAttention": "lightning_attention",
     # RG-LRU, xLSTM, RWKV
     "RecurrentGemmaRglru": "rglru", "RecurrentGemmaRecurrentBlock": "rglru",

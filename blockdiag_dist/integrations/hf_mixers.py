@@ -49,11 +49,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..mixers import causal_conv, gated_delta_rule, ssd
+from ..mixers import causal_conv, gated_delta_rule, kimi_delta_attention, ssd
 
 __all__ = [
-    "GATED_DELTA_NET_CLASSES", "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "install_gated_delta_net", "install_mamba2",
-    "install_short_conv",
+    "GATED_DELTA_NET_CLASSES", "KDA_CLASSES", "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "install_gated_delta_net",
+    "install_kda", "install_mamba2", "install_short_conv",
 ]
 
 CONV_ACTIVATIONS = ("silu", "swish")  # computed inside causal_conv; any other is applied after it, as ACT2FN does
@@ -233,6 +233,68 @@ def install_mamba2(cls: type) -> str:
     how = ("convolution with the history of documents continuing from other ranks and Mamba2's SSD with their "
            "states (blockdiag_dist.mixers: causal_conv, ssd)")
     return _install(cls, _mamba2_forward, how)
+
+
+def _kimi_gates(self: nn.Module, h: Tensor, dt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``KimiLinearDeltaAttention``'s decay ``g [B, L, H, K]`` (``KimiLinearForgetGate.forward`` in ``dt``: the
+    stock module computes in float32) and output gate ``[B, L, H, K]``."""
+    B, L, _ = h.shape
+    f = self.forget_gate
+    gate_in = (f.f_b_proj(f.f_a_proj(h)).to(dt) + f.dt_bias.to(dt).view(1, 1, -1)).view(B, L, -1, self.head_dim)
+    softplus = torch.where(gate_in > 20.0, gate_in, torch.log(1.0 + torch.exp(gate_in)))  # the stock's softplus
+    g = -torch.exp(f.A_log.to(dt)) * softplus
+    return g, self.g_b_proj(self.g_a_proj(h)).view(B, L, -1, self.head_dim)
+
+
+def _bailing_gates(self: nn.Module, h: Tensor, dt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``BailingHybridDeltaAttention``'s decay (``BailingHybridForgetGate.forward`` in ``dt``, its safe gate
+    ``lower_bound * sigmoid(.)`` or ``-exp(A_log) softplus(.)``, cast to the model's dtype as the stock does) and
+    output gate."""
+    B, L, _ = h.shape
+    f = self.forget_gate
+    gate_in = f.f_proj(h).to(dt).view(B, L, f.num_heads, f.head_dim) + f.dt_bias.to(dt).view(1, 1, f.num_heads, f.head_dim)
+    decay = f.A_log.to(dt).exp().view(1, 1, f.num_heads, 1)
+    g = f.lower_bound * torch.sigmoid(decay * gate_in) if f.safe_gate else -decay * F.softplus(gate_in)
+    return g.to(h.dtype), self.g_proj(h).view(B, L, -1, self.head_dim)
+
+
+# KDA layers -> their gates (decay and output gate); the rest of their forward is one in transformers 5.24:
+# q, k, v projections, the causal convolution of their concatenation with its activation, beta = sigmoid(b_proj),
+# KDA (chunk_kimi_delta_attention, use_qk_l2norm_in_kernel=True), the sigmoid-gated RMSNorm per head, o_proj
+KDA_CLASSES = {"KimiLinearDeltaAttention": _kimi_gates, "BailingHybridDeltaAttention": _bailing_gates}
+
+
+def _kda_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, attention_mask: Any, *, gates) -> Tensor:
+    """A KDA layer's forward under ``state``: the stock forward with the convolution and KDA per document."""
+    _refuse_cache_and_mask(self, cache, attention_mask)
+    B, L, _ = hidden_states.shape
+    h = hidden_states
+    mixed = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
+    act = self.activation if self.activation in CONV_ACTIVATIONS else None
+    mixed = causal_conv(mixed, self.conv1d.weight, self.conv1d.bias, act, state=state)
+    if act is None and self.activation is not None:
+        mixed = _act(self.activation)(mixed)
+    q, k, v = (t.reshape(B, L, -1, self.head_dim) for t in mixed.split([self.qkv_dim] * 3, dim=-1))
+    dt = torch.promote_types(h.dtype, torch.float32)
+    g, out_gate = gates(self, h, dt)
+    beta = torch.sigmoid(self.b_proj(h))
+    core = kimi_delta_attention(q, k, v, g, beta, use_qk_l2norm=True, state=state)
+    norm = self.o_norm  # the sigmoid-gated RMSNorm over each head, in dt (the stock: float32 always)
+    x = core.to(dt)
+    x = norm.weight.to(dt) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+    x = (x * torch.sigmoid(out_gate.to(dt))).to(core.dtype)
+    return self.o_proj(x.reshape(B, L, -1))
+
+
+def install_kda(cls: type) -> str:
+    """Give ``cls`` (a KDA class of :data:`KDA_CLASSES`, or a subclass) a forward that is per document under a CP
+    step and the class's own outside one; returns how (for the guard's notes)."""
+    gates = next((KDA_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in KDA_CLASSES), None)
+    if gates is None:
+        raise ValueError(f"install_kda: expected one of {sorted(KDA_CLASSES)}, got {cls.__name__}")
+    how = ("convolution with the history of documents continuing from other ranks and Kimi Delta Attention with "
+           "their states (blockdiag_dist.mixers: causal_conv, kimi_delta_attention)")
+    return _install(cls, functools.partial(_kda_forward, gates=gates), how)
 
 
 SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")  # one forward in transformers 5.24
