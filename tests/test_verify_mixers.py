@@ -55,7 +55,7 @@ MUTANT_CASES = {
     # a continuing piece that starts inside a rank's row (balanced layouts): counted from the row, its entering
     # state decays too much
     "mixer_decay_per_rank": [case("spans-every-rank", 3, "kda", layout="balanced"),
-                             case("two-rows", 3, "kda", layout="balanced", dtype="float32")],
+                             case("padding-rank", 4, "kda", layout="balanced", dtype="float32")],
     # the transitions matter where a document crosses a piece held by another rank: over 3+ ranks
     "mixer_ssd_no_decay": [case("spans-every-rank", 4, "mamba2"), case("spans-every-rank", 3, "mamba2", layout="balanced")],
     "mixer_conv_unmasked": [case("many-short", 2, "conv")],
