@@ -145,9 +145,10 @@ for _family in (
     MixerFamily(
         name="gated_delta_net", kind="gated_delta_net", layer="gated_delta",
         function="blockdiag_dist.mixers:gated_delta_rule", reference="blockdiag_ref:reference_gated_delta_rule",
-        classes=("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
+        classes=("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "LaraMiniGatedDeltaNet",
+                 "OlmoHybridGatedDeltaNet"),
         installer=f"{_HF}:install_gated_delta_net",
-        refused=("OlmoHybridGatedDeltaNet", "LaraMiniGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet"),
+        refused=("Qwen4ExpTextGatedDeltaNet",),
         summary="(M [Hv, K, K], C [Hv, K, V]) per continuing piece (C only for a document's first piece)",
     ),
     MixerFamily(

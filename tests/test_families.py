@@ -72,7 +72,7 @@ def test_an_entry_is_validated_when_made(change, match):
 
 @pytest.mark.parametrize("entry, match", [
     pytest.param(dict(classes=("Qwen3NextGatedDeltaNet",), installer="m:i"), "classes of no other family", id="class-taken"),
-    pytest.param(dict(refused=("OlmoHybridGatedDeltaNet",)), "classes of no other family", id="refused-taken"),
+    pytest.param(dict(refused=("Qwen4ExpTextGatedDeltaNet",)), "classes of no other family", id="refused-taken"),
     pytest.param(dict(layer="gated_delta"), "expected a new verifier layer", id="layer-taken"),
     pytest.param(dict(kind="no_such_kind"), "expected a kind of", id="unknown-kind"),
 ])
@@ -97,13 +97,13 @@ def test_the_docs_example_family_is_installed_by_the_guard_from_its_entry():
 
 
 def test_a_refused_class_of_a_family_is_refused_naming_the_layer():
-    OlmoHybridGatedDeltaNet = type("OlmoHybridGatedDeltaNet", (nn.Module,), {"forward": lambda self, x: x})
-    model = nn.Sequential(nn.Identity(), OlmoHybridGatedDeltaNet())
+    Qwen4ExpTextGatedDeltaNet = type("Qwen4ExpTextGatedDeltaNet", (nn.Module,), {"forward": lambda self, x: x})
+    model = nn.Sequential(nn.Identity(), Qwen4ExpTextGatedDeltaNet())
     ids = torch.tensor([[1] * 4 + [2] * 4])
     from blockdiag_dist import make_cp_blockdiag_batch_and_ctx
 
     ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.randn(1, 8, 2), "_packed_seq_ids": ids},
                                                  expect_attention=False)
-    with pytest.raises(guard.UnsupportedLayerError, match=r"layer '1' \(OlmoHybridGatedDeltaNet\).*Gated DeltaNet"):
+    with pytest.raises(guard.UnsupportedLayerError, match=r"layer '1' \(Qwen4ExpTextGatedDeltaNet\).*Gated DeltaNet"):
         with ctx():
             model(batch["inputs_embeds"])

@@ -1,4 +1,4 @@
-"""Hugging Face transformers' Gated DeltaNet and Mamba2 layers per document under CP.
+"""Hugging Face transformers' Gated DeltaNet, KDA, Mamba2 and short-convolution layers per document under CP.
 
 The installers of the mixer families (:data:`blockdiag_dist.families.FAMILIES` names the classes each installs
 on; nothing of transformers is imported here): the first time a step meets one of these classes, the guard
@@ -16,6 +16,13 @@ stock rounding for float32 and bfloat16 models, float64 for a float64 model (the
 | ``Qwen3NextGatedDeltaNet`` | ``qwen3_next`` | ``in_proj_qkvz`` + ``in_proj_ba``, grouped per key head |
 | ``Qwen3_5GatedDeltaNet`` | ``qwen3_5`` (text) | ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` |
 | ``Qwen3_5MoeGatedDeltaNet`` | ``qwen3_5_moe`` (text) | as ``qwen3_5`` |
+| ``LaraMiniGatedDeltaNet`` | ``lara_mini`` | as ``qwen3_5`` |
+| ``OlmoHybridGatedDeltaNet`` | ``olmo_hybrid`` | ``q_proj``, ``k_proj``, ``v_proj``, ``a_proj``, ``b_proj``, ``g_proj`` (beta x 2 with ``allow_neg_eigval``) |
+
+The KDA layers (:data:`KDA_CLASSES`: ``KimiLinearDeltaAttention`` of ``kimi_linear``, ``BailingHybridDeltaAttention``
+of ``bailing_hybrid``; :func:`install_kda`): the convolution of ``q, k, v`` through
+:func:`~blockdiag_dist.mixers.causal_conv`, the recurrence through :func:`blockdiag_dist.mixers.kimi_delta_attention`;
+their forget gates and sigmoid-gated RMSNorm are the stock math in the model's dtype, float32 at least.
 
 The Mamba2 layers (:data:`MAMBA2_CLASSES`: ``NemotronHMamba2Mixer`` of ``nemotron_h``, ``BambaMixer`` of
 ``bamba``, ``GraniteMoeHybridMambaLayer`` of ``granitemoehybrid``, ``Zamba2MambaMixer`` of ``zamba2``,
@@ -72,10 +79,23 @@ def _project_qwen3_5(self: nn.Module, h: Tensor) -> tuple[Tensor, Tensor, Tensor
     return self.in_proj_qkv(h), self.in_proj_z(h).reshape(B, L, -1, self.head_v_dim), self.in_proj_b(h), self.in_proj_a(h)
 
 
+def _project_olmo_hybrid(self: nn.Module, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """OlmoHybridGatedDeltaNet: separate ``q_proj``, ``k_proj``, ``v_proj``, ``a_proj``, ``b_proj``; its output gate
+    is ``g_proj`` (read by :func:`_per_document_forward` through ``z``)."""
+    B, L, _ = h.shape
+    mixed = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
+    return mixed, self.g_proj(h).reshape(B, L, -1, self.head_v_dim), self.b_proj(h), self.a_proj(h)
+
+
+# Gated DeltaNet layers -> their projections. Lara-mini's layer is Qwen3.5's line for line in transformers 5.24
+# (its checkpoints fuse the projections, split at loading). OLMo-hybrid's has separate projections, a gate
+# projection, `allow_neg_eigval` (beta times 2) and its gated norm named o_norm, read by _per_document_forward.
 GATED_DELTA_NET_CLASSES = {
     "Qwen3NextGatedDeltaNet": _project_qwen3_next,
     "Qwen3_5GatedDeltaNet": _project_qwen3_5,
     "Qwen3_5MoeGatedDeltaNet": _project_qwen3_5,
+    "LaraMiniGatedDeltaNet": _project_qwen3_5,
+    "OlmoHybridGatedDeltaNet": _project_olmo_hybrid,
 }
 
 
@@ -108,11 +128,14 @@ def _per_document_forward(
     key = key.reshape(B, L, -1, self.head_k_dim)
     value = value.reshape(B, L, -1, self.head_v_dim)
     beta = b.sigmoid()
+    if getattr(self, "allow_neg_eigval", False):  # OLMo-hybrid: beta in [0, 2]
+        beta = beta * 2.0
     dt = torch.promote_types(a.dtype, torch.float32)  # the stock forward: .float() (fp16 would overflow exp)
     g = -self.A_log.to(dt).exp() * F.softplus(a.to(dt) + self.dt_bias)
     core = gated_delta_rule(query, key, value, g, beta, use_qk_l2norm=True, state=state)
-    core = _gated_norm(self.norm, core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return self.out_proj(core.reshape(B, L, -1))
+    norm, out = (self.o_norm, self.o_proj) if hasattr(self, "o_norm") else (self.norm, self.out_proj)
+    core = _gated_norm(norm, core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return out(core.reshape(B, L, -1))
 
 
 def _gated_norm(norm: nn.Module, x: Tensor, gate: Tensor) -> Tensor:

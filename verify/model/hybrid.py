@@ -66,6 +66,12 @@ FAMILIES = {
     "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM",
                        "transformers.models.bailing_hybrid.modeling_bailing_hybrid"),
 }
+# Gated DeltaNet with other projections: OLMo-hybrid (separate projections, a gate projection, beta in [0, 2]) and
+# Lara-mini (Qwen3.5's layer); built by the Qwen3-Next path below
+FAMILIES.update({
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", "transformers.models.olmo_hybrid.modeling_olmo_hybrid"),
+    "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM", "transformers.models.lara_mini.modeling_lara_mini"),
+})
 KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")  # KDA, MLA attention (dense MLPs here), KDA
 # LFM2: short convolution (width 3), attention, short convolution; the MoE variant's last layer sparse
 SHORT_CONV_LAYERS = ("conv", "full_attention", "conv")
@@ -175,6 +181,11 @@ def _config(family: str, layers: tuple[str, ...]):
         kw.update(num_experts=0, mlp_only_layers=list(range(len(layers))))
     if family == "qwen3_5_moe":
         kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    if family == "lara_mini":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                  eos_token_id=2, pad_token_id=0)
+    if family == "olmo_hybrid":
+        kw.update(pad_token_id=0, eos_token_id=2)
     return cfg_cls(**kw)
 
 
@@ -191,7 +202,7 @@ def build_tiny_hybrid(family: str, dtype: torch.dtype = torch.float64, *, seed: 
         layers = SHORT_CONV_LAYERS if family.startswith("lfm2") else FAMILY_LAYERS.get(family, LAYER_TYPES)
     torch.manual_seed(seed)
     model_cls = getattr(transformers, FAMILIES[family][1])
-    moe = family in ("qwen3_5_moe", "nemotron_h_moe", "lfm2_moe")
+    moe = family in ("qwen3_5_moe", "nemotron_h_moe", "lfm2_moe", "lara_mini")
     extra = {"experts_implementation": "eager"} if moe else {}  # grouped_mm has no float64
     model = model_cls._from_config(_config(family, layers), attn_implementation=register_transformers_attention(),
                                    **extra).to(dtype)
