@@ -48,8 +48,6 @@ PRESETS: dict[str, Preset] = {
     "deepseek_v3": Preset("deepseek_v3", "MLA (Dv != Dqk), dense then MoE layers"),
     "qwen3_next": Preset("qwen3_next", "Gated DeltaNet linear attention + short convolution + attention, MoE"),
     "nemotron_h": Preset("nemotron_h", "Mamba2 + attention + MLP + MoE layers"),
-    "kimi_linear": Preset("kimi_linear", "Kimi Delta Attention (a decay per key channel) + short convolution + MLA, MoE"),
-    "bailing_hybrid": Preset("bailing_hybrid", "Ling: KDA with its safe gate + short convolution + MLA, MoE"),
     "qwen2_5_vl": Preset("qwen2_5_vl", "vision-language: vision tower (windowed and full blocks), mRoPE"),
     "qwen3_vl": Preset("qwen3_vl", "vision-language: vision tower with deepstack levels, mRoPE"),
     "gpt_oss": Preset("gpt_oss", "attention sinks, sliding and full layers, MoE"),
