@@ -12,6 +12,10 @@ get exactly 0 gradient (they take part in no document).
   (``torch_recurrent_gated_delta_rule`` with ``use_qk_l2norm_in_kernel=True``): per head a state
   ``S [K, V]``, and per token ``S = exp(g) S``, ``S = S + k (beta (v - k^T S))^T``, ``o = S^T q``, with q and
   k l2-normalised (``x / sqrt(sum(x^2) + 1e-6)``) and q scaled by ``K ** -0.5``;
+- :func:`reference_kda`: Kimi Delta Attention (Kimi Linear, Ling / Bailing hybrid) as transformers'
+  ``recurrent_kimi_delta_attention`` / ``chunk_kimi_delta_attention`` compute it (``use_qk_l2norm_in_kernel=True``):
+  the gated delta rule with a decay per key channel, ``S = diag(exp(g)) S`` with ``g [K]`` per head and token,
+  then the same delta update and read-out;
 - :func:`reference_ssd`: Mamba2's SSD as transformers' ``mamba2_chunk_scan`` computes it: per head a state
   ``S [Dh, N]``, and per token ``S = exp(dt A) S + dt x B^T``, ``y = S C + D x``;
 - :func:`reference_mamba2_mixer`: the whole Mamba2 layer as transformers' ``NemotronHMamba2Mixer`` (and
@@ -31,7 +35,8 @@ from torch import Tensor
 
 from .layout import DocLayout
 
-__all__ = ["ACTIVATIONS", "reference_causal_conv", "reference_gated_delta_rule", "reference_mamba2_mixer", "reference_ssd"]
+__all__ = ["ACTIVATIONS", "reference_causal_conv", "reference_gated_delta_rule", "reference_kda", "reference_mamba2_mixer",
+           "reference_ssd"]
 
 ACTIVATIONS = {None: lambda t: t, "silu": torch.nn.functional.silu, "swish": torch.nn.functional.silu}
 
@@ -144,6 +149,67 @@ def reference_gated_delta_rule(
             if t == 0 or seg[b, t] != seg[b, t - 1]:
                 state = v64.new_zeros(Hv, K, Vd)  # a document starts: its state starts at zero
             state = state * torch.exp(g64[b, t])[:, None, None]
+            kt = k64[b, t]  # [Hv, K]
+            read = torch.einsum("hk,hkv->hv", kt, state)
+            delta = (v64[b, t] - read) * b64[b, t][:, None]
+            state = state + kt[:, :, None] * delta[:, None, :]
+            row.append(torch.einsum("hk,hkv->hv", q64[b, t], state))
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def reference_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    doc_ids: Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    eps: float = 1e-6,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """Kimi Delta Attention per document, float64: ``q, k [B, S, Hk, K]``, ``v [B, S, Hv, V]``, ``g [B, S, Hv, K]``
+    (the log decay of each key channel), ``beta [B, S, Hv]`` -> ``[B, S, Hv, V]``; 0 on padding.
+
+    Per head a state ``S [K, V]``, zero at a document's first token; per token ``S = diag(exp(g)) S``,
+    ``S = S + k (beta (v - k^T S))^T``, ``o = S^T q``, q and k l2-normalised (``x / sqrt(sum(x^2) + eps)``), q
+    scaled by ``scale`` (default ``K ** -0.5``). Each query/key head serves ``Hv / Hk`` consecutive value heads
+    (transformers' KDA has ``Hk = Hv``). ``dtype``: what it computes in.
+    """
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"reference_kda: expected q, k [B, S, Hk, K] and v [B, S, Hv, V] with the same B, S; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    B, S, Hk, K = q.shape
+    Hv = v.shape[2]
+    if Hv % Hk:
+        raise ValueError(f"reference_kda: expected Hv a multiple of Hk, got Hv={Hv}, Hk={Hk}")
+    if tuple(g.shape) != (B, S, Hv, K):
+        raise ValueError(f"reference_kda: g expected [B, S, Hv, K] = {[B, S, Hv, K]}, got {tuple(g.shape)}")
+    if tuple(beta.shape) != (B, S, Hv):
+        raise ValueError(f"reference_kda: beta expected [B, S, Hv] = {[B, S, Hv]}, got {tuple(beta.shape)}")
+    seg = _segments(doc_ids, (B, S), "reference_kda")
+    q64, k64, v64, g64, b64 = (t.to(dtype) for t in (q, k, v, g, beta))
+    q64, k64 = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q64, k64))
+    if use_qk_l2norm:
+        q64, k64 = _l2norm(q64, eps), _l2norm(k64, eps)
+    q64 = q64 * (K ** -0.5 if scale is None else scale)
+    Vd = v.shape[-1]
+    zero = v64.new_zeros(Hv, Vd)
+    rows = []
+    for b in range(B):
+        row, state = [], None
+        for t in range(S):
+            if seg[b, t] == 0:
+                row.append(zero)
+                continue
+            if t == 0 or seg[b, t] != seg[b, t - 1]:
+                state = v64.new_zeros(Hv, K, Vd)  # a document starts: its state starts at zero
+            state = state * torch.exp(g64[b, t])[:, :, None]  # each key channel decays by its own factor
             kt = k64[b, t]  # [Hv, K]
             read = torch.einsum("hk,hkv->hv", kt, state)
             delta = (v64[b, t] - read) * b64[b, t][:, None]

@@ -25,11 +25,14 @@ ROWS = {
 }
 
 
+KDA_ROWS = ("over-all-ranks", "two-rows-padding", "padding-rank")  # KDA shares the delta rule's code: fewer rows
+
+
 def cases_for(cp: int) -> list[dict]:
     out, seed = [], 0
     for name, ids in ROWS.items():
         for layout in ("contiguous", "balanced", "auto"):
-            for kind in ("conv", "gdr", "ssd"):
+            for kind in ("conv", "gdr", "ssd") + (("kda",) if name in KDA_ROWS else ()):
                 out.append({"name": f"{name} {layout} {kind}", "kind": kind, "ids": ids, "layout": layout, "seed": seed})
                 seed += 1
     return out
@@ -74,7 +77,7 @@ def expected_elements(case: dict, cp: int) -> list[tuple[str, int, int]]:
         else:
             rp = plan_recurrence(plan.documents, r)
             Hv, K, V = 4, 3, 2
-            cn, mn = (Hv * K * V, Hv * K * K) if case["kind"] == "gdr" else (4 * 3 * 2, 4)  # ssd: [H, Dh, N], [H]
+            cn, mn = (Hv * K * V, Hv * K * K) if case["kind"] in ("gdr", "kda") else (4 * 3 * 2, 4)  # ssd: [H, Dh, N], [H]
             out.append(None if not rp.any_traffic else ("summary", sum(rp.send_splits(cn, mn)), sum(rp.recv_splits(cn, mn))))
     return out
 

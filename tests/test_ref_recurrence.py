@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdiag_ref import DocLayout, reference_causal_conv, reference_gated_delta_rule, reference_mamba2_mixer, reference_ssd
+from blockdiag_ref import (DocLayout, reference_causal_conv, reference_gated_delta_rule, reference_kda, reference_mamba2_mixer,
+                           reference_ssd)
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next",
                                  reason="transformers is not installed (the 'hf' extra)")
@@ -47,6 +48,40 @@ def test_gated_delta_rule_is_per_document():
                                            torch.ones(1, end - start, dtype=torch.long))
         torch.testing.assert_close(out[row:row + 1, start:end], alone, rtol=0, atol=0)
     assert (out[ids == 0] == 0).all()
+
+
+@pytest.mark.parametrize("S, H, K, V", [
+    pytest.param(7, 1, 4, 3, id="S7-1head"),
+    pytest.param(70, 2, 8, 5, id="S70-two-chunks"),
+    pytest.param(129, 2, 3, 6, id="S129-three-chunks"),
+])
+def test_kda_matches_transformers_on_one_document(S, H, K, V):
+    """Kimi Linear's own functions (its recurrent and chunked torch paths, which Ling's layer calls too) compute in
+    float32: the reference agrees to float32 rounding, relative to the output's magnitude."""
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    q, k, v, _, beta = gdr_inputs(S, H, H, K, V, seed=S)
+    gate = -torch.rand(1, S, H, K, generator=torch.Generator().manual_seed(S), dtype=torch.float64) * 2
+    ref = reference_kda(q, k, v, gate, beta, torch.ones(1, S, dtype=torch.long))
+    for fn in (kimi.recurrent_kimi_delta_attention, kimi.chunk_kimi_delta_attention):
+        theirs, _ = fn(q, k, v, g=gate, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+        err = (theirs.double() - ref).abs().max() / ref.abs().max()
+        assert err < 2e-6, f"{fn.__name__}: relative error {err:.2e}"
+
+
+def test_kda_is_per_document_and_its_decay_is_per_channel():
+    """A packed row equals each document alone; and a decay equal on every channel is the gated delta rule's."""
+    ids = torch.tensor([[1, 1, 1, 0, 2, 2, 2, 2, 1, 1], [3, 3, 3, 3, 3, 3, 0, 0, 4, 4]])
+    q, k, v, gate, beta = gdr_inputs(10, 2, 2, 4, 3, seed=1, B=2)
+    per_channel = gate[..., None] * torch.linspace(0.2, 1.8, 4, dtype=torch.float64)
+    out = reference_kda(q, k, v, per_channel, beta, ids)
+    for row, start, end in DocLayout.from_doc_ids(ids).segments.tolist():
+        alone = reference_kda(*(t[row:row + 1, start:end] for t in (q, k, v, per_channel, beta)),
+                              torch.ones(1, end - start, dtype=torch.long))
+        torch.testing.assert_close(out[row:row + 1, start:end], alone, rtol=0, atol=0)
+    assert (out[ids == 0] == 0).all()
+    same = reference_kda(q, k, v, gate[..., None].expand(-1, -1, -1, 4), beta, ids)
+    torch.testing.assert_close(same, reference_gated_delta_rule(q, k, v, gate, beta, ids), rtol=1e-13, atol=1e-13)
+    assert (same - out).abs().max() > 1e-3  # the per-channel decay changes the result
 
 
 @pytest.mark.parametrize("W, bias", [pytest.param(4, False, id="W4"), pytest.param(2, True, id="W2-bias"),

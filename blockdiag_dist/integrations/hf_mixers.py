@@ -1,8 +1,8 @@
-"""Hugging Face transformers' Gated DeltaNet and Mamba2 layers per document under CP.
+"""Hugging Face transformers' Gated DeltaNet, KDA, Mamba2 and short-convolution layers per document under CP.
 
-Registered with the guard (:func:`blockdiag_dist.guard.register_installer`) at import, nothing of transformers
-imported until then: the first time a step meets one of these classes, the guard installs a forward on the
-class that, **under a step**, computes the layer per document across CP ranks — its short convolution through
+The installers of the mixer families (:data:`blockdiag_dist.families.FAMILIES` names the classes each installs
+on; nothing of transformers is imported here): the first time a step meets one of these classes, the guard
+installs a forward on the class that, **under a step**, computes the layer per document across CP ranks — its short convolution through
 :func:`blockdiag_dist.mixers.causal_conv`, its recurrence through :func:`blockdiag_dist.mixers.gated_delta_rule`
 — and **outside a step** calls the class's own forward, unchanged. Everything else is the stock code's math: the
 projections, the gates ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``, the gated RMSNorm
@@ -16,6 +16,13 @@ stock rounding for float32 and bfloat16 models, float64 for a float64 model (the
 | ``Qwen3NextGatedDeltaNet`` | ``qwen3_next`` | ``in_proj_qkvz`` + ``in_proj_ba``, grouped per key head |
 | ``Qwen3_5GatedDeltaNet`` | ``qwen3_5`` (text) | ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` |
 | ``Qwen3_5MoeGatedDeltaNet`` | ``qwen3_5_moe`` (text) | as ``qwen3_5`` |
+| ``LaraMiniGatedDeltaNet`` | ``lara_mini`` | as ``qwen3_5`` |
+| ``OlmoHybridGatedDeltaNet`` | ``olmo_hybrid`` | ``q_proj``, ``k_proj``, ``v_proj``, ``a_proj``, ``b_proj``, ``g_proj`` (beta x 2 with ``allow_neg_eigval``) |
+
+The KDA layers (:data:`KDA_CLASSES`: ``KimiLinearDeltaAttention`` of ``kimi_linear``, ``BailingHybridDeltaAttention``
+of ``bailing_hybrid``; :func:`install_kda`): the convolution of ``q, k, v`` through
+:func:`~blockdiag_dist.mixers.causal_conv`, the recurrence through :func:`blockdiag_dist.mixers.kimi_delta_attention`;
+their forget gates and sigmoid-gated RMSNorm are the stock math in the model's dtype, float32 at least.
 
 The Mamba2 layers (:data:`MAMBA2_CLASSES`: ``NemotronHMamba2Mixer`` of ``nemotron_h``, ``BambaMixer`` of
 ``bamba``, ``GraniteMoeHybridMambaLayer`` of ``granitemoehybrid``, ``Zamba2MambaMixer`` of ``zamba2``,
@@ -49,12 +56,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import guard
-from ..mixers import causal_conv, gated_delta_rule, ssd
+from ..mixers import causal_conv, gated_delta_rule, kimi_delta_attention, ssd
 
 __all__ = [
-    "GATED_DELTA_NET_CLASSES", "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "install_gated_delta_net", "install_mamba2",
-    "install_short_conv",
+    "GATED_DELTA_NET_CLASSES", "KDA_CLASSES", "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "install_gated_delta_net",
+    "install_kda", "install_mamba2", "install_short_conv",
 ]
 
 CONV_ACTIVATIONS = ("silu", "swish")  # computed inside causal_conv; any other is applied after it, as ACT2FN does
@@ -73,10 +79,23 @@ def _project_qwen3_5(self: nn.Module, h: Tensor) -> tuple[Tensor, Tensor, Tensor
     return self.in_proj_qkv(h), self.in_proj_z(h).reshape(B, L, -1, self.head_v_dim), self.in_proj_b(h), self.in_proj_a(h)
 
 
+def _project_olmo_hybrid(self: nn.Module, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """OlmoHybridGatedDeltaNet: separate ``q_proj``, ``k_proj``, ``v_proj``, ``a_proj``, ``b_proj``; its output gate
+    is ``g_proj`` (read by :func:`_per_document_forward` through ``z``)."""
+    B, L, _ = h.shape
+    mixed = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
+    return mixed, self.g_proj(h).reshape(B, L, -1, self.head_v_dim), self.b_proj(h), self.a_proj(h)
+
+
+# Gated DeltaNet layers -> their projections. Lara-mini's layer is Qwen3.5's line for line in transformers 5.24
+# (its checkpoints fuse the projections, split at loading). OLMo-hybrid's has separate projections, a gate
+# projection, `allow_neg_eigval` (beta times 2) and its gated norm named o_norm, read by _per_document_forward.
 GATED_DELTA_NET_CLASSES = {
     "Qwen3NextGatedDeltaNet": _project_qwen3_next,
     "Qwen3_5GatedDeltaNet": _project_qwen3_5,
     "Qwen3_5MoeGatedDeltaNet": _project_qwen3_5,
+    "LaraMiniGatedDeltaNet": _project_qwen3_5,
+    "OlmoHybridGatedDeltaNet": _project_olmo_hybrid,
 }
 
 
@@ -109,11 +128,14 @@ def _per_document_forward(
     key = key.reshape(B, L, -1, self.head_k_dim)
     value = value.reshape(B, L, -1, self.head_v_dim)
     beta = b.sigmoid()
+    if getattr(self, "allow_neg_eigval", False):  # OLMo-hybrid: beta in [0, 2]
+        beta = beta * 2.0
     dt = torch.promote_types(a.dtype, torch.float32)  # the stock forward: .float() (fp16 would overflow exp)
     g = -self.A_log.to(dt).exp() * F.softplus(a.to(dt) + self.dt_bias)
     core = gated_delta_rule(query, key, value, g, beta, use_qk_l2norm=True, state=state)
-    core = _gated_norm(self.norm, core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return self.out_proj(core.reshape(B, L, -1))
+    norm, out = (self.o_norm, self.o_proj) if hasattr(self, "o_norm") else (self.norm, self.out_proj)
+    core = _gated_norm(norm, core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return out(core.reshape(B, L, -1))
 
 
 def _gated_norm(norm: nn.Module, x: Tensor, gate: Tensor) -> Tensor:
@@ -236,6 +258,68 @@ def install_mamba2(cls: type) -> str:
     return _install(cls, _mamba2_forward, how)
 
 
+def _kimi_gates(self: nn.Module, h: Tensor, dt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``KimiLinearDeltaAttention``'s decay ``g [B, L, H, K]`` (``KimiLinearForgetGate.forward`` in ``dt``: the
+    stock module computes in float32) and output gate ``[B, L, H, K]``."""
+    B, L, _ = h.shape
+    f = self.forget_gate
+    gate_in = (f.f_b_proj(f.f_a_proj(h)).to(dt) + f.dt_bias.to(dt).view(1, 1, -1)).view(B, L, -1, self.head_dim)
+    softplus = torch.where(gate_in > 20.0, gate_in, torch.log(1.0 + torch.exp(gate_in)))  # the stock's softplus
+    g = -torch.exp(f.A_log.to(dt)) * softplus
+    return g, self.g_b_proj(self.g_a_proj(h)).view(B, L, -1, self.head_dim)
+
+
+def _bailing_gates(self: nn.Module, h: Tensor, dt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``BailingHybridDeltaAttention``'s decay (``BailingHybridForgetGate.forward`` in ``dt``, its safe gate
+    ``lower_bound * sigmoid(.)`` or ``-exp(A_log) softplus(.)``, cast to the model's dtype as the stock does) and
+    output gate."""
+    B, L, _ = h.shape
+    f = self.forget_gate
+    gate_in = f.f_proj(h).to(dt).view(B, L, f.num_heads, f.head_dim) + f.dt_bias.to(dt).view(1, 1, f.num_heads, f.head_dim)
+    decay = f.A_log.to(dt).exp().view(1, 1, f.num_heads, 1)
+    g = f.lower_bound * torch.sigmoid(decay * gate_in) if f.safe_gate else -decay * F.softplus(gate_in)
+    return g.to(h.dtype), self.g_proj(h).view(B, L, -1, self.head_dim)
+
+
+# KDA layers -> their gates (decay and output gate); the rest of their forward is one in transformers 5.24:
+# q, k, v projections, the causal convolution of their concatenation with its activation, beta = sigmoid(b_proj),
+# KDA (chunk_kimi_delta_attention, use_qk_l2norm_in_kernel=True), the sigmoid-gated RMSNorm per head, o_proj
+KDA_CLASSES = {"KimiLinearDeltaAttention": _kimi_gates, "BailingHybridDeltaAttention": _bailing_gates}
+
+
+def _kda_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, attention_mask: Any, *, gates) -> Tensor:
+    """A KDA layer's forward under ``state``: the stock forward with the convolution and KDA per document."""
+    _refuse_cache_and_mask(self, cache, attention_mask)
+    B, L, _ = hidden_states.shape
+    h = hidden_states
+    mixed = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
+    act = self.activation if self.activation in CONV_ACTIVATIONS else None
+    mixed = causal_conv(mixed, self.conv1d.weight, self.conv1d.bias, act, state=state)
+    if act is None and self.activation is not None:
+        mixed = _act(self.activation)(mixed)
+    q, k, v = (t.reshape(B, L, -1, self.head_dim) for t in mixed.split([self.qkv_dim] * 3, dim=-1))
+    dt = torch.promote_types(h.dtype, torch.float32)
+    g, out_gate = gates(self, h, dt)
+    beta = torch.sigmoid(self.b_proj(h))
+    core = kimi_delta_attention(q, k, v, g, beta, use_qk_l2norm=True, state=state)
+    norm = self.o_norm  # the sigmoid-gated RMSNorm over each head, in dt (the stock: float32 always)
+    x = core.to(dt)
+    x = norm.weight.to(dt) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+    x = (x * torch.sigmoid(out_gate.to(dt))).to(core.dtype)
+    return self.o_proj(x.reshape(B, L, -1))
+
+
+def install_kda(cls: type) -> str:
+    """Give ``cls`` (a KDA class of :data:`KDA_CLASSES`, or a subclass) a forward that is per document under a CP
+    step and the class's own outside one; returns how (for the guard's notes)."""
+    gates = next((KDA_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in KDA_CLASSES), None)
+    if gates is None:
+        raise ValueError(f"install_kda: expected one of {sorted(KDA_CLASSES)}, got {cls.__name__}")
+    how = ("convolution with the history of documents continuing from other ranks and Kimi Delta Attention with "
+           "their states (blockdiag_dist.mixers: causal_conv, kimi_delta_attention)")
+    return _install(cls, functools.partial(_kda_forward, gates=gates), how)
+
+
 SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")  # one forward in transformers 5.24
 
 
@@ -275,11 +359,3 @@ def _install(cls: type, per_document, how: str) -> str:
     forward._blockdiag_how = how
     cls.forward = forward
     return how
-
-
-for _name in SHORT_CONV_CLASSES:
-    guard.register_installer(_name, "short_conv", install_short_conv)
-for _name in GATED_DELTA_NET_CLASSES:
-    guard.register_installer(_name, "gated_delta_net", install_gated_delta_net)
-for _name in MAMBA2_CLASSES:
-    guard.register_installer(_name, "mamba2", install_mamba2)

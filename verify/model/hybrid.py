@@ -62,7 +62,17 @@ FAMILIES = {
     "falcon_h1_nonorm": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", "transformers.models.lfm2.modeling_lfm2"),
     "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", "transformers.models.lfm2_moe.modeling_lfm2_moe"),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", "transformers.models.kimi_linear.modeling_kimi_linear"),
+    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM",
+                       "transformers.models.bailing_hybrid.modeling_bailing_hybrid"),
 }
+# Gated DeltaNet with other projections: OLMo-hybrid (separate projections, a gate projection, beta in [0, 2]) and
+# Lara-mini (Qwen3.5's layer); built by the Qwen3-Next path below
+FAMILIES.update({
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", "transformers.models.olmo_hybrid.modeling_olmo_hybrid"),
+    "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM", "transformers.models.lara_mini.modeling_lara_mini"),
+})
+KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")  # KDA, MLA attention (dense MLPs here), KDA
 # LFM2: short convolution (width 3), attention, short convolution; the MoE variant's last layer sparse
 SHORT_CONV_LAYERS = ("conv", "full_attention", "conv")
 LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention")
@@ -131,12 +141,31 @@ def _mamba2_config(family: str, layers: tuple[str, ...]):
                    shared_intermediate_size=48)
 
 
+def _kda_config(family: str, layers: tuple[str, ...]):
+    """Tiny Kimi Linear / Ling (bailing_hybrid): KDA layers of 4 heads of 8 (convolution width 4), MLA attention of
+    2 heads, dense MLPs (their MoE routes in float32); Ling with its safe gate (``lower_bound * sigmoid``)."""
+    import transformers
+
+    cfg_cls = getattr(transformers, FAMILIES[family][0])
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                  num_hidden_layers=len(layers), num_attention_heads=2 if family == "kimi_linear" else 4,
+                  num_key_value_heads=2 if family == "kimi_linear" else 4, kv_lora_rank=16, qk_rope_head_dim=8,
+                  v_head_dim=8, qk_nope_head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                  layer_types=list(layers), mlp_layer_types=["dense"] * len(layers), tie_word_embeddings=False,
+                  max_position_embeddings=4 * SEQ_LEN, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "kimi_linear":
+        return cfg_cls(**common, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4)
+    return cfg_cls(**common, head_dim=8, short_conv_kernel_size=4, n_group=1, topk_group=1, first_k_dense_replace=len(layers))
+
+
 def _config(family: str, layers: tuple[str, ...]):
     import transformers
 
     if family in FAMILY_LAYERS:
         return _mamba2_config(family, layers)
     cfg_cls = getattr(transformers, FAMILIES[family][0])
+    if family in KDA_FAMILIES:
+        return _kda_config(family, layers)
     if family.startswith("lfm2"):
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=2) if family == "lfm2_moe" else {}
         return cfg_cls(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=len(layers),
@@ -152,6 +181,11 @@ def _config(family: str, layers: tuple[str, ...]):
         kw.update(num_experts=0, mlp_only_layers=list(range(len(layers))))
     if family == "qwen3_5_moe":
         kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    if family == "lara_mini":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                  eos_token_id=2, pad_token_id=0)
+    if family == "olmo_hybrid":
+        kw.update(pad_token_id=0, eos_token_id=2)
     return cfg_cls(**kw)
 
 
@@ -168,7 +202,7 @@ def build_tiny_hybrid(family: str, dtype: torch.dtype = torch.float64, *, seed: 
         layers = SHORT_CONV_LAYERS if family.startswith("lfm2") else FAMILY_LAYERS.get(family, LAYER_TYPES)
     torch.manual_seed(seed)
     model_cls = getattr(transformers, FAMILIES[family][1])
-    moe = family in ("qwen3_5_moe", "nemotron_h_moe", "lfm2_moe")
+    moe = family in ("qwen3_5_moe", "nemotron_h_moe", "lfm2_moe", "lara_mini")
     extra = {"experts_implementation": "eager"} if moe else {}  # grouped_mm has no float64
     model = model_cls._from_config(_config(family, layers), attn_implementation=register_transformers_attention(),
                                    **extra).to(dtype)
