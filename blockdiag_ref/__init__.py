@@ -2,14 +2,22 @@
 
 Main entries: :class:`DocLayout` (documents of packed rows), :func:`doc_ids_from_batch` (doc ids from a
 training batch) and :func:`reference_attention` (float64 per-document causal attention); for hybrid models
-:func:`reference_causal_conv`, :func:`reference_gated_delta_rule`, :func:`reference_ssd` and
-:func:`reference_mamba2_mixer` (float64, token by token per document).
+:func:`reference_causal_conv`, :func:`reference_gated_delta_rule`, :func:`reference_ssd`,
+:func:`reference_mamba2_mixer`, :func:`reference_selective_scan` and :func:`reference_mamba1_mixer` (float64,
+token by token per document).
 """
 
 from .attention import reference_attention
 from .batch import doc_ids_from_4d_mask, doc_ids_from_batch, doc_ids_from_position_ids
 from .layout import DocLayout, normalize_chunk, normalize_window
-from .recurrence import reference_causal_conv, reference_gated_delta_rule, reference_mamba2_mixer, reference_ssd
+from .recurrence import (
+    reference_causal_conv,
+    reference_gated_delta_rule,
+    reference_mamba1_mixer,
+    reference_mamba2_mixer,
+    reference_selective_scan,
+    reference_ssd,
+)
 
 __all__ = [
     "DocLayout",
@@ -21,6 +29,8 @@ __all__ = [
     "reference_attention",
     "reference_causal_conv",
     "reference_gated_delta_rule",
+    "reference_mamba1_mixer",
     "reference_mamba2_mixer",
+    "reference_selective_scan",
     "reference_ssd",
 ]
