@@ -8,7 +8,7 @@ sequence mixer reads the step's documents from ``current_state().docs`` (:class:
 
 from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
 from .docs import DocPlan, Piece, RankDocs, plan_documents
-from .mixers import causal_conv, gated_delta_rule, ssd
+from .mixers import causal_conv, gated_delta_rule, selective_scan, ssd
 from .options import CPOptions, configure_cp_varlen
 from .plan import ExchangePlan, ShardPlan, StepPlan, choose_layout, plan_exchange, plan_shards, plan_step
 from .runtime import cp_blockdiag_sdpa, sdpa_routing
@@ -40,6 +40,7 @@ __all__ = [
     "plan_shards",
     "plan_step",
     "sdpa_routing",
+    "selective_scan",
     "shard_tensor",
     "ssd",
     "unshard",

@@ -29,7 +29,7 @@ def cases_for(cp: int) -> list[dict]:
     out, seed = [], 0
     for name, ids in ROWS.items():
         for layout in ("contiguous", "balanced", "auto"):
-            for kind in ("conv", "gdr", "ssd"):
+            for kind in ("conv", "gdr", "ssd", "scan"):
                 out.append({"name": f"{name} {layout} {kind}", "kind": kind, "ids": ids, "layout": layout, "seed": seed})
                 seed += 1
     return out
@@ -74,7 +74,8 @@ def expected_elements(case: dict, cp: int) -> list[tuple[str, int, int]]:
         else:
             rp = plan_recurrence(plan.documents, r)
             Hv, K, V = 4, 3, 2
-            cn, mn = (Hv * K * V, Hv * K * K) if case["kind"] == "gdr" else (4 * 3 * 2, 4)  # ssd: [H, Dh, N], [H]
+            cn, mn = {"gdr": (Hv * K * V, Hv * K * K), "ssd": (4 * 3 * 2, 4),  # ssd: [H, Dh, N], [H]
+                      "scan": (6 * 2, 6 * 2)}[case["kind"]]  # selective scan: [I, N] both
             out.append(None if not rp.any_traffic else ("summary", sum(rp.send_splits(cn, mn)), sum(rp.recv_splits(cn, mn))))
     return out
 
