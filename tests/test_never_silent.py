@@ -4,9 +4,10 @@ of the pinned transformers, trained with the README's recipe (``attn_implementat
 every rank at CP 1 and CP 2 with a message naming the layer or variant, before any gradient exists.
 
 Families computed per document instead (Gated DeltaNet, sinks, chunked attention, softcap, vision-language
-models; the Mamba2 layers of Nemotron-H, Bamba, Granite-4 hybrids, Zamba2, Falcon-H1 and Mamba2 itself; LFM2's
-short convolutions) have parity tests of their own (test_hybrid*, test_hf_hybrid, test_hf_mamba2,
-test_hf_short_conv, test_attention_variants*, test_vlm)."""
+models; the Mamba2 layers of Nemotron-H, Bamba, Granite-4 hybrids, Zamba2, Falcon-H1 and Mamba2 itself; the Mamba1
+layers of Mamba, Falcon-Mamba, Jamba and Zamba; LFM2's short convolutions) have parity tests of their own
+(test_hybrid*, test_hf_hybrid, test_hf_mamba2, test_hf_mamba1, test_hf_short_conv, test_attention_variants*,
+test_vlm)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,6 @@ _MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
 
 # (model type, config fields, error class, what the message must name)
 FAMILIES = [
-    pytest.param("mamba", dict(vocab_size=128, hidden_size=64, time_step_rank=8, num_hidden_layers=2),
-                 "UnsupportedLayerError", r"'backbone.layers.0.mixer' \(MambaMixer\).*Mamba selective-scan", id="mamba"),
-    pytest.param("falcon_mamba", dict(vocab_size=128, hidden_size=64, time_step_rank=8, num_hidden_layers=2),
-                 "UnsupportedLayerError", r"\(FalconMambaMixer\).*Mamba selective-scan", id="falcon-mamba"),
-    pytest.param("jamba", dict(_DECODER, num_experts=4, mamba_dt_rank=8, num_hidden_layers=5),
-                 "UnsupportedLayerError", r"'model.layers.0.mamba' \(JambaMambaMixer\)", id="jamba-hybrid"),
     pytest.param("kimi_linear", dict(_DECODER, num_key_value_heads=4, **_MLA, **_MOE, num_local_experts=4,
                                      linear_head_dim=16, linear_num_heads=4, pad_token_id=127, bos_token_id=126,
                                      eos_token_id=125, layer_types=["linear_attention", "full_attention"],
