@@ -139,3 +139,30 @@ def test_the_extension_example_recurrence_at_cp3(session, layout):
     for n, t in inputs.items():
         got = sum(torch.from_numpy(r["grads"][n]) for r in per_rank)
         torch.testing.assert_close(got, t.grad, rtol=1e-11, atol=1e-12)
+
+
+def test_selective_scan_without_an_initial_state_kernel_gets_one_by_correction():
+    """mamba_ssm's CUDA scan starts every sequence from zero: a scan from zero plus
+    blockdiag_dist.kernels.selective_scan.initial_state_correction equals the scan entering with the state, in its
+    outputs, its leaving states and every gradient (the initial states' included), on pieces of several chunks, in
+    float64 and float32."""
+    from blockdiag_dist.kernels.gated_delta import plan_chunks
+    from blockdiag_dist.kernels.selective_scan import chunk_selective_scan, scan_from_zero_then_correct
+
+    g = torch.Generator().manual_seed(0)
+    cu, I, N, G = [0, 5, 6, 30, 47], 6, 3, 2
+    T, P = cu[-1], len(cu) - 1
+    for dtype, tol in ((torch.float64, 1e-13), (torch.float32, 2e-6)):
+        la = (-torch.rand(T, I, N, generator=g, dtype=torch.float64) * 3).to(dtype).requires_grad_()
+        b, C, init = (torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+                      for s in ((T, I, N), (T, G, N), (P, I, N)))
+        meta = plan_chunks(cu, 4)
+        results = []
+        for fn in (chunk_selective_scan, scan_from_zero_then_correct):
+            y, final = fn(la, b, C, meta, init)
+            w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+            grads = torch.autograd.grad((y * w).sum() + final.sum(), (la, b, C, init))
+            results.append((y, final, *grads))
+        for name, direct, corrected in zip(("y", "final", "dla", "db", "dC", "dinit"), *results):
+            err = ((direct - corrected).abs().max() / direct.abs().max()).item()
+            assert err < tol, f"{dtype} {name}: relative error {err:.1e}"
