@@ -3,11 +3,13 @@
 Main entry: :func:`make_cp_blockdiag_batch_and_ctx` shards a packed batch over a CP mesh and returns
 ``(train_ctx, batch)``; inside ``with train_ctx():`` route attention through :func:`cp_blockdiag_sdpa`
 (or wrap an unmodified model in :func:`sdpa_routing`). Same code on CPU/gloo and CUDA/NCCL. Any other
-sequence mixer reads the step's documents from ``current_state().docs`` (:class:`RankDocs`).
+sequence mixer reads the step's documents from ``current_state().docs`` (:class:`RankDocs`); the mixers of
+hybrid models computed per document are the entries of :data:`FAMILIES`.
 """
 
 from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
 from .docs import DocPlan, Piece, RankDocs, plan_documents
+from .families import FAMILIES, MixerFamily, register_family
 from .mixers import causal_conv, gated_delta_rule, selective_scan, ssd
 from .options import CPOptions, configure_cp_varlen
 from .plan import ExchangePlan, ShardPlan, StepPlan, choose_layout, plan_exchange, plan_shards, plan_step
@@ -19,7 +21,9 @@ __all__ = [
     "AttentionNotRoutedError",
     "CPOptions",
     "DocPlan",
+    "FAMILIES",
     "ExchangePlan",
+    "MixerFamily",
     "PlanMismatchError",
     "Piece",
     "RankDocs",
@@ -39,11 +43,10 @@ __all__ = [
     "plan_exchange",
     "plan_shards",
     "plan_step",
+    "register_family",
     "sdpa_routing",
     "selective_scan",
     "shard_tensor",
     "ssd",
     "unshard",
 ]
-
-from .integrations import hf_mixers as _hf_mixers  # noqa: E402,F401 - registers the Gated DeltaNet and Mamba2 installers

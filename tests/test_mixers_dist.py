@@ -146,7 +146,7 @@ def test_selective_scan_without_an_initial_state_kernel_gets_one_by_correction()
     blockdiag_dist.kernels.selective_scan.initial_state_correction equals the scan entering with the state, in its
     outputs, its leaving states and every gradient (the initial states' included), on pieces of several chunks, in
     float64 and float32."""
-    from blockdiag_dist.kernels.gated_delta import plan_chunks
+    from blockdiag_dist.kernels.chunks import plan_chunks
     from blockdiag_dist.kernels.selective_scan import chunk_selective_scan, scan_from_zero_then_correct
 
     g = torch.Generator().manual_seed(0)

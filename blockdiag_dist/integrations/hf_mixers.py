@@ -1,8 +1,8 @@
 """Hugging Face transformers' Gated DeltaNet, Mamba2 and Mamba1 layers per document under CP.
 
-Registered with the guard (:func:`blockdiag_dist.guard.register_installer`) at import, nothing of transformers
-imported until then: the first time a step meets one of these classes, the guard installs a forward on the
-class that, **under a step**, computes the layer per document across CP ranks — its short convolution through
+The installers of the mixer families (:data:`blockdiag_dist.families.FAMILIES` names the classes each installs
+on; nothing of transformers is imported here): the first time a step meets one of these classes, the guard
+installs a forward on the class that, **under a step**, computes the layer per document across CP ranks — its short convolution through
 :func:`blockdiag_dist.mixers.causal_conv`, its recurrence through :func:`blockdiag_dist.mixers.gated_delta_rule`
 — and **outside a step** calls the class's own forward, unchanged. Everything else is the stock code's math: the
 projections, the gates ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``, the gated RMSNorm
@@ -59,7 +59,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import guard
 from ..mixers import causal_conv, gated_delta_rule, selective_scan, ssd
 
 __all__ = [
@@ -373,13 +372,3 @@ def _install(cls: type, per_document, how: str) -> str:
     forward._blockdiag_how = how
     cls.forward = forward
     return how
-
-
-for _name in SHORT_CONV_CLASSES:
-    guard.register_installer(_name, "short_conv", install_short_conv)
-for _name in GATED_DELTA_NET_CLASSES:
-    guard.register_installer(_name, "gated_delta_net", install_gated_delta_net)
-for _name in MAMBA2_CLASSES:
-    guard.register_installer(_name, "mamba2", install_mamba2)
-for _name in MAMBA1_CLASSES:
-    guard.register_installer(_name, "mamba", install_mamba1)

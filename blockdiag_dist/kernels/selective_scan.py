@@ -4,7 +4,7 @@ Per channel ``i`` and state entry ``n`` a scalar state; per token ``h = a h + b`
 caller passes the log decay ``la = dt A``) and ``b = dt x B``, and ``y = sum_n h C``: a diagonal linear recurrence,
 as transformers' ``mamba_selective_scan`` computes it on its torch path (a loop over tokens). Here the tokens of
 many pieces are packed one piece after another (the chunk layout of
-:func:`~blockdiag_dist.kernels.gated_delta.plan_chunks`: each piece padded to whole chunks on its own, padded
+:func:`~blockdiag_dist.kernels.chunks.plan_chunks`: each piece padded to whole chunks on its own, padded
 tokens with ``la = 0``, ``b = 0``: they leave the state unchanged); inside a chunk the states from zero and the
 decay products come from a doubling scan (``log2(chunk)`` elementwise steps over every chunk at once, products of
 decays only: nothing is divided, nothing overflows); the chunks are then chained over ``max(chunks per piece)``
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .gated_delta import ChunkMeta, _carry_chunks, _to_chunks
+from .chunks import ChunkMeta, carry_chunks, to_chunks
 
 __all__ = ["SCAN_CHUNK", "chunk_selective_scan", "initial_state_correction", "scan_from_zero_then_correct"]
 
@@ -61,7 +61,7 @@ def chunk_selective_scan(la: Tensor, b: Tensor, C: Tensor, meta: ChunkMeta, init
     if meta.num_chunks == 0:
         final = None if not want_final else (la.new_zeros(P, I, N) if initial is None else initial)
         return la.new_zeros(0, I), final
-    ac, bc = (_to_chunks(t, meta).transpose(1, 2) for t in (la, b))  # [NC, Cl, I, N]
+    ac, bc = (to_chunks(t, meta).transpose(1, 2) for t in (la, b))  # [NC, Cl, I, N]
     h0, prod = _doubling_scan(ac.exp(), bc)
 
     def step(sl: slice, S_run: Tensor) -> tuple[Tensor, Tensor]:
@@ -69,7 +69,7 @@ def chunk_selective_scan(la: Tensor, b: Tensor, C: Tensor, meta: ChunkMeta, init
         return h, h[:, -1]
 
     S0 = la.new_zeros(P, I, N) if initial is None else initial.index_select(0, meta.order)
-    hs, S = _carry_chunks(meta, S0, step)  # [NC, Cl, I, N]
+    hs, S = carry_chunks(meta, S0, step)  # [NC, Cl, I, N]
     h = hs.reshape(meta.num_chunks * Cl, I, N).index_select(0, meta.dest)
     return _output(h, C), (S.index_select(0, meta.inverse) if want_final else None)
 

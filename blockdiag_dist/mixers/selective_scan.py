@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kernels.gated_delta import ChunkMeta, plan_chunks
+from ..kernels.chunks import ChunkMeta, plan_chunks
 from ..kernels.selective_scan import SCAN_CHUNK, chunk_selective_scan
 from .recurrence import STATE_DTYPES, Recurrence, run_recurrence
 

@@ -18,6 +18,7 @@ import os
 import torch
 
 from ..cases import Case, mixer_matrix
+from ..families import SPECS
 from . import emulate
 from .backends import BackendRecorder
 from .matrix import dtype_summary, run_one
@@ -25,7 +26,7 @@ from .step import StepContext
 
 __all__ = ["cases", "run", "summarize"]
 
-LAYERS = ("gated_delta", "mamba2", "conv")
+LAYERS = ("gated_delta", "mamba2", "conv") + tuple(l for l in SPECS if l not in ("gated_delta", "mamba2", "conv"))
 DTYPES = ("float32", "float64")
 QUICK_LAYOUTS = ("padding-rank", "many-short")
 

@@ -23,9 +23,9 @@ same code with one bug that CP systems are known to ship:
 | `chunk_from_row`   | chunk boundaries counted from the row's start, not each document's      | fail             |
 | `softcap_after_softmax` | ``softcap * tanh(.)`` applied to the probabilities, not the scores | fail             |
 
-The mixers of hybrid models (``--layer conv`` / ``--layer gated_delta`` / ``--layer mamba2`` cases;
-``verify.mutants._mixers``): blockdiag_dist itself with one mistake in its convolution or its recurrences (the
-recurrence bugs are planted in both the gated delta rule and Mamba2's SSD).
+The mixers of hybrid models (``--layer conv`` / ``--layer gated_delta`` / ``--layer mamba2`` / ``--layer mamba1``
+cases; ``verify.mutants._mixers``): blockdiag_dist itself with one mistake in its convolution or its recurrences
+(the recurrence bugs are planted in the gated delta rule, Mamba2's SSD and Mamba1's selective scan).
 
 | module                     | bug                                                                  | verifier reports |
 | -------------------------- | -------------------------------------------------------------------- | ---------------- |
@@ -35,6 +35,7 @@ recurrence bugs are planted in both the gated delta rule and Mamba2's SSD).
 | `mixer_conv_unmasked`      | the convolution's history is not masked by document                   | fail             |
 | `mixer_history_wrong_rank` | the history is the previous rank's last rows (right only for contiguous shards of long pieces) | fail |
 | `mixer_ssd_no_decay`       | the SSD's fold drops the transitions (a state crossing a piece held elsewhere is not decayed) | fail |
+| `mixer_scan_decay_per_rank` | the selective scan's entering state decayed by every token the rank holds before the piece in its row (per rank, not per document) | fail |
 
 Classed by ``verify.classify`` (as third-party code is): ``off_by_one``, ``no_grad_reduce``,
 ``leak_across_docs``, ``nonzero_padding``, ``short_straddle``, ``kv_scale`` and the three variant bugs
