@@ -5,8 +5,8 @@ checkpointing too. The stock layer outside a step and the refusal of a cache or 
 tests/test_hf_hybrid.py's.
 
 What the models compute in float32 whatever their dtype, and what it costs here: Mamba and Falcon-Mamba cast their
-logits to float32 (``lm_head(...).float()``), so their loss is a float32 sum (measured 3e-8 and 4e-9 against the
-per-document sum; every gradient stays at 1e-15); their blocks' ``residual_in_fp32`` (default True) casts every
+logits to float32 (``lm_head(...).float()``), so their loss is a float32 sum (measured up to 5.3e-8 against the
+per-document sum; every gradient stays below 1e-15); their blocks' ``residual_in_fp32`` (default True) casts every
 residual to float32, a rounding of every hidden state that the tiny models turn off (``verify.model.hybrid``). The
 stock Mamba1 layers compute their decays, state updates and the norms of ``dt, B, C`` in float32 (float64 in the
 truth, see ``float64_kernel``, and under CP). Jamba and Zamba: nothing (loss and gradients at 1e-16)."""
@@ -30,7 +30,7 @@ from test_hf_hybrid import cp_problems, the_truth  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FLOAT64_LIMIT = 1e-10
-FLOAT32_LIMIT = 1e-6  # a loss the model sums in float32 (see the module docstring; measured <= 4e-8)
+FLOAT32_LIMIT = 1e-6  # a loss the model sums in float32 (see the module docstring; measured <= 5.3e-8)
 TIMEOUT = 300.0
 FLOAT32_LOSS = ("mamba", "falcon_mamba")  # logits cast to float32 by the model
 
@@ -85,3 +85,11 @@ def test_install_refuses_other_classes():
 
     with pytest.raises(ValueError, match=r"install_mamba1: expected one of .*JambaMambaMixer.*, got Linear"):
         install_mamba1(torch.nn.Linear)
+
+
+def test_the_docs_example_trains_a_tiny_jamba():
+    """docs/hybrid.md's Jamba step runs as written (its assert: the Mamba layers were computed per document)."""
+    import mixer_checks
+
+    ns = mixer_checks.docs_example("jamba_step")  # runs the block: its step, with its assert
+    assert torch.isfinite(ns["loss"]) and ns["loss"].grad_fn is not None
