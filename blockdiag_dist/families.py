@@ -173,5 +173,12 @@ for _family in (
         summary="the latent and indexer key of each earlier token of the same document held elsewhere (the "
                 "attention's needed-only exchange, no summary)",
     ),
+    MixerFamily(
+        name="mamba1", kind="mamba", layer="mamba1",
+        function="blockdiag_dist.mixers:selective_scan", reference="blockdiag_ref:reference_selective_scan",
+        classes=("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"),
+        installer=f"{_HF}:install_mamba1",
+        summary="(M [I, N], C [I, N]) per continuing piece (C only for a document's first piece)",
+    ),
 ):
     register_family(_family)

@@ -88,8 +88,6 @@ MIXER_KINDS: dict[str, str] = {
 # the mixer families (blockdiag_dist.families: installed, or of a family's kind and refused) come from their
 # entries; the others are listed here.
 KNOWN_MIXERS: dict[str, str] = {
-    # Mamba (selective scan)
-    "MambaMixer": "mamba", "FalconMambaMixer": "mamba", "JambaMambaMixer": "mamba", "ZambaMambaMixer": "mamba",
     # linear and lightning attention
     "Glm5NextTextLinearAttention": "linear_attention", "MiniMaxLightningAttention": "lightning_attention",
     # RG-LRU, xLSTM, RWKV

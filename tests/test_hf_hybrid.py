@@ -131,6 +131,8 @@ INSTALLED = {
     "nemotron_h": ("model.layers.0.mixer", "install_mamba2"),
     "lfm2": ("model.layers.0.conv", "install_short_conv"),
     "kimi_linear": ("model.layers.0.self_attn", "install_kda"),
+    "jamba": ("model.layers.0.mamba", "install_mamba1"),
+    "zamba": ("model.layers.0.mamba", "install_mamba1"),
 }
 
 

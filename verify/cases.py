@@ -523,16 +523,31 @@ def mixer_matrix(
     layouts: Sequence[str | None] = (None,),
     layers: Sequence[str] = tuple(SPECS),
 ) -> Iterator[Case]:
-    """Every named layout at every CP size once per mixer layer; layout, dtype, heads, widths and activation
-    checkpointing rotate across the cases (a mixer's plan depends on the layout and CP size, not on an exchange
-    or a kernel option: one case per layout and CP size covers it)."""
+    """Every named layout at every CP size once per mixer layer (or, for a layer whose spec says
+    ``layouts_per_cp``, that many named layouts per CP size, rotating through them all); layout, dtype, heads,
+    widths and activation checkpointing rotate across the cases (a mixer's plan depends on the layout and CP size,
+    not on an exchange or a kernel option: one case per layout and CP size covers it)."""
     k = 0
+    names = list(NAMED_LAYOUTS)
+    thin = {layer: SPECS[layer].layouts_per_cp for layer in layers if SPECS[layer].layouts_per_cp}
+    turn = dict.fromkeys(thin, 0)  # the next named layout of each thin layer
+    chosen: dict[tuple[str, int], set[str]] = {}
     for cp in cps:
+        for layer, n in thin.items():
+            pick: set[str] = set()
+            while len(pick) < min(n, len(names) - (cp == 1)):
+                name = names[turn[layer] % len(names)]
+                turn[layer] += 1
+                if not (name == "s-lt-cp" and cp == 1):
+                    pick.add(name)
+            chosen[(layer, cp)] = pick
         for name, make in NAMED_LAYOUTS.items():
             if name == "s-lt-cp" and cp == 1:
                 continue
             rows = make(cp)
             for layer in layers:
+                if layer in thin and name not in chosen[(layer, cp)]:
+                    continue
                 hq, hkv = MIXER_HEADS[k % len(MIXER_HEADS)]
                 yield Case(rows=rows, cp=cp, name=name, hq=hq, hkv=hkv, dim=DIMS[(k // 3) % len(DIMS)],
                            layout=layouts[k % len(layouts)], dtype=dtypes[(k // len(layers)) % len(dtypes)], seed=k,

@@ -1,4 +1,4 @@
-"""Hugging Face transformers' Gated DeltaNet, KDA, Mamba2 and short-convolution layers per document under CP.
+"""Hugging Face transformers' Gated DeltaNet, KDA, Mamba2, Mamba1 and short-convolution layers per document under CP.
 
 The installers of the mixer families (:data:`blockdiag_dist.families.FAMILIES` names the classes each installs
 on; nothing of transformers is imported here): the first time a step meets one of these classes, the guard
@@ -34,6 +34,16 @@ math elsewhere (``in_proj``; ``dt = clamp(softplus(dt + dt_bias), *time_step_lim
 (``mamba2_chunk_scan``: x, B, C, dt cast to float32) and its gated norm in float32; here they are computed in the
 model's dtype, float32 at least, as for Gated DeltaNet.
 
+The Mamba1 layers (:data:`MAMBA1_CLASSES`: ``MambaMixer`` of ``mamba``, ``FalconMambaMixer`` of ``falcon_mamba``,
+``JambaMambaMixer`` of ``jamba``, ``ZambaMambaMixer`` of ``zamba``; one forward, :func:`install_mamba1`): the
+convolution of ``x`` through :func:`~blockdiag_dist.mixers.causal_conv`, the selective scan through
+:func:`blockdiag_dist.mixers.selective_scan`; the stock math elsewhere (``in_proj`` -> ``x, z``, interleaved in
+Zamba; ``x_proj`` -> ``dt, B, C``, one per head in Zamba; Falcon-Mamba's weightless and Jamba's weighted RMSNorms
+of ``dt, B, C``; ``dt = softplus(dt_proj(dt))`` in the model's dtype; ``A = -exp(A_log)``; ``y * silu(z)``;
+``out_proj``). The stock layer computes its norms of ``dt, B, C`` and its decays and state updates in float32
+(its torch path keeps the state in the model's dtype); here they are computed in the model's dtype, float32 at
+least, as for the other families.
+
 LFM2's short convolutions (:data:`SHORT_CONV_CLASSES`: ``Lfm2ShortConv`` of ``lfm2`` / ``lfm2_vl``,
 ``Lfm2MoeShortConv`` of ``lfm2_moe``, ``Lfm3ShortConv`` of ``lfm3``; one forward in transformers 5.24,
 :func:`install_short_conv`): ``B, C, x = in_proj(h)``, the depthwise causal convolution of ``B * x`` through
@@ -44,7 +54,7 @@ Under a step the layer takes no cache (``use_cache=False`` in training) and no `
 documents and the padding come from the step); either raises ``ValueError`` on every rank before any collective.
 
 Shape legend: B rows, L rows of this rank, Hk key heads, Hv value heads, K / V head dims; Mamba2: H heads, Dh
-head dim, G groups, N state size, E hidden size.
+head dim, G groups, N state size, E hidden size; Mamba1: I channels, R the time step's rank, H Zamba's heads.
 """
 
 from __future__ import annotations
@@ -56,11 +66,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..mixers import causal_conv, gated_delta_rule, kimi_delta_attention, ssd
+from ..mixers import causal_conv, gated_delta_rule, kimi_delta_attention, selective_scan, ssd
 
 __all__ = [
-    "GATED_DELTA_NET_CLASSES", "KDA_CLASSES", "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "install_gated_delta_net",
-    "install_kda", "install_mamba2", "install_short_conv",
+    "GATED_DELTA_NET_CLASSES", "KDA_CLASSES", "MAMBA1_CLASSES", "MAMBA2_CLASSES", "SHORT_CONV_CLASSES",
+    "install_gated_delta_net", "install_kda", "install_mamba1", "install_mamba2", "install_short_conv",
 ]
 
 CONV_ACTIVATIONS = ("silu", "swish")  # computed inside causal_conv; any other is applied after it, as ACT2FN does
@@ -318,6 +328,94 @@ def install_kda(cls: type) -> str:
     how = ("convolution with the history of documents continuing from other ranks and Kimi Delta Attention with "
            "their states (blockdiag_dist.mixers: causal_conv, kimi_delta_attention)")
     return _install(cls, functools.partial(_kda_forward, gates=gates), how)
+
+
+def _rms_norm(h: Tensor, eps: float, weight: Tensor | None) -> Tensor:
+    """An RMSNorm over the last dim as Jamba's (``weight`` times the normalised ``h`` cast back to ``h``'s dtype)
+    and Falcon-Mamba's weightless one compute it, normalised in ``h``'s dtype, float32 at least (the stock: float32)."""
+    dt = torch.promote_types(h.dtype, torch.float32)
+    n = h.to(dt)
+    n = (n * torch.rsqrt(n.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return n if weight is None else weight * n
+
+
+def _ssm_params_mamba(self: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dt before its bias [B, L, I], B, C [B, L, 1, N], A_log [I, N], D [I])`` of ``MambaMixer``."""
+    R, N = self.time_step_rank, self.ssm_state_size
+    ts, Bm, Cm = self.x_proj(x).split([R, N, N], dim=-1)
+    return ts @ self.dt_proj.weight.t(), Bm[:, :, None], Cm[:, :, None], self.A_log, self.D
+
+
+def _ssm_params_normed(self: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The same with ``dt, B, C`` normalised: Falcon-Mamba without weights (``rms_eps``), Jamba with
+    (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``)."""
+    R, N = self.time_step_rank, self.ssm_state_size
+    ts, Bm, Cm = self.x_proj(x).split([R, N, N], dim=-1)
+    weighted = hasattr(self.dt_layernorm, "variance_epsilon")  # JambaRMSNorm; FalconMamba's has `eps`, no weight
+    eps = self.dt_layernorm.variance_epsilon if weighted else self.rms_eps
+    ts, Bm, Cm = (_rms_norm(t, eps, norm.weight if weighted else None)
+                  for t, norm in ((ts, self.dt_layernorm), (Bm, self.b_layernorm), (Cm, self.c_layernorm)))
+    return ts @ self.dt_proj.weight.t(), Bm[:, :, None], Cm[:, :, None], self.A_log, self.D
+
+
+def _ssm_params_zamba(self: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``ZambaMambaMixer``: per head its own ``x_proj_weight [H, R + 2 N, I / H]`` and ``dt_proj_weight
+    [H, I / H, R]``; ``B, C [B, L, H, N]`` (one group per head)."""
+    B, L, I = x.shape
+    H, R, N = self.n_mamba_heads, self.time_step_rank, self.ssm_state_size
+    ssm = torch.einsum("hrd,blhd->blhr", self.x_proj_weight, x.reshape(B, L, H, I // H))
+    ts, Bm, Cm = ssm.split([R, N, N], dim=-1)
+    dt = torch.einsum("hdr,blhr->blhd", self.dt_proj_weight, ts).reshape(B, L, I)
+    return dt, Bm, Cm, self.A_log.reshape(I, N), self.D.reshape(I)
+
+
+# Mamba1 layers -> (x and gate from in_proj, ssm parameters, dt_proj's bias). MambaMixer, FalconMambaMixer and
+# JambaMambaMixer share the torch path (causal_conv1d_fn, mamba_selective_scan) in transformers 5.24 and differ in
+# the norms of dt, B, C; ZambaMambaMixer splits its channels into heads. Each is checked by tests/test_hf_mamba1.py
+# against each document alone.
+MAMBA1_CLASSES = {
+    "MambaMixer": ("chunk", _ssm_params_mamba, "dt_proj.bias"),
+    "FalconMambaMixer": ("chunk", _ssm_params_normed, "dt_proj.bias"),
+    "JambaMambaMixer": ("chunk", _ssm_params_normed, "dt_proj.bias"),
+    "ZambaMambaMixer": ("interleaved", _ssm_params_zamba, "dt_proj_bias"),
+}
+
+
+def _mamba1_adapter(cls: type):
+    return next((MAMBA1_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in MAMBA1_CLASSES), None)
+
+
+def _mamba1_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, attention_mask: Any) -> Tensor:
+    """A Mamba1 layer's forward under ``state`` (the stock torch path with the convolution and the selective scan
+    per document): ``hidden_states [B, L, E]`` -> ``[B, L, E]``."""
+    _refuse_cache_and_mask(self, cache, attention_mask)
+    split, ssm_params, bias_name = _mamba1_adapter(type(self))
+    projected = self.in_proj(hidden_states)  # [B, L, 2 I]
+    if split == "interleaved":  # Zamba: channel c of x is output 2 c, of the gate 2 c + 1
+        x, gate = projected[..., 0::2], projected[..., 1::2]
+    else:
+        x, gate = projected.chunk(2, dim=-1)
+    act = self.activation if self.activation in CONV_ACTIVATIONS else None
+    x = causal_conv(x, self.conv1d.weight, self.conv1d.bias, act, state=state)
+    if act is None and self.activation is not None:
+        x = _act(self.activation)(x)
+    dt, Bm, Cm, A_log, D = ssm_params(self, x)
+    bias = self.get_parameter(bias_name)
+    dt = F.softplus(dt + bias.reshape(-1).to(dt.dtype))  # the stock: in dt's dtype
+    compute = torch.promote_types(projected.dtype, torch.float32)
+    y = selective_scan(x, dt, -torch.exp(A_log.to(compute)), Bm, Cm, D, state=state)
+    y = y * F.silu(gate.to(y.dtype))
+    return self.out_proj(y.to(hidden_states.dtype))
+
+
+def install_mamba1(cls: type) -> str:
+    """Give ``cls`` (a Mamba1 class of :data:`MAMBA1_CLASSES`, or a subclass) a forward that is per document under
+    a CP step and the class's own outside one; returns how (for the guard's notes)."""
+    if _mamba1_adapter(cls) is None:
+        raise ValueError(f"install_mamba1: expected one of {sorted(MAMBA1_CLASSES)}, got {cls.__name__}")
+    how = ("convolution with the history of documents continuing from other ranks and Mamba1's selective scan with "
+           "their states (blockdiag_dist.mixers: causal_conv, selective_scan)")
+    return _install(cls, _mamba1_forward, how)
 
 
 SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")  # one forward in transformers 5.24

@@ -53,7 +53,12 @@ class MixerSpec:
     - ``check_exchange(case, state, rank, m, calls, n) -> mode``: for a family whose traffic is not the mixers'
       (``received`` None), its own check of the step's traffic on metrics ``m`` (``calls`` forwards), returning the
       exchange mode reported for the case;
-    - ``label(case)``: the kind part of the case's label; ``args(case)``: its replay arguments beyond ``--layer``.
+    - ``label(case)``: the kind part of the case's label; ``args(case)``: its replay arguments beyond ``--layer``;
+    - ``layouts_per_cp``: None, the matrix meets every named layout at every CP size; ``n``, ``n`` named layouts per
+      CP size, rotating, so that every named layout is met at some CP size (a family whose distributed part is
+      another's: its plan, folds and exchange are :func:`~blockdiag_dist.mixers.run_recurrence`'s, judged in
+      full by the families already there; its own part, the scan and the summary, shows on any layout whose
+      documents cross ranks).
     """
 
     layer: str
@@ -69,6 +74,7 @@ class MixerSpec:
     args: Callable[[Any], list[str]] = lambda case: []
     check_exchange: Callable | None = None
     mutants: dict[str, Callable[[], Callable]] = field(default_factory=dict)
+    layouts_per_cp: int | None = None
 
     @property
     def family(self):

@@ -60,6 +60,10 @@ FAMILIES = {
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
     "falcon_h1_gate_first": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
     "falcon_h1_nonorm": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
+    "jamba": ("JambaConfig", "JambaForCausalLM", "transformers.models.jamba.modeling_jamba"),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", "transformers.models.falcon_mamba.modeling_falcon_mamba"),
+    "mamba": ("MambaConfig", "MambaForCausalLM", "transformers.models.mamba.modeling_mamba"),
+    "zamba": ("ZambaConfig", "ZambaForCausalLM", "transformers.models.zamba.modeling_zamba"),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", "transformers.models.lfm2.modeling_lfm2"),
     "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", "transformers.models.lfm2_moe.modeling_lfm2_moe"),
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", "transformers.models.kimi_linear.modeling_kimi_linear"),
@@ -88,8 +92,13 @@ FAMILY_LAYERS = {
     "falcon_h1_gate_first": ("hybrid", "hybrid"),
     "falcon_h1_nonorm": ("hybrid", "hybrid"),
 }
-NO_ATTENTION = ("mamba2",)  # families whose steps route no attention call (expect_attention=False)
+# Mamba1 (selective scan) models: Jamba's (Mamba, attention with a MoE, Mamba), Zamba's (Mamba, Mamba with the
+# shared attention block, Mamba), Mamba's and Falcon-Mamba's (two Mamba layers)
+MAMBA1_LAYERS = {"jamba": ("mamba", "attention", "mamba"), "zamba": ("mamba", "hybrid", "mamba"),
+                 "mamba": ("mamba", "mamba"), "falcon_mamba": ("mamba", "mamba")}
+NO_ATTENTION = ("mamba2", "mamba", "falcon_mamba")  # families whose steps route no attention call (expect_attention=False)
 MAMBA2 = dict(ssm_heads=4, ssm_head_dim=8, groups=2, state=8, conv=4, chunk=16)
+MAMBA1 = dict(expand=2, state=8, conv=4, dt_rank=4, zamba_heads=2)  # 64 channels of 8 states
 SEQ_LEN = 64
 # two rows of 64: documents over 3 ranks at CP 4 (37 tokens from 0; 40 tokens from 11), short ones, padding
 DOC_LENGTHS = (37, 3, 19, 11, 40, 6)
@@ -158,9 +167,33 @@ def _kda_config(family: str, layers: tuple[str, ...]):
     return cfg_cls(**common, head_dim=8, short_conv_kernel_size=4, n_group=1, topk_group=1, first_k_dense_replace=len(layers))
 
 
+def _mamba1_config(family: str, layers: tuple[str, ...]):
+    """Mamba and Falcon-Mamba with ``residual_in_fp32=False``: their default casts each block's residual to float32
+    (a float32 rounding of every hidden state, in a float64 model too: the model's own, not CP's)."""
+    import transformers
+
+    cfg_cls = getattr(transformers, FAMILIES[family][0])
+    m = MAMBA1
+    if family in ("mamba", "falcon_mamba"):
+        return cfg_cls(vocab_size=64, hidden_size=32, num_hidden_layers=len(layers), state_size=m["state"],
+                       expand=m["expand"], conv_kernel=m["conv"], time_step_rank=m["dt_rank"], use_conv_bias=True,
+                       residual_in_fp32=False, tie_word_embeddings=False)
+    attn = [i for i, t in enumerate(layers) if t != "mamba"]
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=len(layers),
+                  num_attention_heads=2, num_key_value_heads=1, mamba_d_state=m["state"], mamba_d_conv=m["conv"],
+                  mamba_expand=m["expand"], mamba_dt_rank=m["dt_rank"], mamba_conv_bias=True,
+                  max_position_embeddings=4 * SEQ_LEN, tie_word_embeddings=False)
+    if family == "jamba":  # the attention layer's feed-forward a MoE of 4 experts, 2 per token
+        return cfg_cls(**common, attn_layer_period=len(layers), attn_layer_offset=attn[0], num_experts=4,
+                       num_experts_per_tok=2, expert_layer_period=len(layers), expert_layer_offset=attn[0])
+    return cfg_cls(**common, layers_block_type=list(layers), n_mamba_heads=m["zamba_heads"])
+
+
 def _config(family: str, layers: tuple[str, ...]):
     import transformers
 
+    if family in MAMBA1_LAYERS:
+        return _mamba1_config(family, layers)
     if family in FAMILY_LAYERS:
         return _mamba2_config(family, layers)
     cfg_cls = getattr(transformers, FAMILIES[family][0])
@@ -199,10 +232,11 @@ def build_tiny_hybrid(family: str, dtype: torch.dtype = torch.float64, *, seed: 
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
     if layers is None:
-        layers = SHORT_CONV_LAYERS if family.startswith("lfm2") else FAMILY_LAYERS.get(family, LAYER_TYPES)
+        layers = (SHORT_CONV_LAYERS if family.startswith("lfm2") else
+                  MAMBA1_LAYERS.get(family) or FAMILY_LAYERS.get(family, LAYER_TYPES))
     torch.manual_seed(seed)
     model_cls = getattr(transformers, FAMILIES[family][1])
-    moe = family in ("qwen3_5_moe", "nemotron_h_moe", "lfm2_moe", "lara_mini")
+    moe = family in ("qwen3_5_moe", "nemotron_h_moe", "lfm2_moe", "lara_mini", "jamba")
     extra = {"experts_implementation": "eager"} if moe else {}  # grouped_mm has no float64
     model = model_cls._from_config(_config(family, layers), attn_implementation=register_transformers_attention(),
                                    **extra).to(dtype)

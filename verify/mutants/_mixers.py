@@ -27,6 +27,8 @@ MIXER_BUGS = {
                       "entering state is also decayed by the tokens the rank holds before it",
     "topk_over_row": "the DSA indexer's candidates are the row's earlier tokens (a global causal mask, as NeMo Automodel's "
                      "packed path), not the query's document: top-k slots and attention go to other documents",
+    "scan_decay_per_rank": "the selective scan's entering state is decayed per rank, not per document: by every token "
+                           "the rank holds before the piece in its row, other documents' included",
 }
 
 
