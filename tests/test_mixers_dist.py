@@ -170,3 +170,14 @@ def test_selective_scan_without_an_initial_state_kernel_gets_one_by_correction()
         for name, direct, corrected in zip(("y", "final", "dla", "db", "dC", "dinit"), *results):
             err = ((direct - corrected).abs().max() / direct.abs().max()).item()
             assert err < tol, f"{dtype} {name}: relative error {err:.1e}"
+
+
+def test_conv_plan_of_a_row_shorter_than_the_width_holds_no_tap_before_the_row():
+    """One token at CP 2 (S < CP: rank 1 holds padding only), width 4: the taps before the row's start are not
+    looked up (their flat ids are negative) and every tap of the token is its own row or the zero row."""
+    plan = plan_step(torch.tensor([[1]]), 2)
+    for rank in range(2):
+        cp_ = plan_conv(plan, rank, 4)
+        assert cp_.mode == "local" and not bool((cp_.fix_taps < 0).any())
+    taps = plan_conv(plan, 0, 4).fix_taps  # [W, fixed rows]: three zero-row taps, then the token itself
+    assert taps.shape == (4, 1) and taps[-1].tolist() == [0] and len(set(taps[:-1].flatten().tolist())) == 1
