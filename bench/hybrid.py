@@ -15,7 +15,11 @@ Three ways to run the layer on a CP group (each rank holds its contiguous ``L = 
 
 A Mamba2 layer (Nemotron-H's: the convolution of ``xBC`` and the SSD, :data:`SSD_LAYER`) gives one more figure,
 bytes only: what each rank receives per forward under blockdiag (:func:`ssd_bytes`; the all-gather baseline
-would receive the rank's other ranks' ``xBC`` and ``dt``).
+would receive the rank's other ranks' ``xBC`` and ``dt``); a Kimi Delta Attention layer (Kimi Linear's: the
+convolution of ``q, k, v`` and KDA with its decay per key channel, :data:`KDA_LAYER`) likewise (:func:`kda_bytes`).
+A Mamba1 layer (Jamba's: the convolution of ``x`` and the selective scan, :data:`SCAN_LAYER`) likewise
+(:func:`scan_bytes`): its summaries are ``I * N`` per continuing piece, twice that for a piece that itself continues
+its document.
 
 Figures: bytes each rank receives per forward (blockdiag's: histories and summaries, flat in S), the CP 2 step
 against the single-device layer on the same cores (one process with both threads), and each rank's peak memory
@@ -35,7 +39,7 @@ import torch.distributed as dist
 
 from blockdiag_dist import make_cp_blockdiag_batch_and_ctx
 from blockdiag_dist.exchange import TrafficLog, a2a_kv, allgather_kv
-from blockdiag_dist.mixers import causal_conv, gated_delta_rule, plan_recurrence, ssd
+from blockdiag_dist.mixers import causal_conv, gated_delta_rule, kimi_delta_attention, plan_recurrence, selective_scan, ssd
 from blockdiag_dist.plan import plan_step
 from verify.pool import WorkerPool, worker_info
 
@@ -43,12 +47,15 @@ from .memory import peak_bytes, reset_peak, rss_bytes
 
 from verify.workloads import layout_of, long_tail
 
-__all__ = ["HK", "HV", "K", "V", "SSD_LAYER", "WIDTH", "bench_hybrid", "ssd_bytes", "ssd_plan_bytes"]
+__all__ = ["HK", "HV", "K", "KDA_LAYER", "SCAN_LAYER", "SSD_LAYER", "V", "WIDTH", "bench_hybrid", "kda_bytes",
+           "kda_plan_bytes", "scan_bytes", "scan_plan_bytes", "ssd_bytes", "ssd_plan_bytes"]
 
 HK, HV, K, V, WIDTH = 4, 8, 32, 32, 4
 C = 2 * HK * K + HV * V
 METHODS = ("blockdiag", "allgather", "a2a_heads")
 SSD_LAYER = {"H": 8, "Dh": 32, "G": 2, "N": 32}  # Mamba2 heads, head dim, groups, state size (width WIDTH)
+KDA_LAYER = {"H": 8, "K": 32}  # KDA heads and head dim (q, k, v and the decay per key channel; width WIDTH)
+SCAN_LAYER = {"I": 128, "N": 16}  # Mamba1 channels and state size (Jamba's N; width WIDTH)
 
 
 def _ids(S: int, seed: int) -> torch.Tensor:
@@ -235,6 +242,66 @@ def ssd_plan_bytes(plan, rank: int, element: int = 4) -> dict:
     return {"summaries": summaries, "history": plan.exchange(WIDTH - 1).needed_tokens()[rank] * _ssd_channels() * element}
 
 
+def kda_bytes(S: int, seed: int, dtype: str = "float32") -> dict:
+    """On every rank: one forward of the KDA layer from ``mixed [1, L, 3 H K]`` (q, k, v before the convolution),
+    the decay ``g [1, L, H, K]`` and ``beta [1, L, H]`` under blockdiag, contiguous shards; the bytes received."""
+    m, dt_ = KDA_LAYER, getattr(torch, dtype)
+    mesh = worker_info().get("cp_mesh")
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": torch.zeros(1, S, 1),
+                                                          "_packed_seq_ids": _ids(S, seed)},
+                                             expect_attention=False, conv_widths=[WIDTH])
+    state, L, H, Kd = ctx.state, ctx.state.local_len, m["H"], m["K"]
+    gen = torch.Generator().manual_seed(seed * 100 + state.rank)
+    mixed = torch.randn(1, L, 3 * H * Kd, generator=gen, dtype=dt_)
+    g, beta = -torch.rand(1, L, H, Kd, generator=gen, dtype=dt_), torch.rand(1, L, H, generator=gen, dtype=dt_)
+    weight = torch.randn(3 * H * Kd, WIDTH, generator=torch.Generator().manual_seed(seed), dtype=dt_) / WIDTH
+    state.mixer_traffic.clear()
+    q, k, v = causal_conv(mixed, weight, None, "silu", state=state).reshape(1, L, 3, H, Kd).unbind(2)
+    kimi_delta_attention(q, k, v, g, beta, state=state)
+    return {"recv_bytes": sum(e.recv_bytes for e in state.mixer_traffic.entries if e.phase == "forward")}
+
+
+def kda_plan_bytes(plan, rank: int, element: int = 4) -> dict:
+    """The bytes rank ``rank`` receives per forward of the KDA layer by the step plan: the summaries (``H * K * K``
+    per head and continuing piece, plus ``H * K * K`` for the transition of one that itself continues) and the
+    convolution's history."""
+    H, Kd = KDA_LAYER["H"], KDA_LAYER["K"]
+    rec = plan_recurrence(plan.documents, rank)
+    summaries = element * sum(rec.recv_splits(H * Kd * Kd, H * Kd * Kd)) if rec.any_traffic else 0
+    return {"summaries": summaries, "history": plan.exchange(WIDTH - 1).needed_tokens()[rank] * 3 * H * Kd * element}
+
+
+def scan_bytes(S: int, seed: int, dtype: str = "float32") -> dict:
+    """On every rank: one forward (no autograd) of the Mamba1 layer from ``x [1, L, I]``, ``dt [1, L, I]``, ``B, C
+    [1, L, 1, N]`` (the convolution of ``x``, then the selective scan) under blockdiag, contiguous shards; the bytes
+    this rank received."""
+    m, dt_ = SCAN_LAYER, getattr(torch, dtype)
+    mesh = worker_info().get("cp_mesh")
+    ids = _ids(S, seed)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": torch.zeros(1, S, 1), "_packed_seq_ids": ids},
+                                             expect_attention=False, conv_widths=[WIDTH])
+    state, L, I, N = ctx.state, ctx.state.local_len, m["I"], m["N"]
+    gen = torch.Generator().manual_seed(seed * 100 + state.rank)
+    x, dt = torch.randn(1, L, I, generator=gen, dtype=dt_), torch.rand(1, L, I, generator=gen, dtype=dt_) * 0.1
+    Bm, Cm = torch.randn(1, L, 1, N, generator=gen, dtype=dt_), torch.randn(1, L, 1, N, generator=gen, dtype=dt_)
+    weight = torch.randn(I, WIDTH, generator=torch.Generator().manual_seed(seed), dtype=dt_) / WIDTH
+    A = -torch.arange(1, N + 1, dtype=dt_).expand(I, N)
+    state.mixer_traffic.clear()
+    with torch.no_grad():
+        selective_scan(causal_conv(x, weight, None, "silu", state=state), dt, A, Bm, Cm, state=state)
+    return {"recv_bytes": sum(e.recv_bytes for e in state.mixer_traffic.entries if e.phase == "forward")}
+
+
+def scan_plan_bytes(plan, rank: int, element: int = 4) -> dict:
+    """The bytes rank ``rank`` receives per forward of the Mamba1 layer by the step plan: the selective scan's
+    summaries (``I * N``, twice for a piece that itself continues its document) and the convolution's history."""
+    m = SCAN_LAYER
+    rec = plan_recurrence(plan.documents, rank)
+    IN = m["I"] * m["N"]
+    summaries = element * sum(rec.recv_splits(IN, IN)) if rec.any_traffic else 0
+    return {"summaries": summaries, "history": plan.exchange(WIDTH - 1).needed_tokens()[rank] * m["I"] * element}
+
+
 def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_cp: int = 4, seed: int = 0,
                  rounds: int = 2, timeout: float = 3000.0, console=None) -> dict:
     """Every figure of the hybrid section (see the module docstring)."""
@@ -264,6 +331,15 @@ def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_
             row["ssd"] = {"layer": SSD_LAYER, "recv_bytes_per_rank": [r["recv_bytes"] for r in ssd_recv],
                           "plan_bytes_per_rank": [ssd_plan_bytes(plan, r) for r in range(2)],
                           "allgather_bytes_per_rank": (S // 2) * (_ssd_channels() + SSD_LAYER["H"]) * 4}
+            kda_recv = pool.run(kda_bytes, args=(S, seed), timeout=timeout, name=f"kda bytes S{S}")
+            H, Kd = KDA_LAYER["H"], KDA_LAYER["K"]
+            row["kda"] = {"layer": KDA_LAYER, "recv_bytes_per_rank": [r["recv_bytes"] for r in kda_recv],
+                          "plan_bytes_per_rank": [kda_plan_bytes(plan, r) for r in range(2)],
+                          "allgather_bytes_per_rank": (S // 2) * (3 * H * Kd + H * Kd + H) * 4}
+            scan_recv = pool.run(scan_bytes, args=(S, seed), timeout=timeout, name=f"scan bytes S{S}")
+            row["mamba1"] = {"layer": SCAN_LAYER, "recv_bytes_per_rank": [r["recv_bytes"] for r in scan_recv],
+                             "plan_bytes_per_rank": [scan_plan_bytes(plan, r) for r in range(2)],
+                             "allgather_bytes_per_rank": (S // 2) * (2 * SCAN_LAYER["I"] + 2 * SCAN_LAYER["N"]) * 4}
             rows.append(row)
             say(f"bench hybrid: S={S}: CP 2 / single = {row['over_single']['blockdiag']:.3f} "
                 f"(single {one:.2f} s), bytes per rank {row['recv_bytes_per_rank']['blockdiag']}")

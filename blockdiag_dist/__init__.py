@@ -3,12 +3,14 @@
 Main entry: :func:`make_cp_blockdiag_batch_and_ctx` shards a packed batch over a CP mesh and returns
 ``(train_ctx, batch)``; inside ``with train_ctx():`` route attention through :func:`cp_blockdiag_sdpa`
 (or wrap an unmodified model in :func:`sdpa_routing`). Same code on CPU/gloo and CUDA/NCCL. Any other
-sequence mixer reads the step's documents from ``current_state().docs`` (:class:`RankDocs`).
+sequence mixer reads the step's documents from ``current_state().docs`` (:class:`RankDocs`); the mixers of
+hybrid models computed per document are the entries of :data:`FAMILIES`.
 """
 
 from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
 from .docs import DocPlan, Piece, RankDocs, plan_documents
-from .mixers import causal_conv, gated_delta_rule, ssd
+from .families import FAMILIES, MixerFamily, register_family
+from .mixers import causal_conv, gated_delta_rule, kimi_delta_attention, selective_scan, ssd
 from .options import CPOptions, configure_cp_varlen
 from .plan import ExchangePlan, ShardPlan, StepPlan, choose_layout, plan_exchange, plan_shards, plan_step
 from .runtime import cp_blockdiag_sdpa, sdpa_routing
@@ -21,7 +23,9 @@ __all__ = [
     "CPOptions",
     "DocPlan",
     "DsaIndex",
+    "FAMILIES",
     "ExchangePlan",
+    "MixerFamily",
     "PlanMismatchError",
     "Piece",
     "RankDocs",
@@ -36,17 +40,17 @@ __all__ = [
     "cp_blockdiag_sdpa",
     "current_state",
     "gated_delta_rule",
+    "kimi_delta_attention",
     "gather_sequence",
     "make_cp_blockdiag_batch_and_ctx",
     "plan_documents",
     "plan_exchange",
     "plan_shards",
     "plan_step",
+    "register_family",
     "sdpa_routing",
+    "selective_scan",
     "shard_tensor",
     "ssd",
     "unshard",
 ]
-
-from .integrations import hf_mixers as _hf_mixers  # noqa: E402,F401 - registers the Gated DeltaNet and Mamba2 installers
-from .integrations import hf_sparse as _hf_sparse  # noqa: E402,F401 - registers the DeepSeek Sparse Attention installers

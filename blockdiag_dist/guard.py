@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import families as _families
+
 __all__ = [
     "KNOWN_MIXERS",
     "MIXER_KINDS",
@@ -82,24 +84,11 @@ MIXER_KINDS: dict[str, str] = {
 }
 
 # Class name -> kind: the sequence mixers of the pinned transformers (5.24) besides softmax attention. A class
-# matches by its own name or any base class's, so subclasses and same-named copies are refused too.
+# matches by its own name or any base class's, so subclasses and same-named copies are refused too. The classes of
+# the mixer families (blockdiag_dist.families: installed, or of a family's kind and refused) come from their
+# entries; the others are listed here.
 KNOWN_MIXERS: dict[str, str] = {
-    # Mamba (selective scan)
-    "MambaMixer": "mamba", "FalconMambaMixer": "mamba", "JambaMambaMixer": "mamba", "ZambaMambaMixer": "mamba",
-    # Mamba2 (SSD)
-    "Mamba2Mixer": "mamba2", "BambaMixer": "mamba2", "FalconH1Mixer": "mamba2", "NemotronHMamba2Mixer": "mamba2",
-    "GraniteMoeHybridMambaLayer": "mamba2", "Zamba2MambaMixer": "mamba2",
-    # short convolutions
-    "Lfm2ShortConv": "short_conv", "Lfm2MoeShortConv": "short_conv", "Lfm3ShortConv": "short_conv",
-    "InklingShortConvolution": "short_conv", "Inkling2ShortConvolution": "short_conv",
-    "Inkling2DynamicShortConvolution": "short_conv", "Inkling2LoopShortConvolution": "short_conv",
-    "Inkling2LoopDynamicShortConvolution": "short_conv", "ZayaCCAProjection": "short_conv",
-    # Gated DeltaNet
-    "Qwen3NextGatedDeltaNet": "gated_delta_net", "Qwen3_5GatedDeltaNet": "gated_delta_net",
-    "Qwen3_5MoeGatedDeltaNet": "gated_delta_net", "OlmoHybridGatedDeltaNet": "gated_delta_net",
-    "LaraMiniGatedDeltaNet": "gated_delta_net", "Qwen4ExpTextGatedDeltaNet": "gated_delta_net",
-    # delta rule (KDA), linear and lightning attention
-    "KimiLinearDeltaAttention": "delta_attention", "BailingHybridDeltaAttention": "delta_attention",
+    # linear and lightning attention
     "Glm5NextTextLinearAttention": "linear_attention", "MiniMaxLightningAttention": "lightning_attention",
     # RG-LRU, xLSTM, RWKV
     "RecurrentGemmaRglru": "rglru", "RecurrentGemmaRecurrentBlock": "rglru",
@@ -112,9 +101,8 @@ KNOWN_MIXERS: dict[str, str] = {
     "DeepseekV4HCACompressor": "compressed_attention", "DeepseekV4CSACompressor": "compressed_attention",
     "DeepseekV4Indexer": "compressed_attention",
     # sparse attention over indexer-selected keys (DeepSeek-V3.2 DSA and its descendants). DeepSeek-V3.2's and
-    # GLM-5's attention layers are computed per document (blockdiag_dist.integrations.hf_sparse installs them: their
-    # indexers inside are then theirs); an indexer met in any other layer is refused
-    "DeepseekV32Attention": "sparse_attention", "GlmMoeDsaAttention": "sparse_attention",
+    # GLM-5's attention layers are computed per document (the dsa family of blockdiag_dist.families installs them:
+    # their indexers inside are then theirs); an indexer met in any other layer is refused
     "DeepseekV32Indexer": "sparse_attention", "AXK2Indexer": "sparse_attention", "Dots3NoteTextIndexer": "sparse_attention",
     "Glm5NextTextIndexer": "sparse_attention", "GlmMoeDsaIndexer": "sparse_attention", "HYV4Indexer": "sparse_attention",
     "HYV4VLIndexer": "sparse_attention", "MiniMaxM3VLIndexer": "sparse_attention",
@@ -129,6 +117,8 @@ KNOWN_MIXERS: dict[str, str] = {
     "PegasusDecoder": "row_positions", "PLBartDecoder": "row_positions", "MvpDecoder": "row_positions",
     "PPFormulaNetTextModel": "row_positions", "ProphetNetDecoder": "row_positions", "CpmAntModel": "row_positions",
 }
+KNOWN_MIXERS.update(_families.known_classes())
+assert {f.kind for f in _families.FAMILIES.values()} <= set(MIXER_KINDS), "a mixer family of an unknown kind"
 
 # Parameters that only a recurrence along the sequence holds (Mamba's A_log / dt_bias, Gated DeltaNet's A_log).
 RECURRENT_PARAMETERS = ("A_log", "dt_bias")
@@ -158,12 +148,12 @@ class Finding:
 
 
 class _Registry:
-    """Classes and modules declared as computed per document, and lazy installers for known classes."""
+    """Classes and modules declared as computed per document (the installers of known classes are the mixer
+    families', :mod:`blockdiag_dist.families`)."""
 
     def __init__(self) -> None:
         self.classes: dict[type, str] = {}
         self.modules: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-        self.installers: dict[str, tuple[str, Callable[[type], str]]] = {}  # class name -> (kind, install)
         self.lock = threading.Lock()
 
 
@@ -183,14 +173,6 @@ def declare_per_document(target: type | nn.Module, how: str) -> None:
         _registry.modules[target] = how
     else:
         raise ValueError(f"declare_per_document: expected an nn.Module class or instance, got {type(target).__name__}")
-
-
-def register_installer(class_name: str, kind: str, install: Callable[[type], str]) -> None:
-    """A per-document implementation of a known mixer class, installed on the class (by ``install(cls)``, which
-    returns its ``how``) the first time the guard meets the class in a step. Used by the integrations."""
-    if kind not in MIXER_KINDS:
-        raise ValueError(f"register_installer: expected a kind of {sorted(MIXER_KINDS)}, got {kind!r}")
-    _registry.installers[class_name] = (kind, install)
 
 
 _visitors: list[Callable[[nn.Module], None]] = []
@@ -217,7 +199,7 @@ def per_document_reason(module: nn.Module) -> str | None:
 
 
 def _supported_summary() -> str:
-    names = sorted(_registry.installers)
+    names = sorted(c for f in _families.FAMILIES.values() for c in f.classes)
     return "of " + ", ".join(names) if names else "declared per document (none of transformers' yet)"
 
 
@@ -231,17 +213,17 @@ def _known_kind(cls: type) -> tuple[str, str] | None:
 
 
 def _install(cls: type) -> str | None:
-    """Install the per-document implementation registered for ``cls`` (or a base), once; its ``how``, or None."""
+    """Install the per-document implementation of the mixer family of ``cls`` (or a base), once; its ``how``, or
+    None."""
     for base in cls.__mro__:
-        entry = _registry.installers.get(base.__name__)
-        if entry is not None:
+        family = _families.family_of_class(base.__name__)
+        if family is not None:
             with _registry.lock:
                 how = _registry.classes.get(base)
                 if how is None:
-                    how = entry[1](base)
+                    how = family.load("installer")(base)
                     _registry.classes[base] = how
             return how
-    return None
 
 
 _POSITIONAL = re.compile(r"Positional(Embedding|Encoding)s?$")

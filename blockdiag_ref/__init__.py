@@ -2,15 +2,24 @@
 
 Main entries: :class:`DocLayout` (documents of packed rows), :func:`doc_ids_from_batch` (doc ids from a
 training batch) and :func:`reference_attention` (float64 per-document causal attention); for hybrid models
-:func:`reference_causal_conv`, :func:`reference_gated_delta_rule`, :func:`reference_ssd` and
-:func:`reference_mamba2_mixer` (float64, token by token per document); for indexer-selected sparse attention
-(DeepSeek-V3.2's DSA) :func:`reference_dsa_attention` (:mod:`blockdiag_ref.sparse`).
+:func:`reference_causal_conv`, :func:`reference_gated_delta_rule`, :func:`reference_kda`, :func:`reference_ssd`,
+:func:`reference_mamba2_mixer`, :func:`reference_selective_scan` and :func:`reference_mamba1_mixer` (float64, token by
+token per document); for indexer-selected sparse attention (DeepSeek-V3.2's DSA) :func:`reference_dsa_attention`
+(:mod:`blockdiag_ref.sparse`).
 """
 
 from .attention import reference_attention, temperature_scale
 from .batch import doc_ids_from_4d_mask, doc_ids_from_batch, doc_ids_from_position_ids
 from .layout import DocLayout, normalize_chunk, normalize_temperature, normalize_window
-from .recurrence import reference_causal_conv, reference_gated_delta_rule, reference_mamba2_mixer, reference_ssd
+from .recurrence import (
+    reference_causal_conv,
+    reference_gated_delta_rule,
+    reference_kda,
+    reference_mamba1_mixer,
+    reference_mamba2_mixer,
+    reference_selective_scan,
+    reference_ssd,
+)
 from .sparse import reference_dsa_attention, reference_dsa_select, reference_sparse_attention
 
 __all__ = [
@@ -26,7 +35,10 @@ __all__ = [
     "reference_dsa_attention",
     "reference_dsa_select",
     "reference_gated_delta_rule",
+    "reference_kda",
+    "reference_mamba1_mixer",
     "reference_mamba2_mixer",
+    "reference_selective_scan",
     "reference_sparse_attention",
     "reference_ssd",
     "temperature_scale",

@@ -55,29 +55,42 @@ def mixer_inputs(kind: str, B: int, S: int, seed: int, *, C: int = 5, W: int = 4
                 "B": torch.randn(B, S, 2, 2, generator=g, dtype=torch.float64),
                 "C": torch.randn(B, S, 2, 2, generator=g, dtype=torch.float64),
                 "D": torch.randn(4, generator=g, dtype=torch.float64)}
+    if kind == "scan":  # Mamba1: I = 6 channels in G = 2 groups, state N = 2
+        return {"x": torch.randn(B, S, 6, generator=g, dtype=torch.float64),
+                "dt": torch.rand(B, S, 6, generator=g, dtype=torch.float64) + 0.05,
+                "A": -torch.rand(6, 2, generator=g, dtype=torch.float64) - 0.2,
+                "B": torch.randn(B, S, 2, 2, generator=g, dtype=torch.float64),
+                "C": torch.randn(B, S, 2, 2, generator=g, dtype=torch.float64),
+                "D": torch.randn(6, generator=g, dtype=torch.float64)}
     Hk, Hv = heads
+    decay_shape = (B, S, Hv, K) if kind == "kda" else (B, S, Hv)  # KDA: a decay per key channel
     return {"q": torch.randn(B, S, Hk, K, generator=g, dtype=torch.float64),
             "k": torch.randn(B, S, Hk, K, generator=g, dtype=torch.float64),
             "v": torch.randn(B, S, Hv, V, generator=g, dtype=torch.float64),
-            "g": -torch.rand(B, S, Hv, generator=g, dtype=torch.float64) * 1.5,
+            "g": -torch.rand(*decay_shape, generator=g, dtype=torch.float64) * 1.5,
             "beta": torch.rand(B, S, Hv, generator=g, dtype=torch.float64)}
 
 
 def mixer_reference(kind: str, ids: torch.Tensor, inputs: dict) -> torch.Tensor:
-    from blockdiag_ref import reference_causal_conv, reference_gated_delta_rule, reference_ssd
+    from blockdiag_ref import (reference_causal_conv, reference_gated_delta_rule, reference_kda, reference_selective_scan,
+                               reference_ssd)
 
     if kind == "conv":
         return reference_causal_conv(inputs["x"], ids, inputs["weight"], inputs["bias"], "silu")
     if kind == "ssd":
         return reference_ssd(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], ids, D=inputs["D"])
-    return reference_gated_delta_rule(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], ids)
+    if kind == "scan":
+        return reference_selective_scan(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], ids,
+                                        D=inputs["D"])
+    fn = reference_kda if kind == "kda" else reference_gated_delta_rule
+    return fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], ids)
 
 
 def run_mixer_cases(cases: list[dict]) -> list[dict]:
-    """Each case: ``kind`` (conv | gdr | ssd), ``ids``, ``layout``, ``seed`` (+ ``chunk``, ``state_dtype``): this rank's
-    output rows and positions, its part of every input's gradient of ``(out * w).sum()``, and the mixer
+    """Each case: ``kind`` (conv | gdr | kda | ssd | scan), ``ids``, ``layout``, ``seed`` (+ ``chunk``, ``state_dtype``): this
+    rank's output rows and positions, its part of every input's gradient of ``(out * w).sum()``, and the mixer
     traffic it recorded, with the plan's expected element counts."""
-    from blockdiag_dist.mixers import causal_conv, gated_delta_rule, ssd
+    from blockdiag_dist.mixers import causal_conv, gated_delta_rule, kimi_delta_attention, selective_scan, ssd
 
     env = worker_info()
     results = []
@@ -95,9 +108,13 @@ def run_mixer_cases(cases: list[dict]) -> list[dict]:
             elif case["kind"] == "ssd":  # chunks of 4: pieces of several chunks, scans of several steps
                 out = ssd(batch["x"], batch["dt"], inputs["A"], batch["B"], batch["C"], inputs["D"],
                           chunk=case.get("chunk", 4), state_dtype=case.get("state_dtype"))
+            elif case["kind"] == "scan":
+                out = selective_scan(batch["x"], batch["dt"], inputs["A"], batch["B"], batch["C"], inputs["D"],
+                                     chunk=case.get("chunk", 4), state_dtype=case.get("state_dtype"))
             else:
-                out = gated_delta_rule(*(batch[n] for n in ("q", "k", "v", "g", "beta")), chunk=case.get("chunk", 4),
-                                       state_dtype=case.get("state_dtype"))
+                fn = kimi_delta_attention if case["kind"] == "kda" else gated_delta_rule
+                out = fn(*(batch[n] for n in ("q", "k", "v", "g", "beta")), chunk=case.get("chunk", 4),
+                         state_dtype=case.get("state_dtype"))
             weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
             (out * weights).sum().backward()
         state = ctx.state

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.hybrid import (C, HK, HV, K, METHODS, SSD_LAYER, V, WIDTH, _ids, baseline_agreement, ssd_bytes, ssd_plan_bytes,
+from bench.hybrid import (C, HK, HV, K, KDA_LAYER, METHODS, SCAN_LAYER, SSD_LAYER, V, WIDTH, _ids, baseline_agreement,
+                          kda_bytes, kda_plan_bytes, scan_bytes, scan_plan_bytes, ssd_bytes, ssd_plan_bytes,
                           summary_bytes)
 from blockdiag_dist.plan import plan_step
 
@@ -24,13 +25,31 @@ def test_baselines_compute_the_same_layer_and_blockdiag_moves_its_plan(pools):
     assert per_rank[0]["recv_bytes"]["allgather"] == (S // 2) * (C + 2 * HV) * 8 and HK % 2 == 0
 
 
-def test_the_mamba2_layer_moves_exactly_its_plan(pools):
-    """The SSD figure: each rank receives its plan's summaries and history (float64: 8 bytes an element), flat in S."""
+def test_the_mamba2_and_kda_layers_move_exactly_their_plan(pools):
+    """The SSD and KDA figures: each rank receives its plan's summaries and history (float64: 8 bytes an element),
+    flat in S."""
     S = 1024
     plan = plan_step(_ids(S, 0), 2, "contiguous")
     per_rank = pools(2).run(ssd_bytes, args=(S, 0, "float64"), timeout=240, name="hybrid bench ssd bytes")
     for r, res in enumerate(per_rank):
         want = ssd_plan_bytes(plan, r, element=8)
         assert res["recv_bytes"] == want["summaries"] + want["history"], (r, res, want)
+    per_rank = pools(2).run(kda_bytes, args=(S, 0, "float64"), timeout=240, name="hybrid bench kda bytes")
+    for r, res in enumerate(per_rank):
+        want = kda_plan_bytes(plan, r, element=8)
+        assert res["recv_bytes"] == want["summaries"] + want["history"], (r, res, want)
+    assert kda_plan_bytes(plan, 1, element=8)["summaries"] == KDA_LAYER["H"] * KDA_LAYER["K"] ** 2 * 8
     m = SSD_LAYER
     assert ssd_plan_bytes(plan, 1, element=8)["summaries"] == m["H"] * m["Dh"] * m["N"] * 8  # one first piece crosses
+
+
+def test_the_mamba1_layer_moves_exactly_its_plan(pools):
+    """The selective-scan figure: each rank receives its plan's summaries (``I * N`` per continuing piece) and
+    history (float64: 8 bytes an element)."""
+    S = 1024
+    plan = plan_step(_ids(S, 0), 2, "contiguous")
+    per_rank = pools(2).run(scan_bytes, args=(S, 0, "float64"), timeout=240, name="hybrid bench scan bytes")
+    for r, res in enumerate(per_rank):
+        want = scan_plan_bytes(plan, r, element=8)
+        assert res["recv_bytes"] == want["summaries"] + want["history"], (r, res, want)
+    assert scan_plan_bytes(plan, 1, element=8)["summaries"] == SCAN_LAYER["I"] * SCAN_LAYER["N"] * 8  # one piece crosses

@@ -77,7 +77,7 @@ def test_sweep_classes_pass_refused_and_cannot_build(tmp_path):
     from verify.model.run import ModelSession
 
     journal = str(tmp_path / "journal.jsonl")
-    names = ["qwen2", "mamba", "llama4:causal-lm"]
+    names = ["qwen2", "rwkv", "llama4:causal-lm"]
     with ModelSession(case_timeout=180.0) as session:
         sweep(names, journal, cps=(1, 2), session=session)
     lines = [json.loads(line) for line in open(journal)]
@@ -86,9 +86,9 @@ def test_sweep_classes_pass_refused_and_cannot_build(tmp_path):
     summary = summarise(records, [1, 2])
     rows = summary["rows"]
     assert rows["qwen2"]["class"] == "pass", rows["qwen2"]
-    assert {r["class"] for r in rows["mamba"]["per_cp"].values()} == {"refused"}
-    assert "MambaMixer" in rows["mamba"]["per_cp"]["2"]["message"]
-    assert rows["mamba"]["family"].startswith("a Mamba selective-scan")
+    assert {r["class"] for r in rows["rwkv"]["per_cp"].values()} == {"refused"}
+    assert "RwkvSelfAttention" in rows["rwkv"]["per_cp"]["2"]["message"]
+    assert rows["rwkv"]["family"].startswith("an RWKV time-mixing layer")
     build = rows["llama4:causal-lm"]["per_cp"]["1"]
     assert build["class"] == "cannot build" and build["origin"] == "transformers", build
     assert summary["counts"]["2"] == {"pass": 1, "refused": 1, "cannot build": 1} and summary["silent"] == []
@@ -100,7 +100,7 @@ def test_sweep_classes_pass_refused_and_cannot_build(tmp_path):
             "records": records}
     write_page(str(page), json.loads(json.dumps(data)))
     text = page.read_text()
-    assert BEGIN in text and END in text and "`mamba`" in text and "Silent failures found: none" in text
+    assert BEGIN in text and END in text and "`rwkv`" in text and "Silent failures found: none" in text
     page.write_text(text.replace("# Which models", "# Which models (edited by hand)"))
     write_page(str(page), json.loads(json.dumps(data)))
     assert "# Which models (edited by hand)" in page.read_text()  # the hand-written part survives

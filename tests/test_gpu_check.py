@@ -12,6 +12,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from verify.cases import SOURCES
+from verify.families import SPECS
 from verify.gpu import STEPS, main, multirank
 from verify.gpu import matrix as gpu_matrix
 from verify.gpu import mixers as gpu_mixers
@@ -81,7 +82,7 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
         assert s["backend"] == "gloo" and s["device"] == "cpu" and s["unsupported"] == {}
         assert s["collectives"].startswith("through host memory")
         ran = {c.name: c for c in multirank.cases(int(cp), quick=True)}
-        assert "padding-rank" in ran and {c.layer for c in multirank.cases(int(cp), quick=True)} == {"attention", "conv", "gated_delta", "mamba2"}
+        assert "padding-rank" in ran and {c.layer for c in multirank.cases(int(cp), quick=True)} == {"attention", *SPECS}
         # flash-attn ran on the ranks holding tokens, never on the padding-only one (the last rank's)
         assert sum(s["calls_per_rank"]["flash_attn_varlen_func"][:-1]) > 0 and sum(s["calls_per_rank"]["chunk_gated_delta_rule"]) > 0
         assert s["probe"] == {op: {"float32": "ok", "bfloat16": "ok"} for op in PROBES}, cp

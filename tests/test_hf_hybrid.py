@@ -130,6 +130,9 @@ INSTALLED = {
     "qwen3_next": ("model.layers.0.linear_attn", "install_gated_delta_net"),
     "nemotron_h": ("model.layers.0.mixer", "install_mamba2"),
     "lfm2": ("model.layers.0.conv", "install_short_conv"),
+    "kimi_linear": ("model.layers.0.self_attn", "install_kda"),
+    "jamba": ("model.layers.0.mamba", "install_mamba1"),
+    "zamba": ("model.layers.0.mamba", "install_mamba1"),
 }
 
 

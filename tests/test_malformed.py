@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockdiag_dist import causal_conv, configure_cp_varlen, cp_blockdiag_sdpa, gated_delta_rule, make_cp_blockdiag_batch_and_ctx, ssd
+from blockdiag_dist import (causal_conv, configure_cp_varlen, cp_blockdiag_sdpa, gated_delta_rule, kimi_delta_attention,
+                            make_cp_blockdiag_batch_and_ctx, selective_scan, ssd)
 from blockdiag_ref import DocLayout, reference_attention
 
 FAULTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
@@ -132,10 +133,36 @@ def gdr_inputs(L=7, Hk=2, Hv=4, K=3, V=2, dtype=torch.float64):
             torch.zeros(2, L, Hv, dtype=dtype), torch.zeros(2, L, Hv, dtype=dtype)]
 
 
+def kda_inputs(L=7, Hk=2, Hv=4, K=3, V=2, decay=None):
+    f = torch.float64
+    q, k, v, _, beta = gdr_inputs(L, Hk, Hv, K, V)
+    return [q, k, v, torch.zeros(2, L, Hv, K, dtype=f) if decay is None else torch.zeros(decay, dtype=f), beta]
+
+
 def ssd_inputs(L=7, H=4, Dh=3, G=2, N=2):
     f = torch.float64
     return [torch.zeros(2, L, H, Dh, dtype=f), torch.zeros(2, L, H, dtype=f), torch.zeros(H, dtype=f),
             torch.zeros(2, L, G, N, dtype=f), torch.zeros(2, L, G, N, dtype=f)]
+
+
+def scan_inputs(L=7, I=6, G=2, N=2, A=None):
+    f = torch.float64
+    return [torch.zeros(2, L, I, dtype=f), torch.zeros(2, L, I, dtype=f), torch.zeros(A or (I, N), dtype=f),
+            torch.zeros(2, L, G, N, dtype=f), torch.zeros(2, L, G, N, dtype=f)]
+
+
+def mamba1_layer_with_cache():
+    """A Jamba Mamba layer (the blockdiag forward installed) called with a cache under the step."""
+    jamba = pytest.importorskip("transformers.models.jamba.modeling_jamba", reason="transformers is not installed")
+    from transformers import JambaConfig
+
+    from blockdiag_dist.integrations.hf_mixers import install_mamba1
+
+    cfg = JambaConfig(hidden_size=8, mamba_d_state=2, mamba_dt_rank=2, mamba_expand=1, num_hidden_layers=1,
+                      attn_layer_period=2, attn_layer_offset=1)
+    layer = jamba.JambaMambaMixer(cfg, layer_idx=0)
+    install_mamba1(type(layer))
+    return layer(torch.zeros(2, 7, 8), cache=object())
 
 
 # id, what is malformed, the call under an active step (CP 1, B = 2, L = 7, conv_widths=[4]), expected message
@@ -147,9 +174,17 @@ MIXER_ROWS = [
     ("gdr-heads", "value heads not a multiple of the key heads", lambda: gated_delta_rule(*gdr_inputs(Hv=3)), "expected the value heads a multiple of the key heads, got Hv=3, Hk=2"),
     ("gdr-state-dtype", "a recurrent state (summary) dtype below float32", lambda: gated_delta_rule(*gdr_inputs(), state_dtype=torch.bfloat16), r"state_dtype expected one of \['torch.float32', 'torch.float64'\].*got torch.bfloat16"),
     ("gdr-integer", "integer inputs to the gated delta rule", lambda: gated_delta_rule(*gdr_inputs(dtype=torch.int64)), "q expected a floating dtype, got torch.int64"),
+    ("kda-shard", "KDA inputs that are not this rank's shard", lambda: kimi_delta_attention(*kda_inputs(L=5)), r"kimi_delta_attention: q expected this rank's shard \[B=2, L=7, ...\] of the active step, got \(2, 5, 2, 3\)"),
+    ("kda-decay", "a KDA decay that is not per key channel (one per head, as Gated DeltaNet's)", lambda: kimi_delta_attention(*kda_inputs(decay=(2, 7, 4, 1))), r"kimi_delta_attention: g expected \[B, L, Hv, K\] \(a log decay per key channel\) with Hv=4, K=3, got \(2, 7, 4, 1\)"),
+    ("kda-state-dtype", "a KDA state (summary) dtype below float32", lambda: kimi_delta_attention(*kda_inputs(), state_dtype=torch.float16), r"kimi_delta_attention: state_dtype expected one of \['torch.float32', 'torch.float64'\].*got torch.float16"),
     ("ssd-shard", "Mamba2 SSD inputs that are not this rank's shard", lambda: ssd(*ssd_inputs(L=5)), r"ssd: x expected this rank's shard \[B=2, L=7, ...\] of the active step, got \(2, 5, 4, 3\)"),
     ("ssd-groups", "SSD heads not a multiple of the groups of B and C", lambda: ssd(*ssd_inputs(H=3)), "ssd: expected the heads a multiple of the groups, got H=3, G=2"),
     ("ssd-state-dtype", "an SSD state (summary) dtype below float32", lambda: ssd(*ssd_inputs(), state_dtype=torch.bfloat16), r"ssd: state_dtype expected one of \['torch.float32', 'torch.float64'\].*got torch.bfloat16"),
+    ("scan-shard", "Mamba1 selective-scan inputs that are not this rank's shard", lambda: selective_scan(*scan_inputs(L=5)), r"selective_scan: x expected this rank's shard \[B=2, L=7, ...\] of the active step, got \(2, 5, 6\)"),
+    ("scan-groups", "selective-scan channels not a multiple of the groups of B and C", lambda: selective_scan(*scan_inputs(I=5, A=(5, 2))), "selective_scan: expected the channels a multiple of the groups, got I=5, G=2"),
+    ("scan-decay-shape", "a selective-scan decay `A` that is not `[I, N]`", lambda: selective_scan(*scan_inputs(A=(6,))), r"selective_scan: A expected \[I, N\] = \[6, 2\], got \(6,\)"),
+    ("scan-state-dtype", "a selective-scan state (summary) dtype below float32", lambda: selective_scan(*scan_inputs(), state_dtype=torch.float16), r"selective_scan: state_dtype expected one of \['torch.float32', 'torch.float64'\].*got torch.float16"),
+    ("mamba1-cache", "a cache given to an installed Mamba1 layer under a step", mamba1_layer_with_cache, r"JambaMambaMixer \(layer 0\): expected no cache under a CP step \(use_cache=False in training\), got object"),
 ]
 
 OTHER_ROWS = [

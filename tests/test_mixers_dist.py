@@ -25,11 +25,14 @@ ROWS = {
 }
 
 
+KDA_ROWS = ("over-all-ranks", "two-rows-padding", "padding-rank")  # KDA shares the delta rule's code: fewer rows
+
+
 def cases_for(cp: int) -> list[dict]:
     out, seed = [], 0
     for name, ids in ROWS.items():
         for layout in ("contiguous", "balanced", "auto"):
-            for kind in ("conv", "gdr", "ssd"):
+            for kind in ("conv", "gdr", "ssd", "scan") + (("kda",) if name in KDA_ROWS else ()):
                 out.append({"name": f"{name} {layout} {kind}", "kind": kind, "ids": ids, "layout": layout, "seed": seed})
                 seed += 1
     return out
@@ -74,7 +77,9 @@ def expected_elements(case: dict, cp: int) -> list[tuple[str, int, int]]:
         else:
             rp = plan_recurrence(plan.documents, r)
             Hv, K, V = 4, 3, 2
-            cn, mn = (Hv * K * V, Hv * K * K) if case["kind"] == "gdr" else (4 * 3 * 2, 4)  # ssd: [H, Dh, N], [H]
+            cn, mn = {"gdr": (Hv * K * V, Hv * K * K), "kda": (Hv * K * V, Hv * K * K),
+                      "ssd": (4 * 3 * 2, 4),  # ssd: [H, Dh, N], [H]
+                      "scan": (6 * 2, 6 * 2)}[case["kind"]]  # selective scan: [I, N] both
             out.append(None if not rp.any_traffic else ("summary", sum(rp.send_splits(cn, mn)), sum(rp.recv_splits(cn, mn))))
     return out
 
@@ -138,3 +143,41 @@ def test_the_extension_example_recurrence_at_cp3(session, layout):
     for n, t in inputs.items():
         got = sum(torch.from_numpy(r["grads"][n]) for r in per_rank)
         torch.testing.assert_close(got, t.grad, rtol=1e-11, atol=1e-12)
+
+
+def test_selective_scan_without_an_initial_state_kernel_gets_one_by_correction():
+    """mamba_ssm's CUDA scan starts every sequence from zero: a scan from zero plus
+    blockdiag_dist.kernels.selective_scan.initial_state_correction equals the scan entering with the state, in its
+    outputs, its leaving states and every gradient (the initial states' included), on pieces of several chunks, in
+    float64 and float32."""
+    from blockdiag_dist.kernels.chunks import plan_chunks
+    from blockdiag_dist.kernels.selective_scan import chunk_selective_scan, scan_from_zero_then_correct
+
+    g = torch.Generator().manual_seed(0)
+    cu, I, N, G = [0, 5, 6, 30, 47], 6, 3, 2
+    T, P = cu[-1], len(cu) - 1
+    for dtype, tol in ((torch.float64, 1e-13), (torch.float32, 2e-6)):
+        la = (-torch.rand(T, I, N, generator=g, dtype=torch.float64) * 3).to(dtype).requires_grad_()
+        b, C, init = (torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+                      for s in ((T, I, N), (T, G, N), (P, I, N)))
+        meta = plan_chunks(cu, 4)
+        results = []
+        for fn in (chunk_selective_scan, scan_from_zero_then_correct):
+            y, final = fn(la, b, C, meta, init)
+            w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+            grads = torch.autograd.grad((y * w).sum() + final.sum(), (la, b, C, init))
+            results.append((y, final, *grads))
+        for name, direct, corrected in zip(("y", "final", "dla", "db", "dC", "dinit"), *results):
+            err = ((direct - corrected).abs().max() / direct.abs().max()).item()
+            assert err < tol, f"{dtype} {name}: relative error {err:.1e}"
+
+
+def test_conv_plan_of_a_row_shorter_than_the_width_holds_no_tap_before_the_row():
+    """One token at CP 2 (S < CP: rank 1 holds padding only), width 4: the taps before the row's start are not
+    looked up (their flat ids are negative) and every tap of the token is its own row or the zero row."""
+    plan = plan_step(torch.tensor([[1]]), 2)
+    for rank in range(2):
+        cp_ = plan_conv(plan, rank, 4)
+        assert cp_.mode == "local" and not bool((cp_.fix_taps < 0).any())
+    taps = plan_conv(plan, 0, 4).fix_taps  # [W, fixed rows]: three zero-row taps, then the token itself
+    assert taps.shape == (4, 1) and taps[-1].tolist() == [0] and len(set(taps[:-1].flatten().tolist())) == 1

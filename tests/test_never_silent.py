@@ -5,9 +5,10 @@ every rank at CP 1 and CP 2 with a message naming the layer or variant, before a
 
 Families computed per document instead (Gated DeltaNet, sinks, chunked attention, softcap, Llama 4's NoPE
 temperature tuning, vision-language models; the Mamba2 layers of Nemotron-H, Bamba, Granite-4 hybrids, Zamba2,
-Falcon-H1 and Mamba2 itself; LFM2's short convolutions; DeepSeek-V3.2's and GLM-5's sparse attention) have parity
-tests of their own (test_hybrid*, test_hf_hybrid, test_hf_mamba2, test_hf_short_conv, test_attention_variants*,
-test_vlm, test_hf_sparse)."""
+Falcon-H1 and Mamba2 itself; the Mamba1 layers of Mamba, Falcon-Mamba, Jamba and Zamba; LFM2's short convolutions;
+the KDA layers of Kimi Linear and Ling; DeepSeek-V3.2's and GLM-5's sparse attention) have parity tests of their
+own (test_hybrid*, test_hf_hybrid, test_hf_mamba2, test_hf_mamba1, test_hf_short_conv, test_hf_kda,
+test_attention_variants*, test_vlm, test_hf_sparse)."""
 
 from __future__ import annotations
 
@@ -27,22 +28,6 @@ _MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
 
 # (model type, config fields, error class, what the message must name)
 FAMILIES = [
-    pytest.param("mamba", dict(vocab_size=128, hidden_size=64, time_step_rank=8, num_hidden_layers=2),
-                 "UnsupportedLayerError", r"'backbone.layers.0.mixer' \(MambaMixer\).*Mamba selective-scan", id="mamba"),
-    pytest.param("falcon_mamba", dict(vocab_size=128, hidden_size=64, time_step_rank=8, num_hidden_layers=2),
-                 "UnsupportedLayerError", r"\(FalconMambaMixer\).*Mamba selective-scan", id="falcon-mamba"),
-    pytest.param("jamba", dict(_DECODER, num_experts=4, mamba_dt_rank=8, num_hidden_layers=5),
-                 "UnsupportedLayerError", r"'model.layers.0.mamba' \(JambaMambaMixer\)", id="jamba-hybrid"),
-    pytest.param("kimi_linear", dict(_DECODER, num_key_value_heads=4, **_MLA, **_MOE, num_local_experts=4,
-                                     linear_head_dim=16, linear_num_heads=4, pad_token_id=127, bos_token_id=126,
-                                     eos_token_id=125, layer_types=["linear_attention", "full_attention"],
-                                     num_hidden_layers=2),
-                 "UnsupportedLayerError", r"\(KimiLinearDeltaAttention\).*delta-rule", id="kimi-linear-kda"),
-    pytest.param("bailing_hybrid", dict(_DECODER, num_key_value_heads=4, **_MLA, **_MOE, n_group=1, topk_group=1,
-                                        first_k_dense_replace=1, pad_token_id=127, eos_token_id=126, num_local_experts=4,
-                                        layer_types=["linear_attention", "full_attention"],
-                                        mlp_layer_types=["dense", "sparse"], num_hidden_layers=2),
-                 "UnsupportedLayerError", r"\(BailingHybridDeltaAttention\).*delta-rule", id="bailing-delta"),
     pytest.param("minimax", dict(_DECODER, num_local_experts=4, block_size=8,
                                  layer_types=["full_attention", "linear_attention"], num_hidden_layers=2),
                  "UnsupportedLayerError", r"\(MiniMaxLightningAttention\).*lightning", id="minimax-lightning"),

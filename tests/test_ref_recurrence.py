@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdiag_ref import DocLayout, reference_causal_conv, reference_gated_delta_rule, reference_mamba2_mixer, reference_ssd
+from blockdiag_ref import (DocLayout, reference_causal_conv, reference_gated_delta_rule, reference_kda, reference_mamba2_mixer,
+                           reference_selective_scan, reference_ssd)
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next",
                                  reason="transformers is not installed (the 'hf' extra)")
@@ -47,6 +48,40 @@ def test_gated_delta_rule_is_per_document():
                                            torch.ones(1, end - start, dtype=torch.long))
         torch.testing.assert_close(out[row:row + 1, start:end], alone, rtol=0, atol=0)
     assert (out[ids == 0] == 0).all()
+
+
+@pytest.mark.parametrize("S, H, K, V", [
+    pytest.param(7, 1, 4, 3, id="S7-1head"),
+    pytest.param(70, 2, 8, 5, id="S70-two-chunks"),
+    pytest.param(129, 2, 3, 6, id="S129-three-chunks"),
+])
+def test_kda_matches_transformers_on_one_document(S, H, K, V):
+    """Kimi Linear's own functions (its recurrent and chunked torch paths, which Ling's layer calls too) compute in
+    float32: the reference agrees to float32 rounding, relative to the output's magnitude."""
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    q, k, v, _, beta = gdr_inputs(S, H, H, K, V, seed=S)
+    gate = -torch.rand(1, S, H, K, generator=torch.Generator().manual_seed(S), dtype=torch.float64) * 2
+    ref = reference_kda(q, k, v, gate, beta, torch.ones(1, S, dtype=torch.long))
+    for fn in (kimi.recurrent_kimi_delta_attention, kimi.chunk_kimi_delta_attention):
+        theirs, _ = fn(q, k, v, g=gate, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+        err = (theirs.double() - ref).abs().max() / ref.abs().max()
+        assert err < 2e-6, f"{fn.__name__}: relative error {err:.2e}"
+
+
+def test_kda_is_per_document_and_its_decay_is_per_channel():
+    """A packed row equals each document alone; and a decay equal on every channel is the gated delta rule's."""
+    ids = torch.tensor([[1, 1, 1, 0, 2, 2, 2, 2, 1, 1], [3, 3, 3, 3, 3, 3, 0, 0, 4, 4]])
+    q, k, v, gate, beta = gdr_inputs(10, 2, 2, 4, 3, seed=1, B=2)
+    per_channel = gate[..., None] * torch.linspace(0.2, 1.8, 4, dtype=torch.float64)
+    out = reference_kda(q, k, v, per_channel, beta, ids)
+    for row, start, end in DocLayout.from_doc_ids(ids).segments.tolist():
+        alone = reference_kda(*(t[row:row + 1, start:end] for t in (q, k, v, per_channel, beta)),
+                              torch.ones(1, end - start, dtype=torch.long))
+        torch.testing.assert_close(out[row:row + 1, start:end], alone, rtol=0, atol=0)
+    assert (out[ids == 0] == 0).all()
+    same = reference_kda(q, k, v, gate[..., None].expand(-1, -1, -1, 4), beta, ids)
+    torch.testing.assert_close(same, reference_gated_delta_rule(q, k, v, gate, beta, ids), rtol=1e-13, atol=1e-13)
+    assert (same - out).abs().max() > 1e-3  # the per-channel decay changes the result
 
 
 @pytest.mark.parametrize("W, bias", [pytest.param(4, False, id="W4"), pytest.param(2, True, id="W2-bias"),
@@ -154,3 +189,95 @@ def test_ssd_is_per_document():
     with pytest.raises(ValueError, match="expected H a multiple of G, got H=3, G=2"):
         reference_ssd(torch.zeros(1, 4, 3, 2), torch.zeros(1, 4, 3), torch.zeros(3), torch.zeros(1, 4, 2, 2),
                       torch.zeros(1, 4, 2, 2), torch.ones(1, 4))
+
+
+mamba = pytest.importorskip("transformers.models.mamba.modeling_mamba")
+
+
+def scan_inputs(S: int, I: int, G: int, N: int, seed: int, B: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, I, generator=g, dtype=torch.float64)
+    dt = torch.rand(B, S, I, generator=g, dtype=torch.float64) * 0.5 + 0.01
+    A = -torch.rand(I, N, generator=g, dtype=torch.float64) * 2
+    Bm, Cm = (torch.randn(B, S, G, N, generator=g, dtype=torch.float64) for _ in range(2))
+    D = torch.randn(I, generator=g, dtype=torch.float64)
+    return x, dt, A, Bm, Cm, D
+
+
+def test_selective_scan_matches_transformers_on_one_document():
+    """transformers' mamba_selective_scan (its torch path: the loop over tokens; B cast to float32, and so the
+    state updates): agreement to float32 rounding, with its bias and softplus of dt applied by it."""
+    S, I, N = 23, 6, 4
+    x, dt_raw, A, Bm, Cm, D = scan_inputs(S, I, 1, N, seed=5)
+    bias = torch.randn(I, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    ref = reference_selective_scan(x, torch.nn.functional.softplus(dt_raw + bias), A, Bm, Cm,
+                                   torch.ones(1, S, dtype=torch.long), D=D)
+    theirs = mamba.mamba_selective_scan(x.transpose(1, 2), dt_raw.transpose(1, 2), A, Bm[:, :, 0].transpose(1, 2),
+                                        Cm[:, :, 0].transpose(1, 2), D=D, delta_bias=bias, delta_softplus=True)
+    err = (theirs.transpose(1, 2) - ref).abs().max() / ref.abs().max()
+    assert err < 2e-6, f"relative error {err:.2e}"
+
+
+def _mamba1_layer(variant: str):
+    import transformers
+    from transformers.models.falcon_mamba.modeling_falcon_mamba import FalconMambaMixer
+    from transformers.models.jamba.modeling_jamba import JambaMambaMixer
+    from transformers.models.zamba.modeling_zamba import ZambaMambaMixer
+
+    small = dict(hidden_size=16, num_hidden_layers=1)
+    if variant in ("mamba", "falcon_mamba"):
+        cls = mamba.MambaMixer if variant == "mamba" else FalconMambaMixer
+        cfg_cls = transformers.MambaConfig if variant == "mamba" else transformers.FalconMambaConfig
+        layer = cls(cfg_cls(**small, state_size=4, expand=2, conv_kernel=3, time_step_rank=3), layer_idx=0,
+                    initialize_mixer_weights=False)
+        (layer.init_mamba_weights if variant == "mamba" else layer.init_falcon_mamba_weights)()
+        return layer
+    mixer = dict(mamba_d_state=4, mamba_expand=2, mamba_d_conv=3, mamba_dt_rank=3)
+    if variant == "jamba":
+        return JambaMambaMixer(transformers.JambaConfig(**small, **mixer, attn_layer_period=2, attn_layer_offset=1), 0)
+    return ZambaMambaMixer(transformers.ZambaConfig(**small, **mixer, n_mamba_heads=2, layers_block_type=["mamba"]), 0)
+
+
+@pytest.mark.parametrize("variant", ["mamba", "falcon_mamba", "jamba", "zamba"])
+def test_mamba1_mixer_matches_transformers_on_one_document(variant):
+    """The whole layer against MambaMixer's, FalconMambaMixer's, JambaMambaMixer's and ZambaMambaMixer's own
+    forward on one document (float64 weights moved away from their init; the stock layers compute the state's
+    updates, and Falcon-Mamba's and Jamba's norms of dt, B, C, in float32: agreement to float32 rounding)."""
+    from blockdiag_ref import reference_mamba1_mixer
+
+    torch.manual_seed(0)
+    layer = _mamba1_layer(variant).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    h = torch.randn(1, 17, 16, dtype=torch.float64)
+    eps = {"jamba": getattr(getattr(layer, "dt_layernorm", None), "variance_epsilon", None),
+           "falcon_mamba": getattr(layer, "rms_eps", None)}.get(variant) or 1e-6
+    ours = reference_mamba1_mixer(h, torch.ones(1, 17, dtype=torch.long), dict(layer.named_parameters()),
+                                  variant=variant, time_step_rank=layer.time_step_rank, state_size=layer.ssm_state_size,
+                                  heads=getattr(layer, "n_mamba_heads", 1), eps=eps, activation=layer.activation)
+    theirs = layer(h)
+    err = (theirs - ours).abs().max() / theirs.abs().max()
+    assert err < 1e-5, f"relative error {err:.2e}"
+
+
+def test_selective_scan_is_per_document():
+    ids = torch.tensor([[1, 1, 1, 0, 2, 2, 2, 2, 1, 1], [3, 3, 3, 3, 3, 3, 0, 0, 4, 4]])
+    x, dt, A, Bm, Cm, D = scan_inputs(10, 4, 2, 3, seed=3, B=2)
+    for t in (x, dt, Bm, Cm):
+        t.requires_grad_()
+    out = reference_selective_scan(x, dt, A, Bm, Cm, ids, D=D)
+    for row, start, end in DocLayout.from_doc_ids(ids).segments.tolist():
+        alone = reference_selective_scan(*(t[row:row + 1, start:end] for t in (x, dt)), A,
+                                         *(t[row:row + 1, start:end] for t in (Bm, Cm)),
+                                         torch.ones(1, end - start, dtype=torch.long), D=D)
+        torch.testing.assert_close(out[row:row + 1, start:end], alone, rtol=0, atol=0)
+    assert (out[ids == 0] == 0).all()
+    out.sum().backward()
+    for t in (x, dt, Bm, Cm):
+        assert (t.grad[ids == 0] == 0).all() and t.grad[ids != 0].abs().sum() > 0
+    with pytest.raises(ValueError, match="expected I a multiple of G, got I=5, G=2"):
+        reference_selective_scan(torch.zeros(1, 4, 5), torch.zeros(1, 4, 5), torch.zeros(5, 2), torch.zeros(1, 4, 2, 2),
+                                 torch.zeros(1, 4, 2, 2), torch.ones(1, 4))
+    with pytest.raises(ValueError, match=r"A expected \[I, N\] = \[4, 3\], got \(4,\)"):
+        reference_selective_scan(x, dt, torch.zeros(4), Bm, Cm, ids)

@@ -168,7 +168,12 @@ BATCH = 4  # cases run before looking for a report (1 for a fault: it kills the 
 # what the first report of each planted bug must be (a wrong answer is "fail"; verify.mutants' table)
 REPORTED = {"skip_collective": "timeout", "raise_forward": "error", "raise_backward": "error", "kill_rank": "crash",
             "refuse_rows": "error"}
-NOT_THE_ATTENTION_VERIFIERS = {"late_layer": "wrong only in a model's later layers: verify model's (test_verify_model)"}
+NOT_THE_ATTENTION_VERIFIERS = {"late_layer": "wrong only in a model's later layers: verify model's (test_verify_model)",
+                               # the minimal adapter declares no layout (contiguous shards only), where a continuing
+                               # piece starts its rank's row: blockdiag_dist's --quick meets the bug on balanced
+                               # cases (test_quick_matrix_meets_the_scan_decay_bug)
+                               "mixer_scan_decay_per_rank": "wrong only where a rank holds two intervals of a row",
+                               "mixer_decay_per_rank": "wrong only where a rank holds two intervals of a row"}
 # bugs first, faults and the refusal last: each of those kills the pools it meets, and the next test pays the respawn
 ORDER = sorted((n for n in MINIMAL if n != "toy" and n not in NOT_THE_ATTENTION_VERIFIERS), key=lambda n: n in REPORTED)
 
@@ -195,6 +200,18 @@ def test_every_planted_bug_is_reported_through_the_minimal_adapter_with_quick(se
     finally:
         session.case_timeout = timeout
     pytest.fail(f"{impl}: all {len(cases)} cases of --quick passed")
+
+
+@pytest.mark.parametrize("bug, layer", [("scan_decay_per_rank", "mamba1"), ("decay_per_rank", "kda")])
+def test_quick_matrix_meets_the_scan_decay_bug(session, bug, layer):
+    """``mixer_scan_decay_per_rank`` and KDA's ``mixer_decay_per_rank`` (a continuing piece decayed by the tokens
+    its rank holds before it in its row) are reported by blockdiag_dist's own ``--quick`` cases of their layer: some
+    balanced case fails (the balanced and auto ones are run)."""
+    impl = f"verify.mutants.mixer_{bug}"
+    cases = [c for c in build_matrix(impl_info("blockdiag_dist"), _args("blockdiag_dist", "--quick"))
+             if c.layer == layer and c.layout in ("balanced", "auto")]
+    results = session.run(cases, impl=impl, reference=_cached_truth)
+    assert any(r.status == "fail" for r in results), [(r.case.label(), r.status) for r in results]
 
 
 def test_cli_quick_reports_the_id_equality_leak_and_writes_coverage(tmp_path):

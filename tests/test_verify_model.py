@@ -182,6 +182,16 @@ def test_qwen3_next_names_its_linear_attention(msession, prepared):
         assert first["kind"] == "linear attention / state space"
 
 
+def test_jamba_passes_and_a_stock_mamba_layer_is_named(msession, prepared):
+    """The jamba preset (Mamba1 layers, attention, MoE) passes at CP 2 against each document alone; with a correct
+    attention alone (the toy) its Mamba layers run across documents: a bug named at the first one."""
+    (r,) = run(msession, prepared, "jamba", cps=(2,))
+    assert r.cls == "pass", (r.why, r.message)
+    (r,) = run(msession, prepared, "jamba", cps=(1,), impl="verify.mutants.toy")
+    first = r.verdict["first_wrong_module"]
+    assert r.cls == "bug" and first["module"] == "model.layers.0.mamba", r.why
+
+
 def test_a_gate_gradient_that_moves_with_the_chunking_is_judged_against_it(msession, prepared):
     """Qwen3.5-MoE's tiny vision-language model: in float64, every op included, its gates' gradients (A_log,
     dt_bias, in_proj_a) move by ~1e-9 when the stock chunked delta rule cuts its chunks elsewhere, as a rank

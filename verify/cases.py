@@ -12,6 +12,8 @@ import shlex
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from .families import SPECS
+
 __all__ = ["Case", "LAYERS", "LONG_LAYOUTS", "NAMED_LAYOUTS", "Support", "case_values", "coverage", "coverage_line",
            "default_matrix", "format_rows", "head_shape", "long_cases", "mixer_matrix", "parse_rows"]
 
@@ -20,8 +22,8 @@ Rows = tuple[tuple[tuple[int, int], ...], ...]  # rows of (doc id, run length)
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 SOURCES = ("packed", "mask4d", "mask2d")
 CHECKPOINTS = ("none", "reentrant", "nonreentrant")
-LAYERS = ("attention", "conv", "gated_delta", "mamba2", "sparse")  # the layer a case judges (verify.runner; verify.mixers
-# for the others: sparse = DeepSeek Sparse Attention, the indexer's top-k per document)
+LAYERS = ("attention", *SPECS)  # the layer a case judges (verify.runner; verify.mixers for the mixer families': sparse =
+# DeepSeek Sparse Attention, the indexer's top-k per document)
 
 
 def parse_rows(text: str) -> Rows:
@@ -85,7 +87,7 @@ class Case:
     checkpoint: str = "none"  # activation checkpointing around the attention call: none | reentrant | nonreentrant
     backend: str | None = None  # SDPA backend forced on the implementation (e.g. "math"); None = torch's choice
     gain: float = 2.0  # gain of the q and k projections: scores have a standard deviation of about gain ** 2
-    layer: str = "attention"  # attention | conv (causal depthwise convolution) | gated_delta (Gated DeltaNet) | mamba2 (SSD)
+    layer: str = "attention"  # attention | a mixer family's layer (verify.families.SPECS: conv, gated_delta, mamba2, ...)
     width: int = 4  # the convolution's width (layer conv); the indexer's top-k (layer sparse)
     sinks: bool = False  # attention sinks: one learned logit per query head (drawn ~ N(0, 2^2)), its gradient checked
     softcap: float = 0.0  # logit soft-capping softcap * tanh(scores / softcap); 0 = none
@@ -96,7 +98,7 @@ class Case:
         if self.layer not in LAYERS:
             raise ValueError(f"layer: expected one of {LAYERS}, got {self.layer!r}")
         if self.width < 1:
-            raise ValueError(f"width: expected a convolution width >= 1, got {self.width}")
+            raise ValueError(f"width: expected a convolution width (or an indexer's top-k) >= 1, got {self.width}")
         if self.cp < 1:
             raise ValueError(f"cp: expected >= 1, got {self.cp}")
         if self.hq % self.hkv:
@@ -144,9 +146,7 @@ class Case:
         sdpa = f" sdpa-{self.backend}" if self.backend else ""
         gain = f" gain{self.gain:g}" if self.gain != 2.0 else ""
         if self.layer != "attention":
-            kind = {"conv": f"conv w{self.width} C{self.hq * self.dim}", "gated_delta": f"gdr {self.hq}:{self.hkv}x{self.dim}",
-                    "mamba2": f"ssd {self.hq}:{self.hkv}x{self.dim}",
-                    "sparse": f"dsa top{self.width} {self.hq}x{self.dim} idx{self.hkv}"}[self.layer]
+            kind = SPECS[self.layer].label(self)
             return f"{kind} {self.name} cp{self.cp} {self.layout or ''} {self.dtype}{ckpt}".replace("  ", " ")
         var = ("" if not self.sinks else " sinks") + (f" cap{self.softcap:g}" if self.softcap > 0 else "") + (
             f" chunk{self.chunk}" if self.chunk > 0 else "") + (f" temp{self.temperature}" if self.temperature > 0 else "")
@@ -174,7 +174,7 @@ class Case:
         if self.temperature > 0:
             a += ["--temperature", str(self.temperature)]
         if self.layer != "attention":
-            a += ["--layer", self.layer] + (["--width", str(self.width)] if self.layer in ("conv", "sparse") else [])
+            a += ["--layer", self.layer] + SPECS[self.layer].args(self)
         for flag, value in (("--kernel", self.kernel), ("--exchange", self.exchange), ("--layout", self.layout)):
             if value:
                 a += [flag, value]
@@ -521,18 +521,33 @@ def mixer_matrix(
     cps: Sequence[int] = (1, 2, 3, 4, 8),
     dtypes: Sequence[str] = ("float64", "float32"),
     layouts: Sequence[str | None] = (None,),
-    layers: Sequence[str] = ("conv", "gated_delta", "mamba2"),
+    layers: Sequence[str] = tuple(SPECS),
 ) -> Iterator[Case]:
-    """Every named layout at every CP size once per mixer layer; layout, dtype, heads, widths and activation
-    checkpointing rotate across the cases (a mixer's plan depends on the layout and CP size, not on an exchange
-    or a kernel option: one case per layout and CP size covers it)."""
+    """Every named layout at every CP size once per mixer layer (or, for a layer whose spec says
+    ``layouts_per_cp``, that many named layouts per CP size, rotating through them all); layout, dtype, heads,
+    widths and activation checkpointing rotate across the cases (a mixer's plan depends on the layout and CP size,
+    not on an exchange or a kernel option: one case per layout and CP size covers it)."""
     k = 0
+    names = list(NAMED_LAYOUTS)
+    thin = {layer: SPECS[layer].layouts_per_cp for layer in layers if SPECS[layer].layouts_per_cp}
+    turn = dict.fromkeys(thin, 0)  # the next named layout of each thin layer
+    chosen: dict[tuple[str, int], set[str]] = {}
     for cp in cps:
+        for layer, n in thin.items():
+            pick: set[str] = set()
+            while len(pick) < min(n, len(names) - (cp == 1)):
+                name = names[turn[layer] % len(names)]
+                turn[layer] += 1
+                if not (name == "s-lt-cp" and cp == 1):
+                    pick.add(name)
+            chosen[(layer, cp)] = pick
         for name, make in NAMED_LAYOUTS.items():
             if name == "s-lt-cp" and cp == 1:
                 continue
             rows = make(cp)
             for layer in layers:
+                if layer in thin and name not in chosen[(layer, cp)]:
+                    continue
                 hq, hkv = MIXER_HEADS[k % len(MIXER_HEADS)]
                 yield Case(rows=rows, cp=cp, name=name, hq=hq, hkv=hkv, dim=DIMS[(k // 3) % len(DIMS)],
                            layout=layouts[k % len(layouts)], dtype=dtypes[(k // len(layers)) % len(dtypes)], seed=k,

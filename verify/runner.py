@@ -76,9 +76,9 @@ class ImplInfo:
         self.windows = "window_size" in sdpa_params
         self.variants = {v for v, kw in VARIANT_KWARGS.items() if kw in sdpa_params}
         self.sources = tuple(self.conventions.sources)  # the doc-id sources it declares (all, unless it says)
-        from .mixers import MIXER_LAYERS
+        from .families import SPECS
 
-        self.mixers = {layer for layer, fn in MIXER_LAYERS.items() if callable(getattr(self.module, fn, None))}
+        self.mixers = {layer for layer, s in SPECS.items() if callable(getattr(self.module, s.function_name, None))}
 
     def supports(self, case: Case) -> bool:
         if case.layer != "attention":
@@ -391,9 +391,9 @@ def compared_on_ranks(case: Case) -> tuple[str, ...]:
     """The quantities of :func:`expected_results` a rank compares itself (:func:`check_case`); the others are
     summed over ranks and compared by whoever merges them (:func:`summed_metrics`)."""
     if case.layer != "attention":
-        from .mixers import MIXER_INPUTS
+        from .families import spec
 
-        return ("out", *(f"d{n}" for n in MIXER_INPUTS[case.layer]))
+        return ("out", *(f"d{n}" for n in spec(case.layer).inputs))
     return ("out", "dq", "dk", "dv")
 
 

@@ -1,8 +1,8 @@
-"""Hugging Face transformers' Gated DeltaNet and Mamba2 layers per document under CP.
+"""Hugging Face transformers' Gated DeltaNet, KDA, Mamba2, Mamba1 and short-convolution layers per document under CP.
 
-Registered with the guard (:func:`blockdiag_dist.guard.register_installer`) at import, nothing of transformers
-imported until then: the first time a step meets one of these classes, the guard installs a forward on the
-class that, **under a step**, computes the layer per document across CP ranks — its short convolution through
+The installers of the mixer families (:data:`blockdiag_dist.families.FAMILIES` names the classes each installs
+on; nothing of transformers is imported here): the first time a step meets one of these classes, the guard
+installs a forward on the class that, **under a step**, computes the layer per document across CP ranks — its short convolution through
 :func:`blockdiag_dist.mixers.causal_conv`, its recurrence through :func:`blockdiag_dist.mixers.gated_delta_rule`
 — and **outside a step** calls the class's own forward, unchanged. Everything else is the stock code's math: the
 projections, the gates ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``, the gated RMSNorm
@@ -16,6 +16,13 @@ stock rounding for float32 and bfloat16 models, float64 for a float64 model (the
 | ``Qwen3NextGatedDeltaNet`` | ``qwen3_next`` | ``in_proj_qkvz`` + ``in_proj_ba``, grouped per key head |
 | ``Qwen3_5GatedDeltaNet`` | ``qwen3_5`` (text) | ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` |
 | ``Qwen3_5MoeGatedDeltaNet`` | ``qwen3_5_moe`` (text) | as ``qwen3_5`` |
+| ``LaraMiniGatedDeltaNet`` | ``lara_mini`` | as ``qwen3_5`` |
+| ``OlmoHybridGatedDeltaNet`` | ``olmo_hybrid`` | ``q_proj``, ``k_proj``, ``v_proj``, ``a_proj``, ``b_proj``, ``g_proj`` (beta x 2 with ``allow_neg_eigval``) |
+
+The KDA layers (:data:`KDA_CLASSES`: ``KimiLinearDeltaAttention`` of ``kimi_linear``, ``BailingHybridDeltaAttention``
+of ``bailing_hybrid``; :func:`install_kda`): the convolution of ``q, k, v`` through
+:func:`~blockdiag_dist.mixers.causal_conv`, the recurrence through :func:`blockdiag_dist.mixers.kimi_delta_attention`;
+their forget gates and sigmoid-gated RMSNorm are the stock math in the model's dtype, float32 at least.
 
 The Mamba2 layers (:data:`MAMBA2_CLASSES`: ``NemotronHMamba2Mixer`` of ``nemotron_h``, ``BambaMixer`` of
 ``bamba``, ``GraniteMoeHybridMambaLayer`` of ``granitemoehybrid``, ``Zamba2MambaMixer`` of ``zamba2``,
@@ -27,6 +34,16 @@ math elsewhere (``in_proj``; ``dt = clamp(softplus(dt + dt_bias), *time_step_lim
 (``mamba2_chunk_scan``: x, B, C, dt cast to float32) and its gated norm in float32; here they are computed in the
 model's dtype, float32 at least, as for Gated DeltaNet.
 
+The Mamba1 layers (:data:`MAMBA1_CLASSES`: ``MambaMixer`` of ``mamba``, ``FalconMambaMixer`` of ``falcon_mamba``,
+``JambaMambaMixer`` of ``jamba``, ``ZambaMambaMixer`` of ``zamba``; one forward, :func:`install_mamba1`): the
+convolution of ``x`` through :func:`~blockdiag_dist.mixers.causal_conv`, the selective scan through
+:func:`blockdiag_dist.mixers.selective_scan`; the stock math elsewhere (``in_proj`` -> ``x, z``, interleaved in
+Zamba; ``x_proj`` -> ``dt, B, C``, one per head in Zamba; Falcon-Mamba's weightless and Jamba's weighted RMSNorms
+of ``dt, B, C``; ``dt = softplus(dt_proj(dt))`` in the model's dtype; ``A = -exp(A_log)``; ``y * silu(z)``;
+``out_proj``). The stock layer computes its norms of ``dt, B, C`` and its decays and state updates in float32
+(its torch path keeps the state in the model's dtype); here they are computed in the model's dtype, float32 at
+least, as for the other families.
+
 LFM2's short convolutions (:data:`SHORT_CONV_CLASSES`: ``Lfm2ShortConv`` of ``lfm2`` / ``lfm2_vl``,
 ``Lfm2MoeShortConv`` of ``lfm2_moe``, ``Lfm3ShortConv`` of ``lfm3``; one forward in transformers 5.24,
 :func:`install_short_conv`): ``B, C, x = in_proj(h)``, the depthwise causal convolution of ``B * x`` through
@@ -37,7 +54,7 @@ Under a step the layer takes no cache (``use_cache=False`` in training) and no `
 documents and the padding come from the step); either raises ``ValueError`` on every rank before any collective.
 
 Shape legend: B rows, L rows of this rank, Hk key heads, Hv value heads, K / V head dims; Mamba2: H heads, Dh
-head dim, G groups, N state size, E hidden size.
+head dim, G groups, N state size, E hidden size; Mamba1: I channels, R the time step's rank, H Zamba's heads.
 """
 
 from __future__ import annotations
@@ -49,12 +66,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import guard
-from ..mixers import causal_conv, gated_delta_rule, ssd
+from ..mixers import causal_conv, gated_delta_rule, kimi_delta_attention, selective_scan, ssd
 
 __all__ = [
-    "GATED_DELTA_NET_CLASSES", "MAMBA2_CLASSES", "SHORT_CONV_CLASSES", "install_gated_delta_net", "install_mamba2",
-    "install_short_conv",
+    "GATED_DELTA_NET_CLASSES", "KDA_CLASSES", "MAMBA1_CLASSES", "MAMBA2_CLASSES", "SHORT_CONV_CLASSES",
+    "install_gated_delta_net", "install_kda", "install_mamba1", "install_mamba2", "install_short_conv",
 ]
 
 CONV_ACTIVATIONS = ("silu", "swish")  # computed inside causal_conv; any other is applied after it, as ACT2FN does
@@ -73,10 +89,23 @@ def _project_qwen3_5(self: nn.Module, h: Tensor) -> tuple[Tensor, Tensor, Tensor
     return self.in_proj_qkv(h), self.in_proj_z(h).reshape(B, L, -1, self.head_v_dim), self.in_proj_b(h), self.in_proj_a(h)
 
 
+def _project_olmo_hybrid(self: nn.Module, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """OlmoHybridGatedDeltaNet: separate ``q_proj``, ``k_proj``, ``v_proj``, ``a_proj``, ``b_proj``; its output gate
+    is ``g_proj`` (read by :func:`_per_document_forward` through ``z``)."""
+    B, L, _ = h.shape
+    mixed = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
+    return mixed, self.g_proj(h).reshape(B, L, -1, self.head_v_dim), self.b_proj(h), self.a_proj(h)
+
+
+# Gated DeltaNet layers -> their projections. Lara-mini's layer is Qwen3.5's line for line in transformers 5.24
+# (its checkpoints fuse the projections, split at loading). OLMo-hybrid's has separate projections, a gate
+# projection, `allow_neg_eigval` (beta times 2) and its gated norm named o_norm, read by _per_document_forward.
 GATED_DELTA_NET_CLASSES = {
     "Qwen3NextGatedDeltaNet": _project_qwen3_next,
     "Qwen3_5GatedDeltaNet": _project_qwen3_5,
     "Qwen3_5MoeGatedDeltaNet": _project_qwen3_5,
+    "LaraMiniGatedDeltaNet": _project_qwen3_5,
+    "OlmoHybridGatedDeltaNet": _project_olmo_hybrid,
 }
 
 
@@ -109,11 +138,14 @@ def _per_document_forward(
     key = key.reshape(B, L, -1, self.head_k_dim)
     value = value.reshape(B, L, -1, self.head_v_dim)
     beta = b.sigmoid()
+    if getattr(self, "allow_neg_eigval", False):  # OLMo-hybrid: beta in [0, 2]
+        beta = beta * 2.0
     dt = torch.promote_types(a.dtype, torch.float32)  # the stock forward: .float() (fp16 would overflow exp)
     g = -self.A_log.to(dt).exp() * F.softplus(a.to(dt) + self.dt_bias)
     core = gated_delta_rule(query, key, value, g, beta, use_qk_l2norm=True, state=state)
-    core = _gated_norm(self.norm, core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return self.out_proj(core.reshape(B, L, -1))
+    norm, out = (self.o_norm, self.o_proj) if hasattr(self, "o_norm") else (self.norm, self.out_proj)
+    core = _gated_norm(norm, core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return out(core.reshape(B, L, -1))
 
 
 def _gated_norm(norm: nn.Module, x: Tensor, gate: Tensor) -> Tensor:
@@ -236,6 +268,156 @@ def install_mamba2(cls: type) -> str:
     return _install(cls, _mamba2_forward, how)
 
 
+def _kimi_gates(self: nn.Module, h: Tensor, dt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``KimiLinearDeltaAttention``'s decay ``g [B, L, H, K]`` (``KimiLinearForgetGate.forward`` in ``dt``: the
+    stock module computes in float32) and output gate ``[B, L, H, K]``."""
+    B, L, _ = h.shape
+    f = self.forget_gate
+    gate_in = (f.f_b_proj(f.f_a_proj(h)).to(dt) + f.dt_bias.to(dt).view(1, 1, -1)).view(B, L, -1, self.head_dim)
+    softplus = torch.where(gate_in > 20.0, gate_in, torch.log(1.0 + torch.exp(gate_in)))  # the stock's softplus
+    g = -torch.exp(f.A_log.to(dt)) * softplus
+    return g, self.g_b_proj(self.g_a_proj(h)).view(B, L, -1, self.head_dim)
+
+
+def _bailing_gates(self: nn.Module, h: Tensor, dt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``BailingHybridDeltaAttention``'s decay (``BailingHybridForgetGate.forward`` in ``dt``, its safe gate
+    ``lower_bound * sigmoid(.)`` or ``-exp(A_log) softplus(.)``, cast to the model's dtype as the stock does) and
+    output gate."""
+    B, L, _ = h.shape
+    f = self.forget_gate
+    gate_in = f.f_proj(h).to(dt).view(B, L, f.num_heads, f.head_dim) + f.dt_bias.to(dt).view(1, 1, f.num_heads, f.head_dim)
+    decay = f.A_log.to(dt).exp().view(1, 1, f.num_heads, 1)
+    g = f.lower_bound * torch.sigmoid(decay * gate_in) if f.safe_gate else -decay * F.softplus(gate_in)
+    return g.to(h.dtype), self.g_proj(h).view(B, L, -1, self.head_dim)
+
+
+# KDA layers -> their gates (decay and output gate); the rest of their forward is one in transformers 5.24:
+# q, k, v projections, the causal convolution of their concatenation with its activation, beta = sigmoid(b_proj),
+# KDA (chunk_kimi_delta_attention, use_qk_l2norm_in_kernel=True), the sigmoid-gated RMSNorm per head, o_proj
+KDA_CLASSES = {"KimiLinearDeltaAttention": _kimi_gates, "BailingHybridDeltaAttention": _bailing_gates}
+
+
+def _kda_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, attention_mask: Any, *, gates) -> Tensor:
+    """A KDA layer's forward under ``state``: the stock forward with the convolution and KDA per document."""
+    _refuse_cache_and_mask(self, cache, attention_mask)
+    B, L, _ = hidden_states.shape
+    h = hidden_states
+    mixed = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
+    act = self.activation if self.activation in CONV_ACTIVATIONS else None
+    mixed = causal_conv(mixed, self.conv1d.weight, self.conv1d.bias, act, state=state)
+    if act is None and self.activation is not None:
+        mixed = _act(self.activation)(mixed)
+    q, k, v = (t.reshape(B, L, -1, self.head_dim) for t in mixed.split([self.qkv_dim] * 3, dim=-1))
+    dt = torch.promote_types(h.dtype, torch.float32)
+    g, out_gate = gates(self, h, dt)
+    beta = torch.sigmoid(self.b_proj(h))
+    core = kimi_delta_attention(q, k, v, g, beta, use_qk_l2norm=True, state=state)
+    norm = self.o_norm  # the sigmoid-gated RMSNorm over each head, in dt (the stock: float32 always)
+    x = core.to(dt)
+    x = norm.weight.to(dt) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+    x = (x * torch.sigmoid(out_gate.to(dt))).to(core.dtype)
+    return self.o_proj(x.reshape(B, L, -1))
+
+
+def install_kda(cls: type) -> str:
+    """Give ``cls`` (a KDA class of :data:`KDA_CLASSES`, or a subclass) a forward that is per document under a CP
+    step and the class's own outside one; returns how (for the guard's notes)."""
+    gates = next((KDA_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in KDA_CLASSES), None)
+    if gates is None:
+        raise ValueError(f"install_kda: expected one of {sorted(KDA_CLASSES)}, got {cls.__name__}")
+    how = ("convolution with the history of documents continuing from other ranks and Kimi Delta Attention with "
+           "their states (blockdiag_dist.mixers: causal_conv, kimi_delta_attention)")
+    return _install(cls, functools.partial(_kda_forward, gates=gates), how)
+
+
+def _rms_norm(h: Tensor, eps: float, weight: Tensor | None) -> Tensor:
+    """An RMSNorm over the last dim as Jamba's (``weight`` times the normalised ``h`` cast back to ``h``'s dtype)
+    and Falcon-Mamba's weightless one compute it, normalised in ``h``'s dtype, float32 at least (the stock: float32)."""
+    dt = torch.promote_types(h.dtype, torch.float32)
+    n = h.to(dt)
+    n = (n * torch.rsqrt(n.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return n if weight is None else weight * n
+
+
+def _ssm_params_mamba(self: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dt before its bias [B, L, I], B, C [B, L, 1, N], A_log [I, N], D [I])`` of ``MambaMixer``."""
+    R, N = self.time_step_rank, self.ssm_state_size
+    ts, Bm, Cm = self.x_proj(x).split([R, N, N], dim=-1)
+    return ts @ self.dt_proj.weight.t(), Bm[:, :, None], Cm[:, :, None], self.A_log, self.D
+
+
+def _ssm_params_normed(self: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The same with ``dt, B, C`` normalised: Falcon-Mamba without weights (``rms_eps``), Jamba with
+    (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``)."""
+    R, N = self.time_step_rank, self.ssm_state_size
+    ts, Bm, Cm = self.x_proj(x).split([R, N, N], dim=-1)
+    weighted = hasattr(self.dt_layernorm, "variance_epsilon")  # JambaRMSNorm; FalconMamba's has `eps`, no weight
+    eps = self.dt_layernorm.variance_epsilon if weighted else self.rms_eps
+    ts, Bm, Cm = (_rms_norm(t, eps, norm.weight if weighted else None)
+                  for t, norm in ((ts, self.dt_layernorm), (Bm, self.b_layernorm), (Cm, self.c_layernorm)))
+    return ts @ self.dt_proj.weight.t(), Bm[:, :, None], Cm[:, :, None], self.A_log, self.D
+
+
+def _ssm_params_zamba(self: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``ZambaMambaMixer``: per head its own ``x_proj_weight [H, R + 2 N, I / H]`` and ``dt_proj_weight
+    [H, I / H, R]``; ``B, C [B, L, H, N]`` (one group per head)."""
+    B, L, I = x.shape
+    H, R, N = self.n_mamba_heads, self.time_step_rank, self.ssm_state_size
+    ssm = torch.einsum("hrd,blhd->blhr", self.x_proj_weight, x.reshape(B, L, H, I // H))
+    ts, Bm, Cm = ssm.split([R, N, N], dim=-1)
+    dt = torch.einsum("hdr,blhr->blhd", self.dt_proj_weight, ts).reshape(B, L, I)
+    return dt, Bm, Cm, self.A_log.reshape(I, N), self.D.reshape(I)
+
+
+# Mamba1 layers -> (x and gate from in_proj, ssm parameters, dt_proj's bias). MambaMixer, FalconMambaMixer and
+# JambaMambaMixer share the torch path (causal_conv1d_fn, mamba_selective_scan) in transformers 5.24 and differ in
+# the norms of dt, B, C; ZambaMambaMixer splits its channels into heads. Each is checked by tests/test_hf_mamba1.py
+# against each document alone.
+MAMBA1_CLASSES = {
+    "MambaMixer": ("chunk", _ssm_params_mamba, "dt_proj.bias"),
+    "FalconMambaMixer": ("chunk", _ssm_params_normed, "dt_proj.bias"),
+    "JambaMambaMixer": ("chunk", _ssm_params_normed, "dt_proj.bias"),
+    "ZambaMambaMixer": ("interleaved", _ssm_params_zamba, "dt_proj_bias"),
+}
+
+
+def _mamba1_adapter(cls: type):
+    return next((MAMBA1_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in MAMBA1_CLASSES), None)
+
+
+def _mamba1_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, attention_mask: Any) -> Tensor:
+    """A Mamba1 layer's forward under ``state`` (the stock torch path with the convolution and the selective scan
+    per document): ``hidden_states [B, L, E]`` -> ``[B, L, E]``."""
+    _refuse_cache_and_mask(self, cache, attention_mask)
+    split, ssm_params, bias_name = _mamba1_adapter(type(self))
+    projected = self.in_proj(hidden_states)  # [B, L, 2 I]
+    if split == "interleaved":  # Zamba: channel c of x is output 2 c, of the gate 2 c + 1
+        x, gate = projected[..., 0::2], projected[..., 1::2]
+    else:
+        x, gate = projected.chunk(2, dim=-1)
+    act = self.activation if self.activation in CONV_ACTIVATIONS else None
+    x = causal_conv(x, self.conv1d.weight, self.conv1d.bias, act, state=state)
+    if act is None and self.activation is not None:
+        x = _act(self.activation)(x)
+    dt, Bm, Cm, A_log, D = ssm_params(self, x)
+    bias = self.get_parameter(bias_name)
+    dt = F.softplus(dt + bias.reshape(-1).to(dt.dtype))  # the stock: in dt's dtype
+    compute = torch.promote_types(projected.dtype, torch.float32)
+    y = selective_scan(x, dt, -torch.exp(A_log.to(compute)), Bm, Cm, D, state=state)
+    y = y * F.silu(gate.to(y.dtype))
+    return self.out_proj(y.to(hidden_states.dtype))
+
+
+def install_mamba1(cls: type) -> str:
+    """Give ``cls`` (a Mamba1 class of :data:`MAMBA1_CLASSES`, or a subclass) a forward that is per document under
+    a CP step and the class's own outside one; returns how (for the guard's notes)."""
+    if _mamba1_adapter(cls) is None:
+        raise ValueError(f"install_mamba1: expected one of {sorted(MAMBA1_CLASSES)}, got {cls.__name__}")
+    how = ("convolution with the history of documents continuing from other ranks and Mamba1's selective scan with "
+           "their states (blockdiag_dist.mixers: causal_conv, selective_scan)")
+    return _install(cls, _mamba1_forward, how)
+
+
 SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")  # one forward in transformers 5.24
 
 
@@ -275,11 +457,3 @@ def _install(cls: type, per_document, how: str) -> str:
     forward._blockdiag_how = how
     cls.forward = forward
     return how
-
-
-for _name in SHORT_CONV_CLASSES:
-    guard.register_installer(_name, "short_conv", install_short_conv)
-for _name in GATED_DELTA_NET_CLASSES:
-    guard.register_installer(_name, "gated_delta_net", install_gated_delta_net)
-for _name in MAMBA2_CLASSES:
-    guard.register_installer(_name, "mamba2", install_mamba2)

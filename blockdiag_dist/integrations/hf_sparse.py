@@ -1,8 +1,8 @@
 """Hugging Face transformers' DeepSeek Sparse Attention layers (DeepSeek-V3.2, GLM-5) per document under CP.
 
-Registered with the guard (:func:`blockdiag_dist.guard.register_installer`) at import, nothing of transformers
-imported until then: the first time a step meets one of :data:`DSA_CLASSES`, the guard installs a forward on the
-class that, **under a step**, computes the layer per document across CP ranks through
+The installer of the ``dsa`` mixer family (:data:`blockdiag_dist.families.FAMILIES` names the classes it installs
+on; nothing of transformers is imported here): the first time a step meets one of :data:`DSA_CLASSES`, the guard
+installs a forward on the class that, **under a step**, computes the layer per document across CP ranks through
 :func:`blockdiag_dist.sparse.dsa_attention`, and **outside a step** calls the class's own forward, unchanged.
 
 The stock layer reads the documents from the 4-D mask transformers builds for its own attention names
@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import guard
 from ..sparse import DsaIndex, dsa_attention
 
 __all__ = ["DSA_CLASSES", "install_dsa"]
@@ -142,6 +141,3 @@ def install_dsa(cls: type) -> str:
     cls.forward = forward
     return how
 
-
-for _name in DSA_CLASSES:
-    guard.register_installer(_name, "sparse_attention", install_dsa)

@@ -23,78 +23,17 @@ Shape legend: T packed tokens, P pieces, H heads, K key dim, V value dim, NC chu
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .chunks import ChunkMeta, carry_chunks, plan_chunks, to_chunks
 
 __all__ = ["CHUNK", "ChunkMeta", "chunk_gated_delta", "fla_kernel", "plan_chunks"]
 
 CHUNK = 64  # transformers' and flash-linear-attention's chunk length
 FLA_DEVICE_TYPES = ("cuda",)  # where flash-linear-attention's kernels run (an emulation may add "cpu": verify.gpu.emulate)
 FLA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # its Triton kernels' (not float64)
-
-
-@dataclass(frozen=True, eq=False)
-class ChunkMeta:
-    """Where every packed token goes in the step-major chunk buffer, for pieces with boundaries ``cu``."""
-
-    cu: tuple[int, ...]
-    chunk: int
-    dest: Tensor  # int64 [T]: slot * chunk + offset in the chunk of each packed token
-    active: tuple[int, ...]  # pieces still running at each scan step (non-increasing)
-    step_offset: tuple[int, ...]  # first slot of each step
-    order: Tensor  # int64 [P]: piece of each sorted position (most chunks first)
-    inverse: Tensor  # int64 [P]: sorted position of each piece
-    cu_device: Tensor  # int64 [P + 1] on the device (for the fla kernel)
-
-    @property
-    def num_pieces(self) -> int:
-        return len(self.cu) - 1
-
-    @property
-    def num_chunks(self) -> int:
-        return sum(self.active)
-
-    def to(self, device: torch.device | str) -> ChunkMeta:
-        return ChunkMeta(self.cu, self.chunk, self.dest.to(device), self.active, self.step_offset, self.order.to(device),
-                         self.inverse.to(device), self.cu_device.to(device))
-
-
-def plan_chunks(cu: Sequence[int], chunk: int = CHUNK, device: torch.device | str = "cpu") -> ChunkMeta:
-    """The chunk layout of pieces ``cu`` (boundaries ``[0, ..., T]``, every piece non-empty).
-
-    >>> meta = plan_chunks([0, 3, 4], chunk=2)  # pieces of 3 and 1 tokens: chunks (2, 1)
-    >>> meta.active, meta.step_offset, meta.dest.tolist()
-    ((2, 1), (0, 2), [0, 1, 4, 2])
-    """
-    cu_t = torch.as_tensor(list(cu), dtype=torch.int64)
-    lens = cu_t.diff()
-    if lens.numel() and int(lens.min()) < 1:
-        raise ValueError(f"plan_chunks: expected non-empty pieces, got lengths {lens.tolist()}")
-    nch = (lens + chunk - 1) // chunk
-    order = torch.sort(-nch, stable=True).indices
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel())
-    steps = int(nch.max()) if nch.numel() else 0
-    active = [int((nch > i).sum()) for i in range(steps)]
-    step_offset = [0]
-    for n in active[:-1]:
-        step_offset.append(step_offset[-1] + n)
-    piece = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-    offset = torch.arange(int(cu_t[-1])) - cu_t[:-1][piece]
-    slot = torch.tensor(step_offset, dtype=torch.int64)[offset // chunk] + inverse[piece] if steps else offset
-    dest = slot * chunk + offset % chunk
-    return ChunkMeta(tuple(int(c) for c in cu_t), chunk, dest.to(device), tuple(active), tuple(step_offset),
-                     order.to(device), inverse.to(device), cu_t.to(device))
-
-
-def _to_chunks(x: Tensor, meta: ChunkMeta) -> Tensor:
-    """``[T, H, ...]`` -> ``[NC, H, C, ...]`` (zeros where a piece's last chunk is not full)."""
-    C = meta.chunk
-    buf = x.new_zeros((meta.num_chunks * C, *x.shape[1:])).index_copy(0, meta.dest, x)
-    return buf.view(meta.num_chunks, C, *x.shape[1:]).transpose(1, 2)
 
 
 def _torch_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, meta: ChunkMeta,
@@ -104,8 +43,8 @@ def _torch_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, met
     if meta.num_chunks == 0:
         final = None if not want_final else (q.new_zeros(P, H, K, V) if initial is None else initial)
         return v.new_zeros(0, H, V), final
-    qc, kc, vc = (_to_chunks(t, meta) for t in (q, k, v))  # [NC, H, C, D]
-    gc, bc = (_to_chunks(t, meta) for t in (g, beta))  # [NC, H, C]
+    qc, kc, vc = (to_chunks(t, meta) for t in (q, k, v))  # [NC, H, C, D]
+    gc, bc = (to_chunks(t, meta) for t in (g, beta))  # [NC, H, C]
     v_beta, k_beta = vc * bc[..., None], kc * bc[..., None]
     cum = gc.cumsum(-1)
     upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
@@ -123,23 +62,9 @@ def _torch_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, met
         return q_dec[sl] @ S_run + intra[sl] @ v_new, S_run * chunk_decay[sl] + k_dec[sl].transpose(-1, -2) @ v_new
 
     S0 = q.new_zeros(P, H, K, V) if initial is None else initial.index_select(0, meta.order)
-    outs, S = _carry_chunks(meta, S0, step)
+    outs, S = carry_chunks(meta, S0, step)
     out = outs.transpose(1, 2).reshape(meta.num_chunks * C, H, V).index_select(0, meta.dest)
     return out, (S.index_select(0, meta.inverse) if want_final else None)
-
-
-def _carry_chunks(meta: ChunkMeta, S: Tensor, step) -> tuple[Tensor, Tensor]:
-    """Carry the pieces' states ``S [P, ...]`` (in ``meta.order``) through their chunks, one chunk of every active
-    piece per step: ``step(sl, S_run)`` gets the chunk rows ``sl`` of the ``n`` pieces active at that step and their
-    states ``S_run [n, ...]`` and returns ``(out [n, ...], S_next [n, ...])``. Returns every chunk's output in
-    chunk order (``[NC, ...]``) and the states leaving the pieces (``[P, ...]``, ``meta.order``)."""
-    outs = []
-    P = S.shape[0]
-    for n, off in zip(meta.active, meta.step_offset):
-        out, S_next = step(slice(off, off + n), S[:n])
-        outs.append(out)
-        S = S_next if n == P else torch.cat([S_next, S[n:]])
-    return torch.cat(outs), S
 
 
 @functools.lru_cache(maxsize=1)

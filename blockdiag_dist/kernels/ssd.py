@@ -5,8 +5,7 @@ Per head a state ``S [P, N]``; per token ``S = exp(a) S + x B^T`` and ``y = S C`
 ``x`` already multiplied by ``dt``: the caller discretises as transformers does). The math of a chunk is the one
 of transformers' ``mamba2_chunk_scan`` (a chunk's outputs are a causal, decay-weighted ``C B^T`` "attention"
 over its ``x`` plus the entering state read through ``C``); what differs is the layout, as in
-:mod:`blockdiag_dist.kernels.gated_delta` (whose chunk layout :func:`~blockdiag_dist.kernels.gated_delta.plan_chunks`
-this reuses): the tokens of many pieces packed one piece after another, each piece padded to whole chunks on its
+:mod:`blockdiag_dist.kernels.gated_delta` (the chunk layout of :mod:`blockdiag_dist.kernels.chunks`): the tokens of many pieces packed one piece after another, each piece padded to whole chunks on its
 own (padded tokens have ``a = 0``, ``x = B = C = 0``: they leave the state unchanged), the intra-chunk work of
 every chunk batched, and the scan over chunks ``max(chunks per piece)`` steps over the pieces still running.
 
@@ -19,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .gated_delta import ChunkMeta, _carry_chunks, _to_chunks
+from .chunks import ChunkMeta, carry_chunks, to_chunks
 
 __all__ = ["SSD_CHUNK", "chunk_ssd"]
 
@@ -36,8 +35,8 @@ def chunk_ssd(x: Tensor, a: Tensor, B: Tensor, C: Tensor, meta: ChunkMeta, initi
     if meta.num_chunks == 0:
         final = None if not want_final else (x.new_zeros(NP, H, Dh, N) if initial is None else initial)
         return x.new_zeros(0, H, Dh), final
-    xc, Bc, Cc = (_to_chunks(t, meta) for t in (x, B, C))  # [NC, H, C, D]
-    ac = _to_chunks(a, meta)  # [NC, H, C]
+    xc, Bc, Cc = (to_chunks(t, meta) for t in (x, B, C))  # [NC, H, C, D]
+    ac = to_chunks(a, meta)  # [NC, H, C]
     cum = ac.cumsum(-1)
     # decay[l, s] = exp(a_{s+1} + ... + a_l), the sum taken directly (as transformers' segment_sum): the difference
     # cum[l] - cum[s] of two large negative sums loses float32 digits when the decays are strong
@@ -54,6 +53,6 @@ def chunk_ssd(x: Tensor, a: Tensor, B: Tensor, C: Tensor, meta: ChunkMeta, initi
         return y_diag[sl] + c_dec[sl] @ S_run.transpose(-1, -2), S_run * chunk_decay[sl] + chunk_state[sl]
 
     S0 = x.new_zeros(NP, H, Dh, N) if initial is None else initial.index_select(0, meta.order)
-    outs, S = _carry_chunks(meta, S0, step)
+    outs, S = carry_chunks(meta, S0, step)
     y = outs.transpose(1, 2).reshape(meta.num_chunks * Cl, H, Dh).index_select(0, meta.dest)
     return y, (S.index_select(0, meta.inverse) if want_final else None)

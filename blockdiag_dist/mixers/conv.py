@@ -86,7 +86,8 @@ def plan_conv(plan: StepPlan, rank: int, width: int, device: torch.device | str 
     for i in range(width):
         src = pos[fix] - (width - 1) + i
         valid = src >= starts[fix]
-        rows = row_of[local[fix] - (width - 1) + i].where(valid, zero_row) if fix.numel() else fix
+        # a tap before its row's start has a negative flat id: clamped (it is before the document too, not valid)
+        rows = row_of[(local[fix] - (width - 1) + i).clamp(min=0)].where(valid, zero_row) if fix.numel() else fix
         assert not bool((rows < 0).any()), "a history token of the same document is neither local nor received"
         taps.append(rows)
     fix_taps = torch.stack(taps) if taps else torch.zeros(0, 0, dtype=torch.int64)

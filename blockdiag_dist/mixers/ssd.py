@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kernels.gated_delta import ChunkMeta, plan_chunks
+from ..kernels.chunks import ChunkMeta, plan_chunks
 from ..kernels.ssd import SSD_CHUNK, chunk_ssd
 from .recurrence import STATE_DTYPES, Recurrence, run_recurrence
 

@@ -292,7 +292,7 @@ def report_result(console, r, seen: set[str]) -> None:
 
 
 def _refused_layers(ref) -> list[str]:
-    """The layers of the reference model the guard refuses under CP, by class: 'JambaMambaMixer x4 (mamba)'."""
+    """The layers of the reference model the guard refuses under CP, by class: 'RwkvSelfAttention x2 (rwkv)'."""
     from blockdiag_dist.guard import check_model
 
     try:

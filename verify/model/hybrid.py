@@ -60,9 +60,23 @@ FAMILIES = {
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
     "falcon_h1_gate_first": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
     "falcon_h1_nonorm": ("FalconH1Config", "FalconH1ForCausalLM", "transformers.models.falcon_h1.modeling_falcon_h1"),
+    "jamba": ("JambaConfig", "JambaForCausalLM", "transformers.models.jamba.modeling_jamba"),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", "transformers.models.falcon_mamba.modeling_falcon_mamba"),
+    "mamba": ("MambaConfig", "MambaForCausalLM", "transformers.models.mamba.modeling_mamba"),
+    "zamba": ("ZambaConfig", "ZambaForCausalLM", "transformers.models.zamba.modeling_zamba"),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", "transformers.models.lfm2.modeling_lfm2"),
     "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", "transformers.models.lfm2_moe.modeling_lfm2_moe"),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", "transformers.models.kimi_linear.modeling_kimi_linear"),
+    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM",
+                       "transformers.models.bailing_hybrid.modeling_bailing_hybrid"),
 }
+# Gated DeltaNet with other projections: OLMo-hybrid (separate projections, a gate projection, beta in [0, 2]) and
+# Lara-mini (Qwen3.5's layer); built by the Qwen3-Next path below
+FAMILIES.update({
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", "transformers.models.olmo_hybrid.modeling_olmo_hybrid"),
+    "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM", "transformers.models.lara_mini.modeling_lara_mini"),
+})
+KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")  # KDA, MLA attention (dense MLPs here), KDA
 # LFM2: short convolution (width 3), attention, short convolution; the MoE variant's last layer sparse
 SHORT_CONV_LAYERS = ("conv", "full_attention", "conv")
 LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention")
@@ -78,8 +92,13 @@ FAMILY_LAYERS = {
     "falcon_h1_gate_first": ("hybrid", "hybrid"),
     "falcon_h1_nonorm": ("hybrid", "hybrid"),
 }
-NO_ATTENTION = ("mamba2",)  # families whose steps route no attention call (expect_attention=False)
+# Mamba1 (selective scan) models: Jamba's (Mamba, attention with a MoE, Mamba), Zamba's (Mamba, Mamba with the
+# shared attention block, Mamba), Mamba's and Falcon-Mamba's (two Mamba layers)
+MAMBA1_LAYERS = {"jamba": ("mamba", "attention", "mamba"), "zamba": ("mamba", "hybrid", "mamba"),
+                 "mamba": ("mamba", "mamba"), "falcon_mamba": ("mamba", "mamba")}
+NO_ATTENTION = ("mamba2", "mamba", "falcon_mamba")  # families whose steps route no attention call (expect_attention=False)
 MAMBA2 = dict(ssm_heads=4, ssm_head_dim=8, groups=2, state=8, conv=4, chunk=16)
+MAMBA1 = dict(expand=2, state=8, conv=4, dt_rank=4, zamba_heads=2)  # 64 channels of 8 states
 SEQ_LEN = 64
 # two rows of 64: documents over 3 ranks at CP 4 (37 tokens from 0; 40 tokens from 11), short ones, padding
 DOC_LENGTHS = (37, 3, 19, 11, 40, 6)
@@ -131,12 +150,55 @@ def _mamba2_config(family: str, layers: tuple[str, ...]):
                    shared_intermediate_size=48)
 
 
+def _kda_config(family: str, layers: tuple[str, ...]):
+    """Tiny Kimi Linear / Ling (bailing_hybrid): KDA layers of 4 heads of 8 (convolution width 4), MLA attention of
+    2 heads, dense MLPs (their MoE routes in float32); Ling with its safe gate (``lower_bound * sigmoid``)."""
+    import transformers
+
+    cfg_cls = getattr(transformers, FAMILIES[family][0])
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                  num_hidden_layers=len(layers), num_attention_heads=2 if family == "kimi_linear" else 4,
+                  num_key_value_heads=2 if family == "kimi_linear" else 4, kv_lora_rank=16, qk_rope_head_dim=8,
+                  v_head_dim=8, qk_nope_head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                  layer_types=list(layers), mlp_layer_types=["dense"] * len(layers), tie_word_embeddings=False,
+                  max_position_embeddings=4 * SEQ_LEN, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "kimi_linear":
+        return cfg_cls(**common, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4)
+    return cfg_cls(**common, head_dim=8, short_conv_kernel_size=4, n_group=1, topk_group=1, first_k_dense_replace=len(layers))
+
+
+def _mamba1_config(family: str, layers: tuple[str, ...]):
+    """Mamba and Falcon-Mamba with ``residual_in_fp32=False``: their default casts each block's residual to float32
+    (a float32 rounding of every hidden state, in a float64 model too: the model's own, not CP's)."""
+    import transformers
+
+    cfg_cls = getattr(transformers, FAMILIES[family][0])
+    m = MAMBA1
+    if family in ("mamba", "falcon_mamba"):
+        return cfg_cls(vocab_size=64, hidden_size=32, num_hidden_layers=len(layers), state_size=m["state"],
+                       expand=m["expand"], conv_kernel=m["conv"], time_step_rank=m["dt_rank"], use_conv_bias=True,
+                       residual_in_fp32=False, tie_word_embeddings=False)
+    attn = [i for i, t in enumerate(layers) if t != "mamba"]
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=len(layers),
+                  num_attention_heads=2, num_key_value_heads=1, mamba_d_state=m["state"], mamba_d_conv=m["conv"],
+                  mamba_expand=m["expand"], mamba_dt_rank=m["dt_rank"], mamba_conv_bias=True,
+                  max_position_embeddings=4 * SEQ_LEN, tie_word_embeddings=False)
+    if family == "jamba":  # the attention layer's feed-forward a MoE of 4 experts, 2 per token
+        return cfg_cls(**common, attn_layer_period=len(layers), attn_layer_offset=attn[0], num_experts=4,
+                       num_experts_per_tok=2, expert_layer_period=len(layers), expert_layer_offset=attn[0])
+    return cfg_cls(**common, layers_block_type=list(layers), n_mamba_heads=m["zamba_heads"])
+
+
 def _config(family: str, layers: tuple[str, ...]):
     import transformers
 
+    if family in MAMBA1_LAYERS:
+        return _mamba1_config(family, layers)
     if family in FAMILY_LAYERS:
         return _mamba2_config(family, layers)
     cfg_cls = getattr(transformers, FAMILIES[family][0])
+    if family in KDA_FAMILIES:
+        return _kda_config(family, layers)
     if family.startswith("lfm2"):
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=2) if family == "lfm2_moe" else {}
         return cfg_cls(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=len(layers),
@@ -152,6 +214,11 @@ def _config(family: str, layers: tuple[str, ...]):
         kw.update(num_experts=0, mlp_only_layers=list(range(len(layers))))
     if family == "qwen3_5_moe":
         kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    if family == "lara_mini":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                  eos_token_id=2, pad_token_id=0)
+    if family == "olmo_hybrid":
+        kw.update(pad_token_id=0, eos_token_id=2)
     return cfg_cls(**kw)
 
 
@@ -165,10 +232,11 @@ def build_tiny_hybrid(family: str, dtype: torch.dtype = torch.float64, *, seed: 
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
     if layers is None:
-        layers = SHORT_CONV_LAYERS if family.startswith("lfm2") else FAMILY_LAYERS.get(family, LAYER_TYPES)
+        layers = (SHORT_CONV_LAYERS if family.startswith("lfm2") else
+                  MAMBA1_LAYERS.get(family) or FAMILY_LAYERS.get(family, LAYER_TYPES))
     torch.manual_seed(seed)
     model_cls = getattr(transformers, FAMILIES[family][1])
-    moe = family in ("qwen3_5_moe", "nemotron_h_moe", "lfm2_moe")
+    moe = family in ("qwen3_5_moe", "nemotron_h_moe", "lfm2_moe", "lara_mini", "jamba")
     extra = {"experts_implementation": "eager"} if moe else {}  # grouped_mm has no float64
     model = model_cls._from_config(_config(family, layers), attn_implementation=register_transformers_attention(),
                                    **extra).to(dtype)

@@ -24,14 +24,13 @@ from typing import Any
 
 from verify.adapters import Conventions, Unsupported
 
-from ._mixers import MIXER_BUGS
+from ._mixers import MIXER_BUGS, mixer_functions
 from ._toy import BUGS
 
 __all__ = ["CONVENTIONS", "NAMES", "minimal_adapter"]
 
 CONVENTIONS = Conventions(sources=("packed",), notes=("minimal support: one kernel, one exchange, _packed_seq_ids only",))
 NAMES = ("toy", *BUGS, *(f"mixer_{bug}" for bug in MIXER_BUGS))
-MIXER_FUNCTIONS = ("causal_conv", "gated_delta_rule", "ssd", "dsa_attention")
 
 
 def minimal_adapter(inner_name: str, name: str) -> types.ModuleType:
@@ -52,7 +51,7 @@ def minimal_adapter(inner_name: str, name: str) -> types.ModuleType:
 
     module.make_cp_blockdiag_batch_and_ctx = make_cp_blockdiag_batch_and_ctx
     module.cp_blockdiag_sdpa = inner.cp_blockdiag_sdpa  # its signature says which windows and variants it takes
-    for fn in MIXER_FUNCTIONS:
+    for fn in mixer_functions():
         if callable(getattr(inner, fn, None)):
             setattr(module, fn, getattr(inner, fn))
     module.CONVENTIONS = CONVENTIONS

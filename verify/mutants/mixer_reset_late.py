@@ -4,4 +4,4 @@ from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx  #
 
 from ._mixers import mixer_module
 
-causal_conv, gated_delta_rule, ssd = mixer_module("reset_late")
+globals().update(mixer_module("reset_late"))  # every family's function (causal_conv, gated_delta_rule, ssd, ...)

@@ -3,4 +3,6 @@ Sparse Attention: the indexer's top-k over the row's earlier tokens instead of t
 
 from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx  # noqa: F401
 
-from ._mixers import dsa_topk_over_row as dsa_attention  # noqa: F401
+from ._mixers import mixer_module
+
+globals().update(mixer_module("topk_over_row"))  # every family's function (causal_conv, gated_delta_rule, ssd, ...)

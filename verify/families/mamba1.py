@@ -1,0 +1,115 @@
+"""``--layer mamba1``: ``x`` -> ``xs = x Wx [B, S, I]`` (``I = case.hq * case.dim``), ``dt = softplus(x Wdt + dt_bias)
+[B, S, I]``, ``B, C = x Wb, x Wc [B, S, G, N]`` (``G = case.hkv``, ``N = case.dim + 1``), ``A = -exp(A_log) [I, N]``,
+``D [I]`` -> Mamba1's selective scan -> ``Wo`` -> summed cross-entropy. Planted bugs: the recurrence bugs of the
+other families (state leaking across documents, a reset one token late, summaries merged in bfloat16), and the
+entering state decayed per rank instead of per document (by every token the rank holds before the piece in its
+row, other documents' included)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._spec import VOCAB, MixerSpec
+
+__all__ = ["SPEC"]
+
+
+def _weights(case, w, n):
+    # A = -exp(A_log) ~ -(1..N) per channel (the models' init); dt ~ softplus(-1.5) ~ 0.2: decays from 0.8 to
+    # 0.35 per token, so that a state crossing ranks still weighs on the outputs there (a bug in it shows)
+    I, N = n["H"] * n["Dh"], n["N"]
+    A_log = torch.log(torch.arange(1, N + 1, dtype=torch.float64)).expand(I, N) + 0.2 * w(I, N, fan=1)
+    return {"wx": w(n["E"], I), "wdt": w(n["E"], I), "dt_bias": 0.3 * w(I, fan=1) - 1.5, "A_log": A_log,
+            "wb": w(n["E"], n["G"] * N), "wc": w(n["E"], n["G"] * N), "D": w(I, fan=1), "wo": w(I, VOCAB)}
+
+
+def _block(case, x, ws, mix, n):
+    B, L, _ = x.shape
+    res = {"xs": x @ ws["wx"], "dt": F.softplus(x @ ws["wdt"] + ws["dt_bias"]),
+           "Bm": (x @ ws["wb"]).view(B, L, n["G"], n["N"]), "Cm": (x @ ws["wc"]).view(B, L, n["G"], n["N"])}
+    for t in res.values():
+        t.retain_grad()
+    out = mix(res["xs"], res["dt"], -torch.exp(ws["A_log"]), res["Bm"], res["Cm"], ws["D"])
+    return res, out, out.to(x.dtype)
+
+
+def _reference_mix(reference, ids, dtype, **_):
+    def mix(xs, dt, A, Bm, Cm, D):
+        return reference(xs, dt, A, Bm, Cm, ids, D=D, dtype=dtype)
+
+    return mix
+
+
+def _impl_mix(fn, **_):
+    def mix(xs, dt, A, Bm, Cm, D):
+        return fn(xs, dt, A, Bm, Cm, D)
+
+    return mix
+
+
+def _received(case, state, rank, n):
+    from blockdiag_dist.mixers import plan_recurrence
+
+    plan = plan_recurrence(state.plan.documents, rank)
+    if not plan.any_traffic or state.world == 1:
+        return None
+    IN = n["H"] * n["Dh"] * n["N"]
+    return sum(plan.recv_splits(IN, IN))  # state and transition [I, N]
+
+
+def _mutant(bug: str):
+    def make():
+        from blockdiag_dist.mixers._common import active_state
+        from blockdiag_dist.mixers.recurrence import plan_recurrence, run_recurrence
+        from blockdiag_dist.mixers.selective_scan import SelectiveScan, prepare_selective_scan
+
+        from ._wrong import wrong_recurrence_plan
+
+        class DecayPerRank(SelectiveScan):
+            """Entering states decayed by ``extra`` (``[continuing pieces, I, N]``) before the continuing pass."""
+
+            def __init__(self, extra: Tensor) -> None:
+                super().__init__()
+                self.extra = extra
+
+            def scan(self, inputs, meta, initial, want_final):
+                if initial is not None:
+                    initial = initial * self.extra.to(initial.dtype)
+                return super().scan(inputs, meta, initial, want_final)
+
+        def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None, *,
+                           state=None, **_) -> Tensor:
+            state = active_state(state, x, "selective_scan")
+            compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+            inputs = prepare_selective_scan(x, dt, A, B, C, compute)
+            plan, state_dtype, rec = None, compute, SelectiveScan()
+            if bug == "summary_bf16":
+                state_dtype = torch.bfloat16
+            elif bug == "scan_decay_per_rank":  # the decay of the rank's row up to the piece, not the document's
+                Bsz, L = x.shape[:2]
+                mine = plan_recurrence(state.plan.documents, state.rank)
+                la = inputs[0].view(Bsz, L, *inputs[0].shape[1:])
+                before = [la[p.row, :p.local_start].sum(0) for p in (mine.pieces[k] for k in mine.cont.pieces)]
+                rec = DecayPerRank(torch.stack(before).exp() if before else la.new_zeros(0))
+            else:
+                plan = wrong_recurrence_plan(state, bug, "mutant selective_scan")
+            Bsz, L, I = x.shape
+            y = run_recurrence(rec, inputs, state, state_dtype=state_dtype, plan=plan).view(Bsz, L, I)
+            if D is not None:
+                y = y + D.to(compute) * x.to(compute) * (state.docs.doc_index >= 0).to(compute)[..., None]
+            return y
+
+        return selective_scan
+
+    return make
+
+
+SPEC = MixerSpec(
+    layer="mamba1", inputs=("xs", "dt", "Bm", "Cm"), weight_names=("wx", "wdt", "dt_bias", "A_log", "wb", "wc", "D", "wo"),
+    weights=_weights, block=_block, reference_mix=_reference_mix, impl_mix=_impl_mix, received=_received,
+    label=lambda case: f"scan {case.hq * case.dim}:{case.hkv}x{case.dim + 1}",
+    mutants={bug: _mutant(bug) for bug in ("state_leak", "reset_late", "summary_bf16", "scan_decay_per_rank")},
+    layouts_per_cp=4,  # run_recurrence's plan and folds: judged on every layout x CP by gated_delta and mamba2
+)
