@@ -164,7 +164,8 @@ def flash_cases(cp: int, quick: bool) -> list[Case]:
 
 def cases(cp: int, quick: bool) -> list[Case]:
     """flash-attn's cases, the mixers (float32), bfloat16 with the default exchange and layout, then float32
-    over every kernel x exchange x layout (the first layout only when ``quick``)."""
+    over every kernel x exchange x layout (the first layout only when ``quick``; then only the cases of
+    ``QUICK_LAYOUTS``, and each layer's first case where it has none there)."""
     layouts = tuple(LAYOUTS)[:1] if quick else tuple(LAYOUTS)
     out = [*flash_cases(cp, quick),
            *mixer_matrix(cps=(cp,), dtypes=("float32",), layouts=("contiguous", "balanced")),
@@ -173,7 +174,13 @@ def cases(cp: int, quick: bool) -> list[Case]:
            *default_matrix(cps=(cp,), dtypes=("float32",), kernels=KERNELS, exchanges=EXCHANGES, layouts=layouts,
                            cover=False)]
     out = [c for c in out if exchange_mode(c) is not None]
-    return [c for c in out if c.name in QUICK_LAYOUTS] if quick else out
+    if not quick:
+        return out
+    kept = [c for c in out if c.name in QUICK_LAYOUTS]
+    # a mixer layer the matrix thins (its spec's layouts_per_cp) may meet none of the quick layouts at this CP size:
+    # its first case runs instead, so that every layer runs on the GPU's ranks
+    missing = sorted({c.layer for c in out} - {c.layer for c in kept})
+    return kept + [next(c for c in out if c.layer == layer) for layer in missing]
 
 
 def _probe_all(pool: WorkerPool, device: str, timeout: float) -> dict[str, dict[str, str]]:
