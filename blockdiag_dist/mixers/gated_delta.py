@@ -35,12 +35,14 @@ class GatedDeltaRule(Recurrence):
 
     transition = "matrix"
     name = "gated_delta_rule"
+    kernel = staticmethod(chunk_gated_delta)  # the chunked scan over packed pieces (a subclass names its own)
+    default_chunk = CHUNK
 
-    def __init__(self, chunk: int = CHUNK) -> None:
-        self.chunk = chunk
+    def __init__(self, chunk: int | None = None) -> None:
+        self.chunk = self.default_chunk if chunk is None else chunk
 
     def meta_key(self) -> tuple:
-        return ("gated_delta_rule", self.chunk)
+        return (self.name, self.chunk)
 
     def prepare(self, cu, device):
         return plan_chunks(cu, self.chunk, device)
@@ -51,7 +53,7 @@ class GatedDeltaRule(Recurrence):
         return (H, K, V), (H, K, K)
 
     def scan(self, inputs, meta, initial, want_final):
-        return chunk_gated_delta(*inputs, meta, initial, want_final=want_final)
+        return self.kernel(*inputs, meta, initial, want_final=want_final)
 
     def summarize(self, inputs, meta):
         """One scan of the extended values ``[v | 0]`` from ``[0 | I]``: the leaving state is ``[C | M]``."""
@@ -61,7 +63,7 @@ class GatedDeltaRule(Recurrence):
         v_ext = torch.cat([v, v.new_zeros(T, H, K)], -1)
         eye = torch.eye(K, dtype=v.dtype, device=v.device).expand(P, H, K, K)
         initial = torch.cat([v.new_zeros(P, H, K, V), eye], -1)
-        _, final = chunk_gated_delta(q, k, v_ext, g, beta, meta, initial)
+        _, final = self.kernel(q, k, v_ext, g, beta, meta, initial)
         return final[..., V:], final[..., :V]
 
 

@@ -21,49 +21,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.chunks import plan_chunks
 from ..kernels.kda import KDA_CHUNK, chunk_kda
-from .gated_delta import _l2norm
-from .recurrence import STATE_DTYPES, Recurrence, run_recurrence
+from .gated_delta import GatedDeltaRule, _l2norm
+from .recurrence import STATE_DTYPES, run_recurrence
 
 __all__ = ["KimiDeltaAttention", "kimi_delta_attention", "prepare_kda"]
 
 
-class KimiDeltaAttention(Recurrence):
-    """KDA as a :class:`~blockdiag_dist.mixers.recurrence.Recurrence`: inputs ``(q, k, v, g, beta)`` token-major,
-    q and k ``[T, Hv, K]`` prepared (normalised, q scaled, expanded to the value heads), v ``[T, Hv, V]``, g
-    ``[T, Hv, K]``, beta ``[T, Hv]``; state ``[Hv, K, V]``; transition ``[Hv, K, K]`` acting by matmul."""
+class KimiDeltaAttention(GatedDeltaRule):
+    """KDA as a :class:`~blockdiag_dist.mixers.recurrence.Recurrence`: the gated delta rule with a per-channel decay,
+    so everything but the kernel is :class:`GatedDeltaRule`'s. Inputs ``(q, k, v, g, beta)`` token-major, q and k
+    ``[T, Hv, K]`` prepared (normalised, q scaled, expanded to the value heads), v ``[T, Hv, V]``, g ``[T, Hv, K]``,
+    beta ``[T, Hv]``; state ``[Hv, K, V]``; transition ``[Hv, K, K]`` acting by matmul."""
 
-    transition = "matrix"
     name = "kimi_delta_attention"
-
-    def __init__(self, chunk: int = KDA_CHUNK) -> None:
-        self.chunk = chunk
-
-    def meta_key(self) -> tuple:
-        return ("kimi_delta_attention", self.chunk)
-
-    def prepare(self, cu, device):
-        return plan_chunks(cu, self.chunk, device)
-
-    def shapes(self, inputs):
-        q, _, v = inputs[:3]
-        H, K, V = q.shape[1], q.shape[2], v.shape[2]
-        return (H, K, V), (H, K, K)
-
-    def scan(self, inputs, meta, initial, want_final):
-        return chunk_kda(*inputs, meta, initial, want_final=want_final)
-
-    def summarize(self, inputs, meta):
-        """One scan of the extended values ``[v | 0]`` from ``[0 | I]``: the leaving state is ``[C | M]``."""
-        q, k, v, g, beta = inputs
-        T, H, K = k.shape
-        V, P = v.shape[-1], meta.num_pieces
-        v_ext = torch.cat([v, v.new_zeros(T, H, K)], -1)
-        eye = torch.eye(K, dtype=v.dtype, device=v.device).expand(P, H, K, K)
-        initial = torch.cat([v.new_zeros(P, H, K, V), eye], -1)
-        _, final = chunk_kda(q, k, v_ext, g, beta, meta, initial)
-        return final[..., V:], final[..., :V]
+    kernel = staticmethod(chunk_kda)
+    default_chunk = KDA_CHUNK
 
 
 def prepare_kda(q, k, v, g, beta, *, scale: float | None, use_qk_l2norm: bool, dtype: torch.dtype):
