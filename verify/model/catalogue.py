@@ -513,7 +513,7 @@ def _refusal_families() -> list[tuple[re.Pattern, str]]:
     fam += [
         (re.compile(r"softcap="), "logit soft-capping"),
         (re.compile(r"chunked local attention"), "chunked local attention"),
-        (re.compile(r"NoPE attention temperature tuning"), "NoPE temperature tuning (positions from the rows)"),
+        (re.compile(r"NoPE temperature tuning"), "NoPE temperature tuning (malformed scales)"),
         (re.compile(r"is_causal=False"), "bidirectional attention over the sharded sequence"),
         (re.compile(r"additive float attention_mask"), "an additive attention mask (a bias)"),
         (re.compile(r"compute attention themselves"), "attention computed by the layer itself"),
