@@ -64,17 +64,25 @@ def promoted(model: torch.nn.Module, on: bool = True):
     return float64_modules(model, lambda m: m is model) if on else contextlib.nullcontext()
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: an FSDP2 (``fully_shard``) parameter's or gradient's shards gathered (a collective: every rank
+    calls it), any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, packing_strategy: str = "bfd",
             max_length: int = 64, rows: int = 4, record_first_step: bool = False, output_dir: str | None = None,
             resume_from_checkpoint: str | None = None, save_steps: int | None = None, lr: float = 1e-3,
-            trainer: str = "sft", float64: bool = False, accumulate: int = 1, evaluate: bool = False) -> dict:
+            trainer: str = "sft", float64: bool = False, accumulate: int = 1, evaluate: bool = False,
+            training_args: dict | None = None) -> dict:
     """Train ``model_type`` at CP ``cp`` (every process of the default group, or one process) with TRL's
     ``BlockdiagSFTTrainer`` (``trainer="sft"``: TRL packs ``rows`` rows of ``max_length``) or transformers'
     ``BlockdiagTrainer`` (``trainer="hf"``: ``rows`` documents per step flattened into one row by transformers'
     ``DataCollatorWithFlattening``). Returns the logged losses and, with ``record_first_step``, the first step's full
     batch (this rank's, before sharding) and every parameter's gradient before the optimizer step. ``float64``: the
     whole forward in float64 (:func:`promoted`), for float64 parity tests. ``accumulate``: gradient accumulation
-    steps; ``evaluate``: also return the evaluation loss on held-out documents after training."""
+    steps; ``evaluate``: also return the evaluation loss on held-out documents after training; ``training_args``: more
+    ``TrainingArguments`` fields (e.g. ``{"torch_compile": True}``, FSDP's ``fsdp`` / ``fsdp_config``)."""
     from datasets import Dataset
     from transformers import DataCollatorWithFlattening, TrainerCallback, TrainingArguments
     from trl import SFTConfig
@@ -89,7 +97,7 @@ def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, pac
         max_grad_norm=0.0, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         bf16=dtype == "bf16-mixed", fp16=False,  # transformers turns bf16 autocast on by default where the CPU has it
         gradient_accumulation_steps=accumulate, per_device_eval_batch_size=rows,
-    )
+    ) | (training_args or {})
     if trainer == "sft":
         args = SFTConfig(packing=True, packing_strategy=packing_strategy, max_length=max_length, **common)
         cls, extra = BlockdiagSFTTrainer, {"processing_class": tiny_tokenizer()}
@@ -101,7 +109,7 @@ def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, pac
     class FirstStep(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             if record_first_step and "grads" not in recorded:
-                recorded["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                recorded["grads"] = {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
     weights = torch.float32 if dtype == "bf16-mixed" else getattr(torch, dtype)
     trainer = cls(model=tiny_model(model_type, weights), args=args,
@@ -122,7 +130,7 @@ def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, pac
     if evaluate:
         with promoted(trainer.model, float64):
             recorded["eval_loss"] = float(trainer.evaluate()["eval_loss"])
-    return {"losses": losses, **recorded}
+    return {"losses": losses, "wrapper": type(trainer.model_wrapped).__name__, **recorded}
 
 
 def main(argv: list[str] | None = None) -> list[float]:
