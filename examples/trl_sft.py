@@ -105,11 +105,15 @@ def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, pac
         args = TrainingArguments(remove_unused_columns=False, **common)
         cls, extra = BlockdiagTrainer, {"data_collator": DataCollatorWithFlattening(return_tensors="pt")}
     recorded: dict = {}
+    steps_state: list = []  # the first step's CP states (one per micro-batch)
 
     class FirstStep(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             if record_first_step and "grads" not in recorded:
                 recorded["grads"] = {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                recorded["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+                # bytes per element of what the K/V exchanges moved: the dtype attention computed in
+                recorded["exchanged_element_sizes"] = sorted({e.element_size for st in steps_state for e in st.traffic.entries})
 
     weights = torch.float32 if dtype == "bf16-mixed" else getattr(torch, dtype)
     trainer = cls(model=tiny_model(model_type, weights), args=args,
@@ -121,7 +125,10 @@ def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, pac
 
         def keep_batch(model, inputs):
             recorded.setdefault("batch", {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
-            return prepare(model, inputs)
+            ctx, batch = prepare(model, inputs)
+            if "grads" not in recorded and model.training:
+                steps_state.append(ctx.state)
+            return ctx, batch
 
         trainer._prepare_context_parallel_inputs = keep_batch
     with promoted(trainer.model, float64):
