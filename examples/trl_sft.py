@@ -148,11 +148,24 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--packing-strategy", default="bfd", help="TRL's: bfd (padding-free rows) or wrapped")
     p.add_argument("--max-length", type=int, default=64, help="tokens per packed row")
     p.add_argument("--dtype", default="float32", help="float32 | float64 | bf16-mixed (float32 weights, bf16 autocast)")
+    p.add_argument("--trainer", default="sft", choices=("sft", "hf"),
+                   help="sft: BlockdiagSFTTrainer (TRL packing); hf: BlockdiagTrainer with DataCollatorWithFlattening")
+    p.add_argument("--torch-compile", default=None, metavar="BACKEND",
+                   help="TrainingArguments(torch_compile=True, torch_compile_backend=BACKEND), e.g. aot_eager, inductor")
+    p.add_argument("--fsdp2", action="store_true",
+                   help='TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}): accelerate shards the model '
+                        "over every rank on GPUs; on CPU accelerate 1.15 leaves FSDP off (the trainer notes it; DDP trains)")
     p.add_argument("--out", default=None, help="write the logged losses here as JSON (rank 0)")
     a = p.parse_args(argv)
+    extra: dict = {}
+    if a.torch_compile:
+        extra.update(torch_compile=True, torch_compile_backend=a.torch_compile)
+    if a.fsdp2:
+        extra.update(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    losses = run_sft(a.model, a.cp, a.steps, a.dtype, packing_strategy=a.packing_strategy, max_length=a.max_length)["losses"]
+    losses = run_sft(a.model, a.cp, a.steps, a.dtype, packing_strategy=a.packing_strategy, max_length=a.max_length,
+                     trainer=a.trainer, training_args=extra)["losses"]
     if int(os.environ.get("RANK", "0")) == 0:
         for i, loss in enumerate(losses, 1):
             print(f"step {i:3d} loss {loss:.6f}")

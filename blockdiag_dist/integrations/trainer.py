@@ -26,6 +26,13 @@ What the mixin changes, and why each is right:
   world size (``average_tokens_across_devices``), and DDP / FSDP average over the world: the gradient is the sum
   of the ranks' partial gradients over the step's targets, and the logged loss (a mean over ranks) the step's.
 
+Precision, sharding, compilation: ``bf16=True`` autocasts the forward (attention receives the autocast dtype and
+accumulates in float32; weights and gradients stay float32). FSDP2 through accelerate (``fsdp="full_shard"``,
+``fsdp_config={"fsdp_version": 2}``) shards over every rank and averages like DDP: the same sum. accelerate applies
+FSDP on accelerator devices only; on CPU it drops the plugin without a message and the Trainer uses DDP: noted in
+``cp_notes`` and the log. ``torch_compile=True`` compiles the model around blockdiag's attention (a graph break at
+each call).
+
 Refused at construction, on every rank (each would train silently wrong under CP): accelerate's own CP
 (``ParallelismConfig(cp_size > 1)``: it replaces every mask by ``is_causal``), ``average_tokens_across_devices=False``,
 label smoothing and ``compute_loss_func`` (both shift the
