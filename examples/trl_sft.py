@@ -3,6 +3,9 @@
     accelerate launch --num_processes 2 --cpu examples/trl_sft.py --cp 2            # CP 2
     torchrun --standalone --nproc-per-node 2 examples/trl_sft.py --cp 2             # the same, by torchrun
     python examples/trl_sft.py                                                      # CP 1, one process
+    torchrun --standalone --nproc-per-node 2 examples/trl_sft.py --cp 2 --trainer hf --dtype bf16-mixed   # bf16 autocast
+    torchrun --standalone --nproc-per-node 2 examples/trl_sft.py --cp 2 --trainer hf --torch-compile aot_eager
+    torchrun --standalone --nproc-per-node 4 examples/trl_sft.py --cp 2 --trainer hf --fsdp2  # FSDP2 on GPUs
 
 A tiny model from its config (``--model llama | qwen3 | qwen3_5 | nemotron_h | lfm2 | gpt_oss``), a tokenizer built
 in memory and a synthetic pre-tokenized dataset of documents of assorted lengths: nothing is downloaded. TRL packs
