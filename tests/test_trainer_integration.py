@@ -128,7 +128,7 @@ def test_fsdp2_at_dp2_x_cp2_first_step_gradients_equal_each_document_alone(pools
     assert err <= FLOAT64_LIMIT, f"gradient of {name} off by {err:.3g} relative"
 
 
-@pytest.mark.slow(reason="torch.compile of a whole tiny model on CPU: about 80 s of compilation on 2 busy cores")
+@pytest.mark.slow(reason="torch.compile of a whole tiny model through the Trainer: about 150 s on 2 busy cores, most of it compiling")
 def test_torch_compile_at_cp2_equals_eager(pools):
     """``torch_compile=True`` (backend ``aot_eager``: inductor needs a C++ build per graph) at CP 2: the model is
     compiled, blockdiag's attention runs eagerly behind its ``torch.compiler.disable`` boundary (a graph break per
