@@ -54,7 +54,8 @@ from ..batch import make_cp_blockdiag_batch_and_ctx
 from ..options import CPOptions
 from .packing import IGNORE_INDEX, shift_labels
 
-__all__ = ["BlockdiagSFTTrainer", "BlockdiagTrainer", "BlockdiagTrainerMixin", "document_positions", "environment_from_group"]
+__all__ = ["BlockdiagSFTTrainer", "BlockdiagTrainer", "BlockdiagTrainerMixin", "document_positions", "environment_from_group",
+           "fsdp_not_applied"]
 
 # Keys that describe the documents of the unsharded rows for other kernels; blockdiag takes them from the full doc ids.
 ROW_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
