@@ -12,7 +12,7 @@ SEED   ?= 0
 LONG_EXAMPLES ?= 40
 LONG_BUDGET   ?= 600
 
-.PHONY: install peers test verify verify-models models-md models-catalogue fuzz fuzz-long bench bench-quick train-demo conformance gpu-check
+.PHONY: install peers test test-slow verify verify-models models-md models-catalogue fuzz fuzz-long bench bench-quick train-demo conformance gpu-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ peers: $(PEERS_STAMP)
 # tests' tensors are tiny; extra OpenMP threads only spin against the other processes.
 test: $(STAMP) $(PEERS_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(JOBS) --timeout=300 -q
+
+# The tests marked slow (over make test's budget; `make test` skips them, naming why): torch.compile through the Trainer.
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 BLOCKDIAG_SLOW_TESTS=1 $(PY) -m pytest -n 0 --timeout=900 -q -m slow
 
 # The main job: the case matrix (CP 1, 2, 3, 4, 8; every layout, exchange, kernel) against the reference.
 verify: $(STAMP)

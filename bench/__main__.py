@@ -172,7 +172,7 @@ def run(quick: bool, only: list[str] | None = None) -> dict:
         ("verifier", lambda: bench_verifier((2, 4), 60 if quick else 200)),
         ("vision", lambda: bench_vision("quick" if quick else "full", reps=2 if quick else 3)),
     ]
-    sections.append(("trainer", lambda: bench_trainer(steps=8 if quick else 12, rounds=1 if quick else 2)))
+    sections.append(("trainer", lambda: bench_trainer(steps=6 if quick else 10, rounds=1 if quick else 3)))
     if not quick:
         sections.append(("memory", lambda: bench_memory(131072, 4)))
     sections.append(("plan", lambda: bench_plan((1 << 17, 1 << 20) if quick else (1 << 17, 1 << 20, 1 << 22, 1 << 24),

@@ -200,7 +200,8 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         t = res["trainer"]
         met = "met" if t["ratio"] <= t["goal"] else "NOT met"
         out.append((f"Trainer step against the hand loop: BlockdiagTrainer vs docs/trainer.md's loop, tiny {t['model']}, "
-                    f"CP {t['cp']}, {t['rows']} documents per step, float32, median of {t['rounds']} x {t['steps'] - 2} steps",
+                    f"CP {t['cp']}, {t['rows']} documents per step, float32, median of {t['rounds']} x {t['steps'] - 2} steps "
+                    f"(the runs alternating in one pool, {t.get('threads', '?')} intra-op thread(s) per rank on both sides)",
                     ["Trainer step", "hand loop step", "ratio"],
                     [[f"{t['trainer_seconds'] * 1e3:.1f} ms", f"{t['loop_seconds'] * 1e3:.1f} ms",
                       f"{t['ratio']:.3f} (goal <= {t['goal']:.2f}: {met})"]]))

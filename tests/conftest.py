@@ -4,6 +4,8 @@ tests run on the same pools."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -33,6 +35,12 @@ def pytest_collection_modifyitems(items):
         if any(i.startswith(file) for i in ids) and not any(i.startswith(prefix) for i in ids):
             raise pytest.UsageError(f"tests/conftest.py LONG_FIRST: expected a test whose id starts {prefix!r}, got none")
     items.sort(key=order)  # stable: every other test keeps its place
+    if os.environ.get("BLOCKDIAG_SLOW_TESTS", "") in ("", "0"):
+        for item in items:
+            mark = item.get_closest_marker("slow")
+            if mark is not None:
+                why = mark.kwargs.get("reason", "slow")
+                item.add_marker(pytest.mark.skip(reason=f"slow ({why}): BLOCKDIAG_SLOW_TESTS=1 or make test-slow runs it"))
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,10 @@ pytest.importorskip("trl", reason="trl is not installed (the 'trainer' extra: pi
 
 from examples.trl_sft import run_sft, tiny_model, tiny_tokenizer  # noqa: E402
 from trainer_checks import (  # noqa: E402
-    per_document_truth, perturbation_probe, run_on_rank, sft_on_rank, vlm_on_rank, worst_gradient_error,
+    bf16_on_rank, compiled_on_rank, fsdp2_on_rank, fsdp_note_on_rank, per_document_truth, perturbation_probe, run_on_rank, sft_on_rank,
+    vlm_on_rank, worst_gradient_error,
 )
+from verify.tolerances import TOLERANCES, judge  # noqa: E402
 from verify.trainers import FLOAT64_LIMIT, TRL_FLOAT32_HEAD_LIMIT  # noqa: E402  (the limits the report uses)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,6 +82,64 @@ def test_dp2_x_cp2_first_step_gradients_equal_each_document_alone(pools):
 
 def _dp_cp_on_rank(model_type: str) -> dict:
     return run_sft(model_type, 2, 1, "float64", record_first_step=True, trainer="hf", float64=True)
+
+
+def _step_truth(model_type: str, batches: list[dict]) -> dict[str, torch.Tensor]:
+    """The per-document truth of a step over the batches of all DP groups, divided by all their targets."""
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
+    truth: dict[str, torch.Tensor] = {}
+    for b, n in zip(batches, counts):  # per_document_truth divides by its own batch's targets: rescale to the step's
+        for name, g in per_document_truth(model_type, b).items():
+            truth[name] = truth.get(name, 0) + g * n / sum(counts)
+    return truth
+
+
+def test_bf16_mixed_precision_at_cp2_is_within_the_bfloat16_bound_of_cp1(pools):
+    """``bf16=True`` (CPU: float32 weights, bf16 autocast around the forward), tiny Qwen3.5 (attention and Gated
+    DeltaNet layers). Every parameter's first-step gradient, against each document alone in float64, within
+    verify/tolerances.py's bfloat16 rule: at most 2x the error of the same Trainer at CP 1 in one process under the
+    same autocast, plus the bfloat16 floor. Weights and gradients stay float32 (the optimizer's master copy); the
+    K/V exchanges moved bfloat16 (2 bytes: attention ran in the autocast dtype)."""
+    cp1 = run_sft("qwen3_5", 1, 1, "bf16-mixed", record_first_step=True, trainer="hf")
+    run = pools(2).run(bf16_on_rank, args=("qwen3_5", 2), timeout=TIMEOUT_S, name="Trainer qwen3_5 bf16 at CP 2")[0]
+    assert torch.equal(run["batch"]["input_ids"], cp1["batch"]["input_ids"])
+    assert run["param_dtypes"] == cp1["param_dtypes"] == ["torch.float32"]
+    assert {g.dtype for g in run["grads"].values()} == {torch.float32}
+    assert run["exchanged_element_sizes"] == [2], run["exchanged_element_sizes"]
+    truth = per_document_truth("qwen3_5", run["batch"])
+    assert sorted(run["grads"]) == sorted(cp1["grads"]) == sorted(truth)
+    for name, t in truth.items():
+        base, _ = worst_gradient_error({name: cp1["grads"][name]}, {name: t})
+        err, _ = worst_gradient_error({name: run["grads"][name]}, {name: t})
+        limit, ok = judge("bfloat16", err, 1.0, base)
+        assert ok, f"{name}: bf16 gradient off by {err:.3g} relative at CP 2, CP 1's {base:.3g} (limit {limit:.3g})"
+
+
+def test_fsdp2_at_dp2_x_cp2_first_step_gradients_equal_each_document_alone(pools):
+    """The Trainer's FSDP2 path (``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}``): accelerate shards the
+    model with ``fully_shard`` over every rank (DP x CP) and averages the gradients over them; the Trainer's loss is
+    each rank's share times the world size, so the average is the sum of the CP ranks' partial gradients. accelerate
+    1.15 applies FSDP on accelerator devices only: here its GPU branch's decision is taken on CPU
+    (trainer_checks.accelerate_fsdp_on_cpu), the rest is accelerate's own fsdp2_prepare_model on gloo."""
+    runs = pools(4).run(fsdp2_on_rank, args=("llama", 2), timeout=TIMEOUT_S, name="Trainer llama FSDP2 at DP 2 x CP 2")
+    assert runs[0]["wrapper"].startswith("FSDP"), runs[0]["wrapper"]  # FSDPLlamaForCausalLM: fully_shard applied
+    assert not torch.equal(runs[0]["batch"]["input_ids"], runs[2]["batch"]["input_ids"])
+    err, name = worst_gradient_error(runs[0]["grads"], _step_truth("llama", [runs[0]["batch"], runs[2]["batch"]]))
+    assert err <= FLOAT64_LIMIT, f"gradient of {name} off by {err:.3g} relative"
+
+
+@pytest.mark.slow(reason="torch.compile of a whole tiny model through the Trainer: about 150 s on 2 busy cores, most of it compiling")
+def test_torch_compile_at_cp2_equals_eager(pools):
+    """``torch_compile=True`` (backend ``aot_eager``: inductor needs a C++ build per graph) at CP 2: the model is
+    compiled, blockdiag's attention runs eagerly behind its ``torch.compiler.disable`` boundary (a graph break per
+    call); the first step's gradients and two steps' losses equal eager ones within float32's floor."""
+    eager = pools(2).run(compiled_on_rank, args=("llama", 2, False), timeout=TIMEOUT_S, name="Trainer llama eager")[0]
+    compiled = pools(2).run(compiled_on_rank, args=("llama", 2, True), timeout=600.0, name="Trainer llama compiled")[0]
+    assert compiled["wrapper"] == "OptimizedModule" and eager["wrapper"] != "OptimizedModule"
+    assert compiled["graph_breaks"] > 0 and compiled["frames"] > 0, compiled  # compiled around our attention
+    err, name = worst_gradient_error(compiled["grads"], eager["grads"])
+    assert err <= TOLERANCES["float32"].floor, f"gradient of {name} off by {err:.3g} relative"
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=TOLERANCES["float32"].floor, abs=0)
 
 
 @pytest.mark.parametrize("trainer", ["hf", "sft"])
@@ -171,6 +231,35 @@ def test_a_packed_batch_without_documents_is_refused_before_the_model_runs(tmp_p
     batch = {"input_ids": torch.randint(2, 90, (1, 16)), "labels": torch.randint(2, 90, (1, 16))}
     with pytest.raises(ValueError, match=r"expected documents named by _packed_seq_ids, restarting position_ids or a 4-D mask"):
         trainer._prepare_context_parallel_inputs(trainer.model, batch)
+
+
+def test_fsdp_that_accelerate_leaves_off_on_cpu_is_noted(pools):
+    """accelerate 1.15 drops an FSDP plugin on CPU without a message (the Trainer then wraps the model in DDP; in one
+    process transformers refuses FSDP outright): at CP 2 the trainer says so in ``cp_notes`` and its log, and the
+    step trains by DDP; without FSDP in the arguments there is no note."""
+    runs = pools(2).run(fsdp_note_on_rank, timeout=TIMEOUT_S, name="Trainer fsdp asked on CPU")
+    for r in runs:
+        assert not r["fsdp"] and r["wrapper"] == "DistributedDataParallel", r
+        assert len(r["notes"]) == 1 and "fsdp: asked for, not applied: accelerate 1.15.0" in r["notes"][0], r
+        assert r["plain_notes"] == []
+
+
+def test_documents_are_found_once_when_position_ids_are_absent(tmp_path, monkeypatch):
+    """A batch with a 4-D mask and no position_ids: the trainer finds the documents (to build per-document positions)
+    and hands them to the batch function, which does not scan the mask again."""
+    import blockdiag_ref.batch as ref_batch
+
+    trainer = _sft(output_dir=str(tmp_path))
+    scans = []
+    scan = ref_batch.doc_ids_from_4d_mask
+    monkeypatch.setattr(ref_batch, "doc_ids_from_4d_mask", lambda m: scans.append(1) or scan(m))
+    ids = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0]])
+    mask = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] != 0) & torch.ones(8, 8, dtype=torch.bool).tril()
+    ctx, batch = trainer._prepare_context_parallel_inputs(trainer.model, {"input_ids": torch.arange(2, 10)[None], "attention_mask": mask[:, None]})
+    assert len(scans) == 1
+    assert ctx.state.plan.layout.seqlens == [[3, 4]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
+    assert "_packed_seq_ids" not in batch
 
 
 def test_accelerates_own_cp_is_refused(tmp_path):

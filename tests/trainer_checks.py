@@ -4,6 +4,8 @@ conformance report's Trainers section uses the same)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from examples.trl_sft import run_sft, tiny_model
@@ -93,3 +95,95 @@ def vlm_on_rank(family: str, cp: int) -> dict:
         trainer.train()
     batch = collate(docs)
     return {"grads": recorded["grads"], "targets": int((batch["labels"] != -100).sum())}
+
+
+def bf16_on_rank(model_type: str, cp: int) -> dict:
+    """One step of ``BlockdiagTrainer`` with ``bf16=True`` (float32 weights, bf16 autocast on CPU), as
+    :func:`run_sft` records it; rank 0 returns the record."""
+    out = run_sft(model_type, cp, 1, "bf16-mixed", record_first_step=True, trainer="hf")
+    return out if torch.distributed.get_rank() == 0 else {}
+
+
+@contextlib.contextmanager
+def accelerate_fsdp_on_cpu():
+    """While active, accelerate applies an FSDP plugin on CPU as it does on accelerator devices.
+
+    accelerate 1.15 decides FSDP in ``AcceleratorState.__init__``: for accelerator devices (``MULTI_GPU``, ...) it
+    sets ``distributed_type = FSDP`` and keeps the plugin; on CPU (``MULTI_CPU``) it drops the plugin and the Trainer
+    wraps the model in DDP. Here the same three assignments of its GPU branch run on CPU, so everything after them is
+    accelerate's and the Trainer's own FSDP2 path (``fsdp2_prepare_model``: ``fully_shard`` over the default group,
+    gloo), which is what a GPU user's run goes through."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = fsdp_plugin
+
+    AcceleratorState.__init__ = init
+    try:
+        yield
+    finally:
+        AcceleratorState.__init__ = original
+
+
+def fsdp2_on_rank(model_type: str, cp: int) -> dict:
+    """One step of ``BlockdiagTrainer`` under accelerate's FSDP2 (``fsdp="full_shard"``, ``fsdp_version 2``), the
+    whole forward in float64; the first rank of each CP group returns its batch, the gathered gradients and the
+    class of the model the Trainer trained."""
+    with accelerate_fsdp_on_cpu():
+        out = run_sft(model_type, cp, 1, "float64", record_first_step=True, trainer="hf", float64=True,
+                      training_args={"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}})
+    return out if torch.distributed.get_rank() % cp == 0 else {}
+
+
+def compiled_on_rank(model_type: str, cp: int, compiled: bool) -> dict:
+    """Two steps of ``BlockdiagTrainer`` with ``torch_compile=True`` (backend ``aot_eager``) or eagerly, float32;
+    rank 0 returns the losses, the first step's gradients, the model's class and the frames dynamo compiled."""
+    args = {"torch_compile": True, "torch_compile_backend": "aot_eager"} if compiled else {}
+    torch._dynamo.reset()
+    out = run_sft(model_type, cp, 2, "float32", record_first_step=True, trainer="hf", training_args=args)
+    from torch._dynamo.utils import counters
+
+    out["frames"] = int(counters["stats"]["unique_graphs"])
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+    return {k: out[k] for k in ("losses", "grads", "wrapper", "frames", "graph_breaks")} if torch.distributed.get_rank() == 0 else {}
+
+
+def fsdp_note_on_rank() -> dict:
+    """``BlockdiagTrainer`` at CP 2 with ``fsdp="full_shard"`` (version 2) as accelerate runs it on CPU (no
+    emulation), one step; and one without FSDP. Their notes, whether FSDP is on and the wrapper it trained."""
+    import tempfile
+
+    from transformers import TrainingArguments
+
+    from blockdiag_dist.integrations.trainer import BlockdiagTrainer, environment_from_group
+    from examples.trl_sft import documents
+
+    environment_from_group()
+    out = {}
+    for fsdp in (True, False):
+        extra = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}} if fsdp else {}
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=1, per_device_train_batch_size=2, report_to=[],
+                                 use_cpu=True, bf16=False, disable_tqdm=True, save_strategy="no", **extra)
+        trainer = BlockdiagTrainer(model=tiny_model("llama"), args=args, cp_size=2,
+                                   train_dataset=[{"input_ids": torch.tensor(d)} for d in documents(4)],
+                                   data_collator=_flattening())
+        if fsdp:
+            trainer.train()
+            out.update(notes=trainer.cp_notes, fsdp=trainer.is_fsdp_enabled, wrapper=type(trainer.model_wrapped).__name__)
+        else:
+            out["plain_notes"] = trainer.cp_notes
+    return out
+
+
+def _flattening():
+    from transformers import DataCollatorWithFlattening
+
+    return DataCollatorWithFlattening(return_tensors="pt")

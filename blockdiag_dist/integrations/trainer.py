@@ -26,6 +26,13 @@ What the mixin changes, and why each is right:
   world size (``average_tokens_across_devices``), and DDP / FSDP average over the world: the gradient is the sum
   of the ranks' partial gradients over the step's targets, and the logged loss (a mean over ranks) the step's.
 
+Precision, sharding, compilation: ``bf16=True`` autocasts the forward (attention receives the autocast dtype and
+accumulates in float32; weights and gradients stay float32). FSDP2 through accelerate (``fsdp="full_shard"``,
+``fsdp_config={"fsdp_version": 2}``) shards over every rank and averages like DDP: the same sum. accelerate applies
+FSDP on accelerator devices only; on CPU it drops the plugin without a message and the Trainer uses DDP: noted in
+``cp_notes`` and the log. ``torch_compile=True`` compiles the model around blockdiag's attention (a graph break at
+each call).
+
 Refused at construction, on every rank (each would train silently wrong under CP): accelerate's own CP
 (``ParallelismConfig(cp_size > 1)``: it replaces every mask by ``is_causal``), ``average_tokens_across_devices=False``,
 label smoothing and ``compute_loss_func`` (both shift the
@@ -47,7 +54,8 @@ from ..batch import make_cp_blockdiag_batch_and_ctx
 from ..options import CPOptions
 from .packing import IGNORE_INDEX, shift_labels
 
-__all__ = ["BlockdiagSFTTrainer", "BlockdiagTrainer", "BlockdiagTrainerMixin", "document_positions", "environment_from_group"]
+__all__ = ["BlockdiagSFTTrainer", "BlockdiagTrainer", "BlockdiagTrainerMixin", "document_positions", "environment_from_group",
+           "fsdp_not_applied"]
 
 # Keys that describe the documents of the unsharded rows for other kernels; blockdiag takes them from the full doc ids.
 ROW_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -84,6 +92,20 @@ def environment_from_group() -> None:
     world, rank = str(dist.get_world_size()), str(dist.get_rank())
     os.environ.update(WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
+
+def fsdp_not_applied(accelerator: Any) -> str:
+    """Why FSDP asked for in the arguments is not in force: accelerate builds its FSDP plugin, then applies it only
+    on accelerator devices (CUDA, XPU, NPU, ...); on CPU its distributed type stays ``MULTI_CPU`` (or ``NO`` in one
+    process) and the Trainer wraps the model in DDP instead, without a message."""
+    from importlib.metadata import version
+
+    kind = getattr(accelerator, "distributed_type", None)
+    kind = getattr(kind, "value", kind)
+    return (f"fsdp: asked for, not applied: accelerate {version('accelerate')} leaves FSDP off on this machine "
+            f"(distributed type {kind}; it applies the FSDP plugin on accelerator devices only), so the Trainer "
+            "uses DDP over every rank (one process: no wrapper). Gradients are still summed over DP x CP; the "
+            "parameters are not sharded")
 
 
 class _CPGroups:
@@ -157,6 +179,7 @@ class BlockdiagTrainerMixin:
         if require_documents is None:
             require_documents = bool(getattr(self.args, "packing", False) or getattr(self.args, "padding_free", False))
         self.require_documents = require_documents
+        self.cp_notes: list[str] = []  # what the trainer runs otherwise than its arguments ask, with the reason
         from .multimodal import MultimodalPackingCollator
         from .packing import PackingCollator
 
@@ -186,6 +209,8 @@ class BlockdiagTrainerMixin:
                 f"label_smoothing_factor: expected 0 under blockdiag CP, got {self.args.label_smoothing_factor}: the "
                 "label smoother shifts the sharded labels again"
             )
+        if getattr(self.args, "fsdp_plugin_args", None) is not None and not getattr(self, "is_fsdp_enabled", False):
+            self._note(fsdp_not_applied(self.accelerator))
         if getattr(self, "compute_loss_func", None) is not None:
             raise ValueError(
                 "compute_loss_func: expected None under blockdiag CP, got a function: it would receive this rank's "
@@ -196,6 +221,12 @@ class BlockdiagTrainerMixin:
                 f"compute_metrics: expected None at cp_size={self._cp.cp_size}, got a function: each rank holds the "
                 "logits of its shard only (evaluation computes the loss)"
             )
+
+    def _note(self, text: str) -> None:
+        import logging
+
+        self.cp_notes.append(text)
+        logging.getLogger(__name__).warning(text)
 
     # ---- the Trainer's hooks -----------------------------------------------------------------------------------
     def get_cp_size(self) -> int:
@@ -238,7 +269,10 @@ class BlockdiagTrainerMixin:
             from .. import _cp_blockdiag_doc_ids
 
             B, S = primary.shape[:2]
-            batch["position_ids"] = document_positions(_cp_blockdiag_doc_ids(batch, S, primary.device, B))
+            doc_ids = _cp_blockdiag_doc_ids(batch, S, primary.device, B)
+            batch["position_ids"] = document_positions(doc_ids)
+            batch["_packed_seq_ids"] = doc_ids  # the batch function reads the documents found here, not again
+            batch.pop("attention_mask", None)  # read for them just now (the batch function drops it anyway)
         train_ctx, batch = make_cp_blockdiag_batch_and_ctx(self._cp.cp_mesh, None, batch, options=self.cp_options)
         for key in NOT_MODEL_INPUTS:
             batch.pop(key, None)

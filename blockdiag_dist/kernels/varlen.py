@@ -538,8 +538,9 @@ class _MergedBlocks(torch.autograd.Function):
             delta = (grad_out.to(acc) * out_rows.to(acc)).sum(-1)  # [Tq, Hq]
             dsinks = -(torch.exp(sinks.to(acc)[None, :] - lse_rows) * delta).sum(0).to(sinks.dtype)
         q_shape, kv_shape = ctx.sizes
-        dq_tok = g_q.new_zeros((q_shape[0], Hq * D))
-        dkv = g_kv.new_zeros(kv_shape)
+        acc = accumulation_dtype(q_rows.dtype)  # a row's gradient from several buckets: summed in float32 or better
+        dq_tok = g_q.new_zeros((q_shape[0], Hq * D), dtype=acc)
+        dkv = g_kv.new_zeros(kv_shape, dtype=acc)
         dk_half, dv_half = dkv[:, : Hkv * D], dkv[:, Hkv * D :]
         q_starts, k_starts = [b.q_start for b in plan.buckets], [b.k_start for b in plan.buckets]
         qs = _operands(q_rows, g_q, q_starts, qshape, [(Hq, D)])
@@ -559,7 +560,13 @@ class _MergedBlocks(torch.autograd.Function):
             _accumulate(dq_tok, b.q_start, qi, dq.transpose(1, 2).reshape(n * lq, Hq * D))
             _accumulate(dk_half, b.k_start, ki, dk.transpose(1, 2).reshape(n * lk, Hkv * D))
             _accumulate(dv_half, b.k_start, ki, dv.transpose(1, 2).reshape(n * lk, Hkv * D))
-        return dq_tok.view(q_shape), dkv, None, None, None, None, dsinks
+        return dq_tok.view(q_shape).to(q_rows.dtype), dkv.to(kv_buf.dtype), None, None, None, None, dsinks
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient summed from several blocks accumulates in: float32 for half inputs (each block's
+    gradient is rounded once, the sum once more), the input's own otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _operands(src: Tensor, gathered: Tensor, starts: list[int], shapes: list[tuple[int, int]],
@@ -587,7 +594,7 @@ def _accumulate(dst: Tensor, start: int, index: Tensor | None, grad: Tensor) -> 
     if index is None:
         dst[start : start + grad.shape[0]].add_(grad)
     else:
-        dst.index_add_(0, index, grad)
+        dst.index_add_(0, index, grad.to(dst.dtype))
 
 
 def _split(flat: Tensor, shapes: list[tuple[int, int]]) -> list[Tensor]:
@@ -614,14 +621,15 @@ class _GatherQueries(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         (index,) = ctx.saved_tensors
-        shape = next(g for g in grads if g is not None).shape
-        out = next(g for g in grads if g is not None).new_zeros((ctx.rows, shape[1], shape[3]))
+        first = next(g for g in grads if g is not None)
+        shape, dtype = first.shape, first.dtype
+        out = first.new_zeros((ctx.rows, shape[1], shape[3]), dtype=accumulation_dtype(dtype))
         o = 0
         for grad, (n, lq) in zip(grads, ctx.shapes):
             if grad is not None:
-                out.index_add_(0, index[o : o + n * lq], grad.transpose(1, 2).reshape(n * lq, shape[1], shape[3]))
+                out.index_add_(0, index[o : o + n * lq], grad.transpose(1, 2).reshape(n * lq, shape[1], shape[3]).to(out.dtype))
             o += n * lq
-        return out, None, None
+        return out.to(dtype), None, None
 
 
 class _GatherKeysValues(torch.autograd.Function):
@@ -644,16 +652,17 @@ class _GatherKeysValues(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         (index,) = ctx.saved_tensors
-        out = next(g for g in grads if g is not None).new_zeros(ctx.buf_shape)
+        first = next(g for g in grads if g is not None)
+        out = first.new_zeros(ctx.buf_shape, dtype=accumulation_dtype(first.dtype))
         k_half, v_half = out[:, : ctx.kd], out[:, ctx.kd :]
         o = 0
         for b, (n, lk) in enumerate(ctx.lens):
             idx = index[o : o + n * lk]
             for grad, half in ((grads[2 * b], k_half), (grads[2 * b + 1], v_half)):
                 if grad is not None:
-                    half.index_add_(0, idx, grad.transpose(1, 2).reshape(n * lk, -1))
+                    half.index_add_(0, idx, grad.transpose(1, 2).reshape(n * lk, -1).to(out.dtype))
             o += n * lk
-        return out, None, None, None, None
+        return out.to(first.dtype), None, None, None, None
 
 
 class _ScatterOutputs(torch.autograd.Function):
