@@ -245,9 +245,15 @@ def interval_ranges(starts: Tensor, lengths: Tensor) -> Tensor:
     >>> interval_ranges(torch.tensor([5, 0]), torch.tensor([2, 3])).tolist()
     [5, 6, 0, 1, 2]
     """
-    total = int(lengths.sum()) if lengths.numel() else 0
-    offsets = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-    return torch.repeat_interleave(starts, lengths) + offsets
+    if starts.device.type != "cpu" or lengths.device.type != "cpu":
+        total = int(lengths.sum()) if lengths.numel() else 0
+        offsets = torch.arange(total, device=starts.device) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        return torch.repeat_interleave(starts, lengths) + offsets
+    # numpy on the host: a few calls of a microsecond each where torch's cost tens (plans are many small calls)
+    s, n = starts.numpy().astype(np.int64, copy=False), lengths.numpy().astype(np.int64, copy=False)
+    ends = np.cumsum(n)
+    total = int(ends[-1]) if n.size else 0
+    return torch.from_numpy(np.arange(total, dtype=np.int64) + np.repeat(s - (ends - n), n))
 
 
 def _positions_of(runs: Tensor, world: int, local_len: int) -> Tensor:

@@ -325,3 +325,15 @@ def test_round_lpt_equals_one_chunk_at_a_time(world, per_rank, data):
     work = [pattern[(i * 7 + i // 3) % len(pattern)] * (1 + (i % 5 == 0) * data.draw(st.integers(0, 3), label="bump"))
             if i < 12 else pattern[(i * 7 + i // 3) % len(pattern)] for i in range(n)]
     assert _assign(work, world, per_rank) == heap_assign(work, world, per_rank)
+
+
+@SETTINGS
+@given(spans=st.lists(st.tuples(st.integers(-50, 50), st.integers(0, 6)), max_size=12))
+def test_interval_ranges_equal_concatenated_aranges(spans):
+    """interval_ranges (one running sum of steps) is the concatenation of ``arange(s, s + n)``, empty intervals,
+    negative starts and backward jumps included."""
+    starts = torch.tensor([s for s, _ in spans], dtype=torch.int64)
+    lengths = torch.tensor([n for _, n in spans], dtype=torch.int64)
+    want = [p for s, n in spans for p in range(s, s + n)]
+    got = interval_ranges(starts, lengths)
+    assert got.dtype == torch.int64 and got.tolist() == want

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from .._stock import stock_sdpa
+from ..balance import interval_ranges
 from .explicit import explicit_attention
 
 __all__ = ["VarlenMeta", "flash_unusable_reason", "fused_unusable_reason", "plan_varlen", "size_class", "varlen_attention"]
@@ -189,9 +190,8 @@ class VarlenMeta:
 
 
 def _ranges(starts: Tensor, lens: Tensor) -> Tensor:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n)."""
-    offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    return torch.repeat_interleave(starts, lens) + offsets
+    """Concatenation of ``arange(s, s + n)`` for each (s, n) (:func:`blockdiag_dist.balance.interval_ranges`)."""
+    return interval_ranges(starts, lens)
 
 
 def plan_varlen(
