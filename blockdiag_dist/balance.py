@@ -127,28 +127,14 @@ def _assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[list[li
     """Chunks to ranks, exactly ``per_rank`` each, minimising the largest summed work (LPT, then swaps).
 
     LPT: chunks by decreasing work (ties: lower index first), each to the least loaded rank with room (ties: the
-    lowest rank), from a heap of ``(load, rank)``. Swaps: between the most loaded rank (ties: the lowest) and the
-    least loaded (ties: the lowest), the pair of chunks that lowers the larger of the two loads the most (ties:
-    the first pair in their owned order), while one does."""
+    lowest rank), i.e. the smallest ``(load, rank)``. Swaps: between the most loaded rank (ties: the lowest) and
+    the least loaded (ties: the lowest), the pair of chunks that lowers the larger of the two loads the most
+    (ties: the first pair in their owned order), while one does.
+
+    The LPT runs in rounds (:func:`_lpt`): the same choices as one chunk at a time from a heap of
+    ``(load, rank)``, without a Python step per chunk where whole rounds can be decided at once."""
     w = np.asarray(chunk_work, dtype=np.float64)
-    owned: list[list[int]] = [[] for _ in range(world)]
-    heap = [(0.0, r) for r in range(world)]
-    pop, replace = heapq.heappop, heapq.heapreplace
-    for k in np.argsort(-w, kind="stable").tolist():
-        load, r = heap[0]  # the least loaded rank with room
-        mine = owned[r]
-        mine.append(k)
-        if len(mine) < per_rank:
-            replace(heap, (load + chunk_work[k], r))
-        else:
-            pop(heap)
-    load = []
-    for ks in owned:  # each rank's load summed in the order its chunks came, as the heap summed it
-        total = 0.0
-        for k in ks:
-            total += chunk_work[k]
-        load.append(total)
-    loads = np.array(load, dtype=np.float64)
+    owned, loads = _lpt(w, world, per_rank)
     for _ in range(_MAX_SWAPS):
         hi, lo = int(np.argmax(loads)), int(np.argmin(loads))
         gap = loads[hi] - loads[lo]
@@ -167,6 +153,66 @@ def _assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[list[li
         loads[hi] -= dd
         loads[lo] += dd
     return owned, loads.tolist()
+
+
+_LPT_MIN_ROUND = 16  # a round deciding fewer chunks than this hands the next ``world`` chunks to the heap
+
+
+def _lpt(w: np.ndarray, world: int, per_rank: int) -> tuple[list[list[int]], np.ndarray]:
+    """The LPT part of :func:`_assign`: ``(chunks of each rank in the order they came, loads)``.
+
+    Each chunk (by decreasing work, ties: lower index) goes to the smallest ``(load, rank)`` among the ranks with
+    room. A *round* decides many chunks at once: with the ranks with room sorted by ``(load, rank)`` as
+    ``r_0, r_1, ...`` and the next chunks ``k_0, k_1, ...``, chunk ``k_j`` goes to ``r_j`` as long as ``r_j``'s
+    load is below every ``load(r_i) + work(k_i)`` (``i < j``, ``r_i`` not full): then no rank served earlier in
+    the round has become the smaller one. Where rounds decide little (loads far apart), a heap takes the next
+    ``world`` chunks one by one. Either way every choice is the one-at-a-time choice and every load is summed in
+    the same order, so the result equals a heap's exactly (tests: ``test_interval_plans``)."""
+    order = np.argsort(-w, kind="stable")
+    n_chunks = order.size
+    loads = np.zeros(world, dtype=np.float64)
+    count = np.zeros(world, dtype=np.int64)
+    rank_of = np.empty(n_chunks, dtype=np.int64)  # the rank of the i-th chunk handed out
+    i = 0
+    while i < n_chunks:
+        room = np.flatnonzero(count < per_rank)
+        ranks = room[np.argsort(loads[room], kind="stable")]  # by (load, rank): room is ascending
+        m0 = min(ranks.size, n_chunks - i)
+        ranks = ranks[:m0]
+        ks = order[i:i + m0]
+        new = loads[ranks] + w[ks]
+        served = np.where(count[ranks] + 1 >= per_rank, np.inf, new)  # a full rank leaves the race
+        ok = loads[ranks[1:]] < np.minimum.accumulate(served)[:-1]
+        m = m0 if ok.all() else int(np.argmin(ok)) + 1
+        if m >= min(_LPT_MIN_ROUND, m0):
+            ranks = ranks[:m]
+            loads[ranks] = new[:m]
+            count[ranks] += 1
+            rank_of[i:i + m] = ranks
+            i += m
+            continue
+        # one at a time from a heap, for the next `world` chunks
+        heap = [(float(loads[r]), int(r)) for r in room]
+        heapq.heapify(heap)
+        stop = min(n_chunks, i + world)
+        cnt = count.tolist()
+        wl = w.tolist()
+        while i < stop and heap:
+            load, r = heap[0]
+            k = int(order[i])
+            rank_of[i] = r
+            cnt[r] += 1
+            if cnt[r] < per_rank:
+                heapq.heapreplace(heap, (load + wl[k], r))
+            else:
+                heapq.heappop(heap)
+            loads[r] = load + wl[k]
+            i += 1
+        count = np.asarray(cnt, dtype=np.int64)
+    by_rank = np.argsort(rank_of, kind="stable")  # chunks grouped by rank, each rank's in the order they came
+    chunks = order[by_rank].tolist()
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(rank_of, minlength=world))]).tolist()
+    return [chunks[bounds[r]:bounds[r + 1]] for r in range(world)], loads
 
 
 def _hopeless(chunk_work: list[float], world: int, limit: float) -> bool:
@@ -199,9 +245,15 @@ def interval_ranges(starts: Tensor, lengths: Tensor) -> Tensor:
     >>> interval_ranges(torch.tensor([5, 0]), torch.tensor([2, 3])).tolist()
     [5, 6, 0, 1, 2]
     """
-    total = int(lengths.sum()) if lengths.numel() else 0
-    offsets = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-    return torch.repeat_interleave(starts, lengths) + offsets
+    if starts.device.type != "cpu" or lengths.device.type != "cpu":
+        total = int(lengths.sum()) if lengths.numel() else 0
+        offsets = torch.arange(total, device=starts.device) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        return torch.repeat_interleave(starts, lengths) + offsets
+    # numpy on the host: a few calls of a microsecond each where torch's cost tens (plans are many small calls)
+    s, n = starts.numpy().astype(np.int64, copy=False), lengths.numpy().astype(np.int64, copy=False)
+    ends = np.cumsum(n)
+    total = int(ends[-1]) if n.size else 0
+    return torch.from_numpy(np.arange(total, dtype=np.int64) + np.repeat(s - (ends - n), n))
 
 
 def _positions_of(runs: Tensor, world: int, local_len: int) -> Tensor:

@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -141,10 +142,11 @@ class DocLayout:
         B, S = ids.shape
         # runs of one id: a new run wherever the id changes, and at every row start (one pass over the ids)
         flat = ids.flatten()
-        change = torch.ones(B * S, dtype=torch.bool)
-        change[1:] = flat[1:] != flat[:-1]
+        a = flat.numpy()  # numpy: its comparison and flatnonzero read the ids about twice as fast as torch's ops
+        change = np.empty(B * S, dtype=bool)
+        np.not_equal(a[1:], a[:-1], out=change[1:])
         change[::S] = True
-        run_start = change.nonzero().flatten()
+        run_start = torch.from_numpy(np.flatnonzero(change))
         run_id = flat[run_start]
         if bool((run_id < 0).any()):  # every id is some run's id, so this checks them all
             raise ValueError(f"doc_ids: expected ids >= 0 (0 = padding), got a negative id {int(run_id.min())}")

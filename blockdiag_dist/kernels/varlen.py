@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from .._stock import stock_sdpa
+from ..balance import interval_ranges
 from .explicit import explicit_attention
 
 __all__ = ["VarlenMeta", "flash_unusable_reason", "fused_unusable_reason", "plan_varlen", "size_class", "varlen_attention"]
@@ -189,9 +190,8 @@ class VarlenMeta:
 
 
 def _ranges(starts: Tensor, lens: Tensor) -> Tensor:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n)."""
-    offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    return torch.repeat_interleave(starts, lens) + offsets
+    """Concatenation of ``arange(s, s + n)`` for each (s, n) (:func:`blockdiag_dist.balance.interval_ranges`)."""
+    return interval_ranges(starts, lens)
 
 
 def plan_varlen(
@@ -306,12 +306,16 @@ def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut: Tensor, 
     cols = ("piece", "q0", "qdir", "k0", "kdir", "klo", "khi", "qlo", "qhi", "kind", "lq", "lk", "role")
     blk = {name: torch.cat([full(p[name], p["piece"]) for p in parts]) for name in cols}
     group_key = blk["role"] * 2**62 + blk["kind"] * 2**60 + blk["lq"] * 2**30 + blk["lk"]  # sizes < 2**30
-    keys, group_of = torch.unique(group_key, return_inverse=True)  # sorted: primary buckets come first
+    keys, group_of, counts = torch.unique(group_key, return_inverse=True, return_counts=True)  # sorted: primary first
+    # blocks grouped once (a stable sort keeps each bucket's blocks in their order), then each bucket is a slice
+    table = torch.stack([blk[name] for name in cols], 1)[torch.argsort(group_of, stable=True)]
+    bounds = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).tolist()
     buckets: list[dict] = []
     slot_rows: list[Tensor] = []
     for g, key in enumerate(keys.tolist()):
         role, kind, lq, lk = key >> 62, (key >> 60) & 3, (key >> 30) & (2**30 - 1), key & (2**30 - 1)
-        b = {name: t[group_of == g, None] for name, t in blk.items()}
+        grp = table[bounds[g]:bounds[g + 1]]
+        b = {name: grp[:, j, None] for j, name in enumerate(cols)}
         qpos = b["q0"] + b["qdir"] * torch.arange(lq)[None, :]
         valid = (qpos >= b["qlo"]) & (qpos <= b["qhi"])
         q_index = p_row0[b["piece"]] + torch.minimum(torch.maximum(qpos, b["qlo"]), b["qhi"])
