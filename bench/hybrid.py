@@ -361,8 +361,10 @@ def scan_plan_bytes(plan, rank: int, element: int = 4) -> dict:
 
 
 def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_cp: int = 4, seed: int = 0,
-                 rounds: int = 2, timeout: float = 3000.0, console=None) -> dict:
-    """Every figure of the hybrid section (see the module docstring)."""
+                 rounds: int = 2, timeout: float = 3000.0, mixer_sizes=(8192,), console=None) -> dict:
+    """Every figure of the hybrid section (see the module docstring); the KDA and Mamba1 steps are timed at the
+    sizes of ``sizes`` also in ``mixer_sizes`` (the single-device Mamba1 step at 32k holds several GB: its doubling
+    scan keeps ``S x I x N`` states per level for the backward)."""
     say = console.print if console is not None else print
     rows = []
     with WorkerPool(2, collective_timeout=timeout) as pool:
@@ -374,6 +376,8 @@ def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_
                 cp.append(pool.run(cp_times, args=(S, seed, METHODS, reps), timeout=timeout, name=f"hybrid cp2 S{S}"))
                 single.append(single_times(S, seed, reps, threads=2))
                 single1.append(single_times(S, seed, reps, threads=1))
+                if S not in mixer_sizes:
+                    continue
                 t1 = time.perf_counter()
                 mix_cp.append(pool.run(mixer_cp_times, args=(S, seed, MIXER_LAYERS, reps), timeout=timeout,
                                        name=f"hybrid kda/mamba1 cp2 S{S}")[0]["seconds"])
@@ -405,7 +409,7 @@ def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_
             row["mamba1"] = {"layer": SCAN_LAYER, "recv_bytes_per_rank": [r["recv_bytes"] for r in scan_recv],
                              "plan_bytes_per_rank": [scan_plan_bytes(plan, r) for r in range(2)],
                              "allgather_bytes_per_rank": (S // 2) * (2 * SCAN_LAYER["I"] + 2 * SCAN_LAYER["N"]) * 4}
-            for m in MIXER_LAYERS:  # the KDA and Mamba1 layers' steps, timed in the same rounds
+            for m in MIXER_LAYERS if mix_cp else ():  # the KDA and Mamba1 layers' steps, timed in the same rounds
                 t_cp, t_one, t_one1 = (statistics.median(r[m] for r in runs) for runs in (mix_cp, mix_single, mix_single1))
                 row["kda" if m == "kda" else "mamba1"]["step"] = {
                     "cp2_seconds": t_cp, "single_seconds": t_one, "single_1thread_seconds": t_one1,
