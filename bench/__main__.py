@@ -180,7 +180,8 @@ def run(quick: bool, only: list[str] | None = None) -> dict:
                                                 extra=() if quick else ((1 << 20, 64, "mean2k", "contiguous"),
                                                                         (1 << 20, 64, "mean2k", "auto")))))
     sections.append(("hybrid", lambda: bench_hybrid((4096,) if quick else (8192, 32768), reps=1,
-                                                    mem_S=8192 if quick else 32768, rounds=1 if quick else 2, console=console)))
+                                                    mem_S=8192 if quick else 32768, rounds=1 if quick else 2,
+                                                    mixer_sizes=(4096,) if quick else (8192,), console=console)))
     sections.append(("sparse", lambda: bench_dsa(4096 if quick else 16384, reps=2 if quick else 3)))
     if only:
         unknown = sorted(set(only) - {n for n, _ in sections})

@@ -15,11 +15,12 @@ Three ways to run the layer on a CP group (each rank holds its contiguous ``L = 
 
 A Mamba2 layer (Nemotron-H's: the convolution of ``xBC`` and the SSD, :data:`SSD_LAYER`) gives one more figure,
 bytes only: what each rank receives per forward under blockdiag (:func:`ssd_bytes`; the all-gather baseline
-would receive the rank's other ranks' ``xBC`` and ``dt``); a Kimi Delta Attention layer (Kimi Linear's: the
-convolution of ``q, k, v`` and KDA with its decay per key channel, :data:`KDA_LAYER`) likewise (:func:`kda_bytes`).
-A Mamba1 layer (Jamba's: the convolution of ``x`` and the selective scan, :data:`SCAN_LAYER`) likewise
-(:func:`scan_bytes`): its summaries are ``I * N`` per continuing piece, twice that for a piece that itself continues
-its document.
+would receive the rank's other ranks' ``xBC`` and ``dt``). A Kimi Delta Attention layer (Kimi Linear's: the
+convolution of ``q, k, v`` and KDA with its decay per key channel, :data:`KDA_LAYER`) and a Mamba1 layer (Jamba's: the
+convolution of ``x`` and the selective scan, :data:`SCAN_LAYER`; its summaries are ``I * N`` per continuing piece,
+twice that for a piece that itself continues its document) give their bytes (:func:`kda_bytes`, :func:`scan_bytes`)
+and their CP 2 step against the single device, timed in the same rounds as the Gated DeltaNet layer's
+(:func:`mixer_cp_times`, :func:`mixer_single_times`; blockdiag only).
 
 Figures: bytes each rank receives per forward (blockdiag's: histories and summaries, flat in S), the CP 2 step
 against the single-device layer on the same cores (one process with both threads), and each rank's peak memory
@@ -47,8 +48,9 @@ from .memory import peak_bytes, reset_peak, rss_bytes
 
 from verify.workloads import layout_of, long_tail
 
-__all__ = ["HK", "HV", "K", "KDA_LAYER", "SCAN_LAYER", "SSD_LAYER", "V", "WIDTH", "bench_hybrid", "kda_bytes",
-           "kda_plan_bytes", "scan_bytes", "scan_plan_bytes", "ssd_bytes", "ssd_plan_bytes"]
+__all__ = ["HK", "HV", "K", "KDA_LAYER", "MIXER_LAYERS", "SCAN_LAYER", "SSD_LAYER", "V", "WIDTH", "bench_hybrid", "kda_bytes",
+           "kda_plan_bytes", "mixer_cp_times", "mixer_output", "mixer_single_times", "scan_bytes", "scan_plan_bytes",
+           "ssd_bytes", "ssd_plan_bytes"]
 
 HK, HV, K, V, WIDTH = 4, 8, 32, 32, 4
 C = 2 * HK * K + HV * V
@@ -56,6 +58,7 @@ METHODS = ("blockdiag", "allgather", "a2a_heads")
 SSD_LAYER = {"H": 8, "Dh": 32, "G": 2, "N": 32}  # Mamba2 heads, head dim, groups, state size (width WIDTH)
 KDA_LAYER = {"H": 8, "K": 32}  # KDA heads and head dim (q, k, v and the decay per key channel; width WIDTH)
 SCAN_LAYER = {"I": 128, "N": 16}  # Mamba1 channels and state size (Jamba's N; width WIDTH)
+MIXER_LAYERS = ("kda", "mamba1")  # the layers timed beside the Gated DeltaNet one (blockdiag at CP 2 vs single device)
 
 
 def _ids(S: int, seed: int) -> torch.Tensor:
@@ -242,23 +245,92 @@ def ssd_plan_bytes(plan, rank: int, element: int = 4) -> dict:
     return {"summaries": summaries, "history": plan.exchange(WIDTH - 1).needed_tokens()[rank] * _ssd_channels() * element}
 
 
+class _MixerStep:
+    """blockdiag's forward + backward of the KDA layer (:data:`KDA_LAYER`: the convolution of ``q, k, v``, then KDA
+    with its decay per key channel) or the Mamba1 layer (:data:`SCAN_LAYER`: the convolution of ``x``, then the
+    selective scan) on this rank's rows, contiguous shards (inputs built once, grads recomputed every call); with
+    ``mesh=None`` the single-device layer over the whole sequence. Every rank draws the whole sequence's inputs from
+    ``seed`` and keeps its rows: the ranks' outputs together are the single device's (:func:`mixer_output`)."""
+
+    def __init__(self, layer: str, S: int, seed: int, mesh, dtype: torch.dtype = torch.float32) -> None:
+        if layer not in MIXER_LAYERS:
+            raise ValueError(f"layer: expected one of {MIXER_LAYERS}, got {layer!r}")
+        self.layer = layer
+        ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": torch.zeros(1, S, 1),
+                                                              "_packed_seq_ids": _ids(S, seed)},
+                                                 expect_attention=False, conv_widths=[WIDTH])
+        self.state = state = ctx.state
+        W, L, r = state.world, state.local_len, state.rank
+        gen = torch.Generator().manual_seed(seed)  # the whole sequence's, on every rank: this rank's rows of it
+
+        def rows(x: torch.Tensor) -> torch.Tensor:  # [1, S, ...] -> this rank's [1, L, ...] (padding rows 0)
+            return torch.cat([x, x.new_zeros(1, W * L - S, *x.shape[2:])], 1)[:, r * L:(r + 1) * L].contiguous()
+
+        if layer == "kda":
+            H, Kd = KDA_LAYER["H"], KDA_LAYER["K"]
+            self.inputs = {"mixed": rows(torch.randn(1, S, 3 * H * Kd, generator=gen, dtype=dtype)),
+                           "g": rows(-torch.rand(1, S, H, Kd, generator=gen, dtype=dtype)),
+                           "beta": rows(torch.rand(1, S, H, generator=gen, dtype=dtype)),
+                           "weight": torch.randn(3 * H * Kd, WIDTH, generator=gen, dtype=dtype) / WIDTH}
+            self.grad_out = rows(torch.randn(1, S, H, Kd, generator=gen, dtype=dtype))
+        else:
+            I, N = SCAN_LAYER["I"], SCAN_LAYER["N"]
+            self.inputs = {"x": rows(torch.randn(1, S, I, generator=gen, dtype=dtype)),
+                           "dt": rows(torch.rand(1, S, I, generator=gen, dtype=dtype) * 0.1),
+                           "B": rows(torch.randn(1, S, 1, N, generator=gen, dtype=dtype)),
+                           "C": rows(torch.randn(1, S, 1, N, generator=gen, dtype=dtype)),
+                           "weight": torch.randn(I, WIDTH, generator=gen, dtype=dtype) / WIDTH,
+                           "A": -torch.arange(1, N + 1, dtype=dtype).expand(I, N).contiguous()}
+            self.grad_out = rows(torch.randn(1, S, I, generator=gen, dtype=dtype))
+        for t in self.inputs.values():
+            t.requires_grad_()
+
+    def forward(self) -> torch.Tensor:
+        t, state = self.inputs, self.state
+        L = state.local_len
+        if self.layer == "kda":
+            H, Kd = KDA_LAYER["H"], KDA_LAYER["K"]
+            q, k, v = causal_conv(t["mixed"], t["weight"], None, "silu", state=state).reshape(1, L, 3, H, Kd).unbind(2)
+            return kimi_delta_attention(q, k, v, t["g"], t["beta"], state=state)
+        x = causal_conv(t["x"], t["weight"], None, "silu", state=state)
+        return selective_scan(x, t["dt"], t["A"], t["B"], t["C"], state=state)
+
+    def __call__(self) -> None:
+        torch.autograd.grad(self.forward(), tuple(self.inputs.values()), self.grad_out)
+
+    def forward_bytes(self) -> int:
+        """Bytes this rank receives in one forward (no autograd)."""
+        self.state.mixer_traffic.clear()
+        with torch.no_grad():
+            self.forward()
+        return sum(e.recv_bytes for e in self.state.mixer_traffic.entries if e.phase == "forward")
+
+
+def mixer_output(layer: str, S: int, seed: int, dtype: str = "float64") -> torch.Tensor:
+    """The layer's forward output on this rank's rows (a pool rank) or on the whole sequence (no pool)."""
+    mesh = (worker_info() or {}).get("cp_mesh")
+    with torch.no_grad():
+        return _MixerStep(layer, S, seed, mesh, getattr(torch, dtype)).forward()
+
+
+def mixer_cp_times(S: int, seed: int, layers: tuple[str, ...], reps: int) -> dict:
+    """On every rank of a pool: each of ``layers``' (:data:`MIXER_LAYERS`) median step under blockdiag (between
+    barriers: the slowest rank's)."""
+    torch.set_num_threads(1)
+    mesh = worker_info()["cp_mesh"]
+    return {"seconds": _timed({m: _MixerStep(m, S, seed, mesh) for m in layers}, reps, barrier=True)}
+
+
+def mixer_single_times(S: int, seed: int, layers: tuple[str, ...], reps: int, threads: int) -> dict[str, float]:
+    """Each of ``layers``' median step on one device (this process, ``threads`` threads)."""
+    torch.set_num_threads(threads)
+    return _timed({m: _MixerStep(m, S, seed, None) for m in layers}, reps, barrier=False)
+
+
 def kda_bytes(S: int, seed: int, dtype: str = "float32") -> dict:
     """On every rank: one forward of the KDA layer from ``mixed [1, L, 3 H K]`` (q, k, v before the convolution),
     the decay ``g [1, L, H, K]`` and ``beta [1, L, H]`` under blockdiag, contiguous shards; the bytes received."""
-    m, dt_ = KDA_LAYER, getattr(torch, dtype)
-    mesh = worker_info().get("cp_mesh")
-    ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": torch.zeros(1, S, 1),
-                                                          "_packed_seq_ids": _ids(S, seed)},
-                                             expect_attention=False, conv_widths=[WIDTH])
-    state, L, H, Kd = ctx.state, ctx.state.local_len, m["H"], m["K"]
-    gen = torch.Generator().manual_seed(seed * 100 + state.rank)
-    mixed = torch.randn(1, L, 3 * H * Kd, generator=gen, dtype=dt_)
-    g, beta = -torch.rand(1, L, H, Kd, generator=gen, dtype=dt_), torch.rand(1, L, H, generator=gen, dtype=dt_)
-    weight = torch.randn(3 * H * Kd, WIDTH, generator=torch.Generator().manual_seed(seed), dtype=dt_) / WIDTH
-    state.mixer_traffic.clear()
-    q, k, v = causal_conv(mixed, weight, None, "silu", state=state).reshape(1, L, 3, H, Kd).unbind(2)
-    kimi_delta_attention(q, k, v, g, beta, state=state)
-    return {"recv_bytes": sum(e.recv_bytes for e in state.mixer_traffic.entries if e.phase == "forward")}
+    return {"recv_bytes": _MixerStep("kda", S, seed, worker_info().get("cp_mesh"), getattr(torch, dtype)).forward_bytes()}
 
 
 def kda_plan_bytes(plan, rank: int, element: int = 4) -> dict:
@@ -275,21 +347,7 @@ def scan_bytes(S: int, seed: int, dtype: str = "float32") -> dict:
     """On every rank: one forward (no autograd) of the Mamba1 layer from ``x [1, L, I]``, ``dt [1, L, I]``, ``B, C
     [1, L, 1, N]`` (the convolution of ``x``, then the selective scan) under blockdiag, contiguous shards; the bytes
     this rank received."""
-    m, dt_ = SCAN_LAYER, getattr(torch, dtype)
-    mesh = worker_info().get("cp_mesh")
-    ids = _ids(S, seed)
-    ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": torch.zeros(1, S, 1), "_packed_seq_ids": ids},
-                                             expect_attention=False, conv_widths=[WIDTH])
-    state, L, I, N = ctx.state, ctx.state.local_len, m["I"], m["N"]
-    gen = torch.Generator().manual_seed(seed * 100 + state.rank)
-    x, dt = torch.randn(1, L, I, generator=gen, dtype=dt_), torch.rand(1, L, I, generator=gen, dtype=dt_) * 0.1
-    Bm, Cm = torch.randn(1, L, 1, N, generator=gen, dtype=dt_), torch.randn(1, L, 1, N, generator=gen, dtype=dt_)
-    weight = torch.randn(I, WIDTH, generator=torch.Generator().manual_seed(seed), dtype=dt_) / WIDTH
-    A = -torch.arange(1, N + 1, dtype=dt_).expand(I, N)
-    state.mixer_traffic.clear()
-    with torch.no_grad():
-        selective_scan(causal_conv(x, weight, None, "silu", state=state), dt, A, Bm, Cm, state=state)
-    return {"recv_bytes": sum(e.recv_bytes for e in state.mixer_traffic.entries if e.phase == "forward")}
+    return {"recv_bytes": _MixerStep("mamba1", S, seed, worker_info().get("cp_mesh"), getattr(torch, dtype)).forward_bytes()}
 
 
 def scan_plan_bytes(plan, rank: int, element: int = 4) -> dict:
@@ -303,18 +361,29 @@ def scan_plan_bytes(plan, rank: int, element: int = 4) -> dict:
 
 
 def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_cp: int = 4, seed: int = 0,
-                 rounds: int = 2, timeout: float = 3000.0, console=None) -> dict:
-    """Every figure of the hybrid section (see the module docstring)."""
+                 rounds: int = 2, timeout: float = 3000.0, mixer_sizes=(8192,), console=None) -> dict:
+    """Every figure of the hybrid section (see the module docstring); the KDA and Mamba1 steps are timed at the
+    sizes of ``sizes`` also in ``mixer_sizes`` (the single-device Mamba1 step at 32k holds several GB: its doubling
+    scan keeps ``S x I x N`` states per level for the backward)."""
     say = console.print if console is not None else print
     rows = []
     with WorkerPool(2, collective_timeout=timeout) as pool:
         for S in sizes:
             t0 = time.perf_counter()
-            cp, single, single1 = [], [], []
+            cp, single, single1, mix_cp, mix_single, mix_single1 = [], [], [], [], [], []
+            mixer_seconds = 0.0
             for _ in range(rounds):  # alternate CP 2 and single device, so that the machine's drift hits both
                 cp.append(pool.run(cp_times, args=(S, seed, METHODS, reps), timeout=timeout, name=f"hybrid cp2 S{S}"))
                 single.append(single_times(S, seed, reps, threads=2))
                 single1.append(single_times(S, seed, reps, threads=1))
+                if S not in mixer_sizes:
+                    continue
+                t1 = time.perf_counter()
+                mix_cp.append(pool.run(mixer_cp_times, args=(S, seed, MIXER_LAYERS, reps), timeout=timeout,
+                                       name=f"hybrid kda/mamba1 cp2 S{S}")[0]["seconds"])
+                mix_single.append(mixer_single_times(S, seed, MIXER_LAYERS, reps, threads=2))
+                mix_single1.append(mixer_single_times(S, seed, MIXER_LAYERS, reps, threads=1))
+                mixer_seconds += time.perf_counter() - t1
             seconds = {m: statistics.median(r[0]["seconds"][m] for r in cp) for m in METHODS}
             one, one1 = statistics.median(single), statistics.median(single1)
             plan = plan_step(_ids(S, seed), 2, "contiguous")
@@ -325,7 +394,7 @@ def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_
                 "recv_bytes_per_rank": {m: [rk["recv_bytes"][m] for rk in cp[0]] for m in METHODS},
                 "summary_bytes_per_rank": [summary_bytes(plan, r) for r in range(2)],
                 "history_bytes_per_rank": [plan.exchange(WIDTH - 1).needed_tokens()[r] * C * 4 for r in range(2)],
-                "section_seconds": time.perf_counter() - t0,
+                "section_seconds": time.perf_counter() - t0, "mixer_step_seconds": mixer_seconds,
             }
             ssd_recv = pool.run(ssd_bytes, args=(S, seed), timeout=timeout, name=f"ssd bytes S{S}")
             row["ssd"] = {"layer": SSD_LAYER, "recv_bytes_per_rank": [r["recv_bytes"] for r in ssd_recv],
@@ -340,6 +409,11 @@ def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_
             row["mamba1"] = {"layer": SCAN_LAYER, "recv_bytes_per_rank": [r["recv_bytes"] for r in scan_recv],
                              "plan_bytes_per_rank": [scan_plan_bytes(plan, r) for r in range(2)],
                              "allgather_bytes_per_rank": (S // 2) * (2 * SCAN_LAYER["I"] + 2 * SCAN_LAYER["N"]) * 4}
+            for m in MIXER_LAYERS if mix_cp else ():  # the KDA and Mamba1 layers' steps, timed in the same rounds
+                t_cp, t_one, t_one1 = (statistics.median(r[m] for r in runs) for runs in (mix_cp, mix_single, mix_single1))
+                row["kda" if m == "kda" else "mamba1"]["step"] = {
+                    "cp2_seconds": t_cp, "single_seconds": t_one, "single_1thread_seconds": t_one1,
+                    "over_single": t_cp / t_one, "over_half_single_1thread": t_cp / (t_one1 / 2)}
             rows.append(row)
             say(f"bench hybrid: S={S}: CP 2 / single = {row['over_single']['blockdiag']:.3f} "
                 f"(single {one:.2f} s), bytes per rank {row['recv_bytes_per_rank']['blockdiag']}")

@@ -253,6 +253,27 @@ def hybrid_tables(h: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                      " / ".join(_mib(b) for b in r["recv_bytes_per_rank"]["a2a_heads"])])
     m = h["memory"]
     mem_goal = h["goals"]["memory_over_quarter_single"]
+    mixers = []
+    for r in h["rows"]:
+        for key, name in (("kda", "KDA"), ("mamba1", "Mamba1")):
+            x = r.get(key)
+            if not x or "step" not in x:
+                continue
+            st = x["step"]
+            plan = " / ".join(str(p["summaries"] + p["history"]) for p in x["plan_bytes_per_rank"])
+            mixers.append([name, str(r["S"]), f"{st['single_seconds']:.2f} (1 thread: {st['single_1thread_seconds']:.2f})",
+                           f"{st['cp2_seconds']:.2f} ({st['over_single']:.2f}x; CP 2 / half of 1 thread "
+                           f"{st['over_half_single_1thread']:.2f}x)",
+                           " / ".join(str(b) for b in x["recv_bytes_per_rank"]), plan, _mib(x["allgather_bytes_per_rank"])])
+    extra = []
+    if mixers:
+        kda, scan = h["rows"][0]["kda"]["layer"], h["rows"][0]["mamba1"]["layer"]
+        extra.append((f"KDA layer (conv width {lay['width']} + KDA, H={kda['H']}, K=V={kda['K']}) and Mamba1 layer (conv "
+                       f"width {lay['width']} + selective scan, I={scan['I']}, N={scan['N']}), float32, {h['docs']}: CP 2 "
+                       "(2 processes x 1 thread, contiguous) against one process with 2 threads, forward + backward; "
+                       "bytes each rank receives per forward",
+                       ["layer", "S", "single s", "blockdiag CP 2 s", "bytes recv/rank", "plan: summaries + history",
+                        "all-gather MiB recv/rank"], mixers))
     return [
         (f"Gated DeltaNet layer (conv width {lay['width']} + gated delta rule, Hk={lay['Hk']}, Hv={lay['Hv']}, K=V={lay['K']}, "
          f"float32, {h['docs']}), CP 2 (2 processes x 1 thread) against one process with 2 threads, forward + backward",
@@ -262,7 +283,7 @@ def hybrid_tables(h: dict) -> list[tuple[str, list[str], list[list[str]]]]:
          ["per rank", "single device", "max / (single / CP)"],
          [[", ".join(_mib(b) + " MiB" for b in m["peak_increase_bytes_per_rank"]), _mib(m["single_peak_increase_bytes"]) + " MiB",
            f"{m['max_over_quarter_single']:.2f} (goal <= {mem_goal:.2f}: {'met' if m['max_over_quarter_single'] <= mem_goal else 'NOT met'})"]]),
-    ]
+    ] + extra
 
 
 def print_tables(res: dict, console) -> None:

@@ -4,10 +4,11 @@ and blockdiag's bytes are exactly its plan's: the summaries and the convolution'
 from __future__ import annotations
 
 import pytest
+import torch
 
-from bench.hybrid import (C, HK, HV, K, KDA_LAYER, METHODS, SCAN_LAYER, SSD_LAYER, V, WIDTH, _ids, baseline_agreement,
-                          kda_bytes, kda_plan_bytes, scan_bytes, scan_plan_bytes, ssd_bytes, ssd_plan_bytes,
-                          summary_bytes)
+from bench.hybrid import (C, HK, HV, K, KDA_LAYER, METHODS, MIXER_LAYERS, SCAN_LAYER, SSD_LAYER, V, WIDTH, _ids,
+                          baseline_agreement, kda_bytes, kda_plan_bytes, mixer_cp_times, mixer_output, mixer_single_times,
+                          scan_bytes, scan_plan_bytes, ssd_bytes, ssd_plan_bytes, summary_bytes)
 from blockdiag_dist.plan import plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,3 +54,19 @@ def test_the_mamba1_layer_moves_exactly_its_plan(pools):
         want = scan_plan_bytes(plan, r, element=8)
         assert res["recv_bytes"] == want["summaries"] + want["history"], (r, res, want)
     assert scan_plan_bytes(plan, 1, element=8)["summaries"] == SCAN_LAYER["I"] * SCAN_LAYER["N"] * 8  # one piece crosses
+
+
+def test_the_kda_and_mamba1_steps_are_the_single_device_layer_and_are_timed(pools):
+    """The layers the section times at CP 2 against one device compute the same thing (float64: the ranks' outputs
+    together are the single device's), and both timings run forward and backward for both layers."""
+    S = 300  # not a multiple of the CP size: the last rank holds padding rows
+    for layer in MIXER_LAYERS:
+        per_rank = pools(2).run(mixer_output, args=(layer, S, 0), timeout=240, name=f"hybrid bench {layer} output")
+        one = mixer_output(layer, S, 0)
+        got = torch.cat(per_rank, dim=1)[:, :S]
+        assert got.shape == one.shape and torch.allclose(got, one, rtol=1e-10, atol=1e-12), (layer, (got - one).abs().max())
+        assert got.abs().max() > 0
+    cp = pools(2).run(mixer_cp_times, args=(S, 0, MIXER_LAYERS, 1), timeout=240, name="hybrid bench kda/mamba1 times")
+    single = mixer_single_times(S, 0, MIXER_LAYERS, 1, threads=1)
+    for seconds in [r["seconds"] for r in cp] + [single]:
+        assert set(seconds) == set(MIXER_LAYERS) and all(t > 0 for t in seconds.values()), seconds

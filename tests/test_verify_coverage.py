@@ -14,8 +14,13 @@ import pytest
 
 from verify.cases import NAMED_LAYOUTS, SOURCES, VARIANT_NAMES, Case, Support, case_values, coverage, default_matrix
 from verify.cli import CASE_BUDGET, _parser, build_matrix, matrix_axes
+from verify.families import SPECS
 from verify.mutants.minimal import NAMES as MINIMAL
 from verify.runner import applicable, expected_results, impl_info
+
+# the parent's plans and references are tiny tensors: on a loaded machine a second OpenMP thread only spins (building
+# blockdiag_dist's matrix took 29 s with two threads, 1.2 s with one)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("varlen", "dense")
@@ -156,6 +161,23 @@ def _layout_by_layout(cases: list[Case]) -> list[Case]:
     return out
 
 
+def _planted_layers(bug: str) -> set[str]:
+    """The layers bug ``bug`` is planted in: a mixer bug's families (``verify.families``' specs that plant it), the
+    attention for the attention bugs (``verify.mutants._toy``)."""
+    if bug.startswith("mixer_"):
+        layers = {s.layer for s in SPECS.values() if bug[len("mixer_"):] in s.mutants}
+        assert layers, f"{bug}: no family plants it"
+        return layers
+    return {"attention"}
+
+
+def _search_order(cases: list[Case], layers: set[str]) -> list[Case]:
+    """``_layout_by_layout(cases)`` with the cases of ``layers`` first: a bug's search starts where it is planted and
+    meets every other case after (nothing is dropped: a bug seen only through another layer is still found)."""
+    ordered = _layout_by_layout(cases)
+    return [c for c in ordered if c.layer in layers] + [c for c in ordered if c.layer not in layers]
+
+
 def test_the_minimal_toy_passes_a_batch_of_every_layout(session):
     """Without a bug the adapter passes (the cases the search above starts with)."""
     impl = "verify.mutants.minimal.toy"
@@ -180,12 +202,13 @@ ORDER = sorted((n for n in MINIMAL if n != "toy" and n not in NOT_THE_ATTENTION_
 
 @pytest.mark.parametrize("bug", ORDER)
 def test_every_planted_bug_is_reported_through_the_minimal_adapter_with_quick(session, bug):
-    """``python -m verify --impl verify.mutants.minimal.<bug> --quick``'s own cases, explored layout by layout
-    and CP size by CP size in batches (shared pools, references computed once for every mutant) until one is
-    reported: some case must not pass, and the first report is the bug's (a wrong answer fails, it does not
-    raise)."""
+    """``python -m verify --impl verify.mutants.minimal.<bug> --quick``'s own cases, explored from the layers the
+    bug is planted in, layout by layout and CP size by CP size in batches (shared pools, references computed once
+    for every mutant) until one is reported: some case must not pass, the first report is the bug's (a wrong answer
+    fails, it does not raise) and comes from a layer it is planted in."""
     impl = f"verify.mutants.minimal.{bug}"
-    cases = _layout_by_layout(build_matrix(impl_info(impl), _args(impl, "--quick")))
+    layers = _planted_layers(bug)
+    cases = _search_order(build_matrix(impl_info(impl), _args(impl, "--quick")), layers)
     timeout = session.case_timeout
     session.case_timeout = 10.0 if bug in REPORTED else timeout  # a hang is reported at the deadline: keep it short
     try:
@@ -195,6 +218,7 @@ def test_every_planted_bug_is_reported_through_the_minimal_adapter_with_quick(se
             if bad:
                 first = bad[0]
                 assert first.status == REPORTED.get(bug, "fail"), (first.case.label(), first.status, first.details[-1500:])
+                assert first.case.layer in layers, (first.case.label(), layers)
                 assert first.case.command(impl).endswith(f"--impl {impl}")
                 return
     finally:

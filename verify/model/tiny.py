@@ -60,6 +60,8 @@ FIXED: dict[str, int] = {
     "ssm_state_size": 16, "state_size": 16, "d_state": 16, "mamba_d_state": 16, "mamba_head_dim": 16,
     "chunk_size": WINDOW, "time_step_rank": 8, "dt_rank": 8,
     "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    # Kimi Delta Attention (Kimi Linear, Ling) and GLM5-Next's linear attention: heads of a K x K state each
+    "linear_head_dim": HEAD_DIM, "linear_num_heads": MAX_HEADS // 2,
     # experts
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "n_shared_experts": 1,

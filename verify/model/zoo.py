@@ -48,6 +48,9 @@ PRESETS: dict[str, Preset] = {
     "deepseek_v3": Preset("deepseek_v3", "MLA (Dv != Dqk), dense then MoE layers"),
     "qwen3_next": Preset("qwen3_next", "Gated DeltaNet linear attention + short convolution + attention, MoE"),
     "nemotron_h": Preset("nemotron_h", "Mamba2 + attention + MLP + MoE layers"),
+    "kimi_linear": Preset("kimi_linear", "Kimi Delta Attention (per-channel decay) + short convolution + MLA, MoE"),
+    "bailing_hybrid": Preset("bailing_hybrid", "Ling: Kimi Delta Attention with a bounded (safe) decay gate + MLA, "
+                             "grouped MoE"),
     "jamba": Preset("jamba", "Mamba1 selective scan (RMSNorms of dt, B, C) + attention without positions, MoE"),
     "falcon_mamba": Preset("falcon_mamba", "Mamba1 selective scan only (weightless norms of dt, B, C): no attention"),
     "mamba": Preset("mamba", "Mamba1 selective scan only: no attention"),
