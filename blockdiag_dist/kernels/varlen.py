@@ -36,6 +36,7 @@ Lq / Lk a bucket's padded query / key length, Hq / Hkv heads, D / Dv head dims.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -469,7 +470,9 @@ class _MergedBlocks(torch.autograd.Function):
     merged last, they scale each row by ``exp(lse - lse') = sigmoid(lse - sink)`` with ``lse' = logaddexp(lse,
     sink)`` (the sigmoid keeps a factor near 1 precise: ``exp`` of a difference of two large logsumexps loses
     it). The blocks' backward with the merged output and ``lse'`` is then exact, and the sinks' own gradient is
-    ``-sum_rows exp(sink - lse') * (dout . out)``.
+    ``-sum_rows exp(sink - lse') * (dout . out)``. For half inputs with sinks the backward's row term
+    ``dout . out`` is taken from the float32 merged output (:func:`_fused_bwd_exact_delta`), never from the
+    output rounded after the sink's scaling.
     """
 
     @staticmethod
@@ -512,7 +515,7 @@ class _MergedBlocks(torch.autograd.Function):
             l_cur, sink = lse_rows[:Tq], sinks.to(acc)[None, :]
             out[:Tq] *= torch.sigmoid(l_cur - sink)[..., None]  # = exp(lse - lse'), precise near 1
             lse_rows[:Tq] = torch.logaddexp(l_cur, sink)
-        out = out.to(q_tok.dtype)
+        out_acc, out = out, out.to(q_tok.dtype)
         saved = []
         for b, o, lse, rows, (n, lq), m in zip(plan.buckets, outs, lses, rows_of, qshape, merged):
             if m:  # this bucket's rows as merged (a padded slot's spare row holds its own values)
@@ -520,8 +523,11 @@ class _MergedBlocks(torch.autograd.Function):
                 lse = lse_rows.index_select(0, rows).view(n, lq, Hq).transpose(1, 2)
             saved += [o, lse.contiguous()]
         ctx.has_sinks = sinks is not None
+        ctx.exact_delta = sinks is not None and out_acc.dtype != out.dtype
+        if ctx.exact_delta:  # the float32 merged output, spare rows included (see _fused_bwd_exact_delta)
+            saved += [out_acc]
         if sinks is not None:  # for the sinks' gradient (copies: the caller may modify the output in place)
-            saved += [out[:Tq].clone(), lse_rows[:Tq].clone(), sinks]
+            saved += [out_acc[:Tq] if ctx.exact_delta else out[:Tq].clone(), lse_rows[:Tq].clone(), sinks]
         ctx.save_for_backward(q_rows, kv_buf, g_q, g_kv, *saved)
         ctx.plan, ctx.shapes, ctx.heads, ctx.scale = plan, (qshape, kshape), (Hq, heads_kv, D), scale
         ctx.sizes = (q_tok.shape, kv_buf.shape)
@@ -541,6 +547,7 @@ class _MergedBlocks(torch.autograd.Function):
             acc = lse_rows.dtype
             delta = (grad_out.to(acc) * out_rows.to(acc)).sum(-1)  # [Tq, Hq]
             dsinks = -(torch.exp(sinks.to(acc)[None, :] - lse_rows) * delta).sum(0).to(sinks.dtype)
+        out_acc = saved.pop() if ctx.exact_delta else None
         q_shape, kv_shape = ctx.sizes
         acc = accumulation_dtype(q_rows.dtype)  # a row's gradient from several buckets: summed in float32 or better
         dq_tok = g_q.new_zeros((q_shape[0], Hq * D), dtype=acc)
@@ -558,13 +565,43 @@ class _MergedBlocks(torch.autograd.Function):
             if b.padded:  # a padded slot's output was dropped: zero gradient
                 do.masked_fill_((rows >= q_shape[0])[:, None, None], 0.0)
             do = do.view(n, lq, Hq, D).transpose(1, 2)
-            dq, dk, dv = _fused_bwd(do, q, k, v, saved[2 * i], saved[2 * i + 1], 0.0, b.causal,
-                                    attn_mask=_additive(b.mask, q.dtype), scale=ctx.scale)
+            if out_acc is None:
+                dq, dk, dv = _fused_bwd(do, q, k, v, saved[2 * i], saved[2 * i + 1], 0.0, b.causal,
+                                        attn_mask=_additive(b.mask, q.dtype), scale=ctx.scale)
+            else:
+                o_acc = out_acc.index_select(0, rows).view(n, lq, Hq, D).transpose(1, 2)
+                dq, dk, dv = _fused_bwd_exact_delta(do, q, k, v, saved[2 * i], o_acc, saved[2 * i + 1], b.causal,
+                                                    _additive(b.mask, q.dtype), ctx.scale)
             qi, ki = (None if b.q_start >= 0 else next(q_idx)), (None if b.k_start >= 0 else next(k_idx))
             _accumulate(dq_tok, b.q_start, qi, dq.transpose(1, 2).reshape(n * lq, Hq * D))
             _accumulate(dk_half, b.k_start, ki, dk.transpose(1, 2).reshape(n * lk, Hkv * D))
             _accumulate(dv_half, b.k_start, ki, dv.transpose(1, 2).reshape(n * lk, Hkv * D))
         return dq_tok.view(q_shape).to(q_rows.dtype), dkv.to(kv_buf.dtype), None, None, None, None, dsinks
+
+
+def _fused_bwd_exact_delta(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, o_acc: Tensor, lse: Tensor,
+                           causal: bool, attn_mask: Tensor | None, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused backward of one bucket (``do, q, o [n, Hq, Lq, D]``, ``k, v [n, Hkv, Lk, D]``, ``lse [n, Hq, Lq]``)
+    whose row term ``delta = do . out`` is that of ``o_acc`` (float32), not of ``o`` (``o_acc`` rounded to the
+    inputs' dtype): returns ``(dq, dk, dv)`` like ``_fused_bwd``.
+
+    The kernel forms ``dS = P * (do . v_j - delta)`` with ``delta`` from the output it is given. After the
+    sinks' scaling a row's ``do . v_j`` and ``delta`` nearly cancel when the row's keys outweigh its sink, and
+    the output's rounding (eps * |do| |out|) is then the whole difference: a key's gradient off by up to ~10% in
+    bfloat16 (a document of one token). The missing part ``r = do . (o_acc - o)`` travels as one more head-dim
+    column: ``do`` gains ``r``, ``o`` gains 1, and q, k, v gain 0, so that scores, ``do . v_j`` and the softmax are
+    unchanged while the kernel's ``delta`` becomes ``do . o + r`` (``r`` itself rounded: an error of eps^2).
+    """
+    D = q.shape[-1]
+    r = (do.to(o_acc.dtype) * (o_acc - o.to(o_acc.dtype))).sum(-1, keepdim=True)
+
+    def widen(t: Tensor, col: Tensor | float) -> Tensor:
+        extra = col.to(t.dtype) if isinstance(col, Tensor) else t.new_full((*t.shape[:-1], 1), col)
+        return torch.cat([t, extra], -1)
+
+    dq, dk, dv = _fused_bwd(widen(do, r), widen(q, 0.0), widen(k, 0.0), widen(v, 0.0), widen(o, 1.0), lse, 0.0, causal,
+                            attn_mask=attn_mask, scale=1.0 / math.sqrt(D) if scale is None else scale)
+    return dq[..., :D], dk[..., :D], dv[..., :D]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
