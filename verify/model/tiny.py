@@ -56,6 +56,8 @@ FIXED: dict[str, int] = {
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     # DeepSeek Sparse Attention's indexer: its top-k below a document's length, so that selection happens
     "index_topk": 4, "index_head_dim": 16, "index_n_heads": 2,
+    # GLM5-Next's pooled indexer: pools of 2 keys (its top-k must be a multiple of the pool)
+    "index_kpool": 2,
     # state-space and linear attention
     "ssm_state_size": 16, "state_size": 16, "d_state": 16, "mamba_d_state": 16, "mamba_head_dim": 16,
     "chunk_size": WINDOW, "time_step_rank": 8, "dt_rank": 8,
