@@ -19,7 +19,9 @@ would receive the rank's other ranks' ``xBC`` and ``dt``); a Kimi Delta Attentio
 convolution of ``q, k, v`` and KDA with its decay per key channel, :data:`KDA_LAYER`) likewise (:func:`kda_bytes`).
 A Mamba1 layer (Jamba's: the convolution of ``x`` and the selective scan, :data:`SCAN_LAYER`) likewise
 (:func:`scan_bytes`): its summaries are ``I * N`` per continuing piece, twice that for a piece that itself continues
-its document.
+its document. A lightning-attention layer (MiniMax's core: a fixed decay per head, no convolution,
+:data:`LIGHTNING_LAYER`) likewise (:func:`lightning_bytes`): ``H * D * D`` per continuing piece, plus ``H`` for the
+transition of a piece that itself continues its document.
 
 Figures: bytes each rank receives per forward (blockdiag's: histories and summaries, flat in S), the CP 2 step
 against the single-device layer on the same cores (one process with both threads), and each rank's peak memory
@@ -39,7 +41,8 @@ import torch.distributed as dist
 
 from blockdiag_dist import make_cp_blockdiag_batch_and_ctx
 from blockdiag_dist.exchange import TrafficLog, a2a_kv, allgather_kv
-from blockdiag_dist.mixers import causal_conv, gated_delta_rule, kimi_delta_attention, plan_recurrence, selective_scan, ssd
+from blockdiag_dist.mixers import (causal_conv, gated_delta_rule, kimi_delta_attention, lightning_attention, plan_recurrence,
+                                   selective_scan, ssd)
 from blockdiag_dist.plan import plan_step
 from verify.pool import WorkerPool, worker_info
 
@@ -47,8 +50,9 @@ from .memory import peak_bytes, reset_peak, rss_bytes
 
 from verify.workloads import layout_of, long_tail
 
-__all__ = ["HK", "HV", "K", "KDA_LAYER", "SCAN_LAYER", "SSD_LAYER", "V", "WIDTH", "bench_hybrid", "kda_bytes",
-           "kda_plan_bytes", "scan_bytes", "scan_plan_bytes", "ssd_bytes", "ssd_plan_bytes"]
+__all__ = ["HK", "HV", "K", "KDA_LAYER", "LIGHTNING_LAYER", "SCAN_LAYER", "SSD_LAYER", "V", "WIDTH", "bench_hybrid",
+           "kda_bytes", "kda_plan_bytes", "lightning_bytes", "lightning_plan_bytes", "scan_bytes", "scan_plan_bytes",
+           "ssd_bytes", "ssd_plan_bytes"]
 
 HK, HV, K, V, WIDTH = 4, 8, 32, 32, 4
 C = 2 * HK * K + HV * V
@@ -56,6 +60,7 @@ METHODS = ("blockdiag", "allgather", "a2a_heads")
 SSD_LAYER = {"H": 8, "Dh": 32, "G": 2, "N": 32}  # Mamba2 heads, head dim, groups, state size (width WIDTH)
 KDA_LAYER = {"H": 8, "K": 32}  # KDA heads and head dim (q, k, v and the decay per key channel; width WIDTH)
 SCAN_LAYER = {"I": 128, "N": 16}  # Mamba1 channels and state size (Jamba's N; width WIDTH)
+LIGHTNING_LAYER = {"H": 8, "D": 64}  # lightning-attention heads and head dim (MiniMax-Text-01: 64 heads of 128)
 
 
 def _ids(S: int, seed: int) -> torch.Tensor:
@@ -302,6 +307,32 @@ def scan_plan_bytes(plan, rank: int, element: int = 4) -> dict:
     return {"summaries": summaries, "history": plan.exchange(WIDTH - 1).needed_tokens()[rank] * m["I"] * element}
 
 
+def lightning_bytes(S: int, seed: int, dtype: str = "float32") -> dict:
+    """On every rank: one forward (no autograd) of lightning attention from ``q, k, v [1, L, H, D]`` and MiniMax's
+    slopes under blockdiag, contiguous shards; the bytes this rank received."""
+    m, dt_ = LIGHTNING_LAYER, getattr(torch, dtype)
+    mesh = worker_info().get("cp_mesh")
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": torch.zeros(1, S, 1),
+                                                          "_packed_seq_ids": _ids(S, seed)}, expect_attention=False)
+    state, L, H, D = ctx.state, ctx.state.local_len, m["H"], m["D"]
+    gen = torch.Generator().manual_seed(seed * 100 + state.rank)
+    q, k, v = (torch.randn(1, L, H, D, generator=gen, dtype=dt_) for _ in range(3))
+    slope = 2.0 ** (-8.0 * torch.arange(1, H + 1, dtype=dt_) / H)
+    state.mixer_traffic.clear()
+    with torch.no_grad():
+        lightning_attention(q, k, v, slope, state=state)
+    return {"recv_bytes": sum(e.recv_bytes for e in state.mixer_traffic.entries if e.phase == "forward")}
+
+
+def lightning_plan_bytes(plan, rank: int, element: int = 4) -> dict:
+    """The bytes rank ``rank`` receives per forward of lightning attention by the step plan: ``H * D * D`` per
+    continuing piece, plus ``H`` (the transition ``exp(-slope n)``) for a piece that itself continues its document;
+    no history (no convolution)."""
+    H, D = LIGHTNING_LAYER["H"], LIGHTNING_LAYER["D"]
+    rec = plan_recurrence(plan.documents, rank)
+    return {"summaries": element * sum(rec.recv_splits(H * D * D, H)) if rec.any_traffic else 0, "history": 0}
+
+
 def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_cp: int = 4, seed: int = 0,
                  rounds: int = 2, timeout: float = 3000.0, console=None) -> dict:
     """Every figure of the hybrid section (see the module docstring)."""
@@ -340,6 +371,11 @@ def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_
             row["mamba1"] = {"layer": SCAN_LAYER, "recv_bytes_per_rank": [r["recv_bytes"] for r in scan_recv],
                              "plan_bytes_per_rank": [scan_plan_bytes(plan, r) for r in range(2)],
                              "allgather_bytes_per_rank": (S // 2) * (2 * SCAN_LAYER["I"] + 2 * SCAN_LAYER["N"]) * 4}
+            light_recv = pool.run(lightning_bytes, args=(S, seed), timeout=timeout, name=f"lightning bytes S{S}")
+            H, D = LIGHTNING_LAYER["H"], LIGHTNING_LAYER["D"]
+            row["lightning"] = {"layer": LIGHTNING_LAYER, "recv_bytes_per_rank": [r["recv_bytes"] for r in light_recv],
+                                "plan_bytes_per_rank": [lightning_plan_bytes(plan, r) for r in range(2)],
+                                "allgather_bytes_per_rank": (S // 2) * 3 * H * D * 4}
             rows.append(row)
             say(f"bench hybrid: S={S}: CP 2 / single = {row['over_single']['blockdiag']:.3f} "
                 f"(single {one:.2f} s), bytes per rank {row['recv_bytes_per_rank']['blockdiag']}")

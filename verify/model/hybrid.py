@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from blockdiag_dist.integrations import pack_documents, register_transformers_attention
 from .harness import StepResult, cp_step, document_reference, text_forward
+from .precision import float64_decay_tables
 
 __all__ = [
     "DOC_LENGTHS",
@@ -202,16 +203,6 @@ def _minimax_config(layers: tuple[str, ...]):
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=len(layers), num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=16,
         layer_types=list(layers), tie_word_embeddings=False, max_position_embeddings=4 * SEQ_LEN)
-
-
-def float64_decay_tables(model: nn.Module) -> None:
-    """MiniMax's lightning layers make their decay tables (``query_decay``, ``key_decay``, ``diagonal_decay``:
-    ``exp(-slope n)``) once, at init, in float32; a model cast to float64 keeps those float32 roundings (relative
-    6e-8: the model's own float32 step, not CP's). Recomputed here in float64 from the layer's slope, for the
-    float64 truth (blockdiag computes the decays from the slope, in the model's dtype)."""
-    for m in model.modules():
-        if type(m).__name__ == "MiniMaxLightningAttention" and m.slope_rate.dtype == torch.float64:
-            m.query_decay, m.key_decay, m.diagonal_decay = m.decay_factors(m.slope_rate)
 
 
 def _config(family: str, layers: tuple[str, ...]):
