@@ -20,7 +20,9 @@ convolution of ``q, k, v`` and KDA with its decay per key channel, :data:`KDA_LA
 convolution of ``x`` and the selective scan, :data:`SCAN_LAYER`; its summaries are ``I * N`` per continuing piece,
 twice that for a piece that itself continues its document) give their bytes (:func:`kda_bytes`, :func:`scan_bytes`)
 and their CP 2 step against the single device, timed in the same rounds as the Gated DeltaNet layer's
-(:func:`mixer_cp_times`, :func:`mixer_single_times`; blockdiag only).
+(:func:`mixer_cp_times`, :func:`mixer_single_times`; blockdiag only). A lightning-attention layer (MiniMax's core: a
+fixed decay per head, no convolution, :data:`LIGHTNING_LAYER`) gives its bytes (:func:`lightning_bytes`):
+``H * D * D`` per continuing piece, plus ``H`` for the transition of a piece that itself continues its document.
 
 Figures: bytes each rank receives per forward (blockdiag's: histories and summaries, flat in S), the CP 2 step
 against the single-device layer on the same cores (one process with both threads), and each rank's peak memory
@@ -40,7 +42,8 @@ import torch.distributed as dist
 
 from blockdiag_dist import make_cp_blockdiag_batch_and_ctx
 from blockdiag_dist.exchange import TrafficLog, a2a_kv, allgather_kv
-from blockdiag_dist.mixers import causal_conv, gated_delta_rule, kimi_delta_attention, plan_recurrence, selective_scan, ssd
+from blockdiag_dist.mixers import (causal_conv, gated_delta_rule, kimi_delta_attention, lightning_attention, plan_recurrence,
+                                   selective_scan, ssd)
 from blockdiag_dist.plan import plan_step
 from verify.pool import WorkerPool, worker_info
 
@@ -48,8 +51,9 @@ from .memory import peak_bytes, reset_peak, rss_bytes
 
 from verify.workloads import layout_of, long_tail
 
-__all__ = ["HK", "HV", "K", "KDA_LAYER", "MIXER_LAYERS", "SCAN_LAYER", "SSD_LAYER", "V", "WIDTH", "bench_hybrid", "kda_bytes",
-           "kda_plan_bytes", "mixer_cp_times", "mixer_output", "mixer_single_times", "scan_bytes", "scan_plan_bytes",
+__all__ = ["HK", "HV", "K", "KDA_LAYER", "LIGHTNING_LAYER", "MIXER_LAYERS", "SCAN_LAYER", "SSD_LAYER", "V", "WIDTH",
+           "bench_hybrid", "kda_bytes", "kda_plan_bytes", "lightning_bytes", "lightning_plan_bytes", "mixer_cp_times",
+           "mixer_output", "mixer_single_times", "scan_bytes", "scan_plan_bytes",
            "ssd_bytes", "ssd_plan_bytes"]
 
 HK, HV, K, V, WIDTH = 4, 8, 32, 32, 4
@@ -59,6 +63,7 @@ SSD_LAYER = {"H": 8, "Dh": 32, "G": 2, "N": 32}  # Mamba2 heads, head dim, group
 KDA_LAYER = {"H": 8, "K": 32}  # KDA heads and head dim (q, k, v and the decay per key channel; width WIDTH)
 SCAN_LAYER = {"I": 128, "N": 16}  # Mamba1 channels and state size (Jamba's N; width WIDTH)
 MIXER_LAYERS = ("kda", "mamba1")  # the layers timed beside the Gated DeltaNet one (blockdiag at CP 2 vs single device)
+LIGHTNING_LAYER = {"H": 8, "D": 64}  # lightning-attention heads and head dim (MiniMax-Text-01: 64 heads of 128)
 
 
 def _ids(S: int, seed: int) -> torch.Tensor:
@@ -360,6 +365,32 @@ def scan_plan_bytes(plan, rank: int, element: int = 4) -> dict:
     return {"summaries": summaries, "history": plan.exchange(WIDTH - 1).needed_tokens()[rank] * m["I"] * element}
 
 
+def lightning_bytes(S: int, seed: int, dtype: str = "float32") -> dict:
+    """On every rank: one forward (no autograd) of lightning attention from ``q, k, v [1, L, H, D]`` and MiniMax's
+    slopes under blockdiag, contiguous shards; the bytes this rank received."""
+    m, dt_ = LIGHTNING_LAYER, getattr(torch, dtype)
+    mesh = worker_info().get("cp_mesh")
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": torch.zeros(1, S, 1),
+                                                          "_packed_seq_ids": _ids(S, seed)}, expect_attention=False)
+    state, L, H, D = ctx.state, ctx.state.local_len, m["H"], m["D"]
+    gen = torch.Generator().manual_seed(seed * 100 + state.rank)
+    q, k, v = (torch.randn(1, L, H, D, generator=gen, dtype=dt_) for _ in range(3))
+    slope = 2.0 ** (-8.0 * torch.arange(1, H + 1, dtype=dt_) / H)
+    state.mixer_traffic.clear()
+    with torch.no_grad():
+        lightning_attention(q, k, v, slope, state=state)
+    return {"recv_bytes": sum(e.recv_bytes for e in state.mixer_traffic.entries if e.phase == "forward")}
+
+
+def lightning_plan_bytes(plan, rank: int, element: int = 4) -> dict:
+    """The bytes rank ``rank`` receives per forward of lightning attention by the step plan: ``H * D * D`` per
+    continuing piece, plus ``H`` (the transition ``exp(-slope n)``) for a piece that itself continues its document;
+    no history (no convolution)."""
+    H, D = LIGHTNING_LAYER["H"], LIGHTNING_LAYER["D"]
+    rec = plan_recurrence(plan.documents, rank)
+    return {"summaries": element * sum(rec.recv_splits(H * D * D, H)) if rec.any_traffic else 0, "history": 0}
+
+
 def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_cp: int = 4, seed: int = 0,
                  rounds: int = 2, timeout: float = 3000.0, mixer_sizes=(8192,), console=None) -> dict:
     """Every figure of the hybrid section (see the module docstring); the KDA and Mamba1 steps are timed at the
@@ -409,6 +440,11 @@ def bench_hybrid(sizes=(8192, 32768), *, reps: int = 2, mem_S: int = 32768, mem_
             row["mamba1"] = {"layer": SCAN_LAYER, "recv_bytes_per_rank": [r["recv_bytes"] for r in scan_recv],
                              "plan_bytes_per_rank": [scan_plan_bytes(plan, r) for r in range(2)],
                              "allgather_bytes_per_rank": (S // 2) * (2 * SCAN_LAYER["I"] + 2 * SCAN_LAYER["N"]) * 4}
+            light_recv = pool.run(lightning_bytes, args=(S, seed), timeout=timeout, name=f"lightning bytes S{S}")
+            H, D = LIGHTNING_LAYER["H"], LIGHTNING_LAYER["D"]
+            row["lightning"] = {"layer": LIGHTNING_LAYER, "recv_bytes_per_rank": [r["recv_bytes"] for r in light_recv],
+                                "plan_bytes_per_rank": [lightning_plan_bytes(plan, r) for r in range(2)],
+                                "allgather_bytes_per_rank": (S // 2) * 3 * H * D * 4}
             for m in MIXER_LAYERS if mix_cp else ():  # the KDA and Mamba1 layers' steps, timed in the same rounds
                 t_cp, t_one, t_one1 = (statistics.median(r[m] for r in runs) for runs in (mix_cp, mix_single, mix_single1))
                 row["kda" if m == "kda" else "mamba1"]["step"] = {

@@ -10,7 +10,7 @@ hybrid models computed per document are the entries of :data:`FAMILIES`.
 from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
 from .docs import DocPlan, Piece, RankDocs, plan_documents
 from .families import FAMILIES, MixerFamily, register_family
-from .mixers import causal_conv, gated_delta_rule, kimi_delta_attention, selective_scan, ssd
+from .mixers import causal_conv, gated_delta_rule, kimi_delta_attention, lightning_attention, selective_scan, ssd
 from .options import CPOptions, configure_cp_varlen
 from .plan import ExchangePlan, ShardPlan, StepPlan, choose_layout, plan_exchange, plan_shards, plan_step
 from .runtime import cp_blockdiag_sdpa, sdpa_routing
@@ -41,6 +41,7 @@ __all__ = [
     "current_state",
     "gated_delta_rule",
     "kimi_delta_attention",
+    "lightning_attention",
     "gather_sequence",
     "make_cp_blockdiag_batch_and_ctx",
     "plan_documents",

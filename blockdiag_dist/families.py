@@ -180,5 +180,12 @@ for _family in (
         installer=f"{_HF}:install_mamba1",
         summary="(M [I, N], C [I, N]) per continuing piece (C only for a document's first piece)",
     ),
+    MixerFamily(
+        name="lightning", kind="lightning_attention", layer="lightning",
+        function="blockdiag_dist.mixers:lightning_attention", reference="blockdiag_ref:reference_lightning_attention",
+        classes=("MiniMaxLightningAttention",), installer=f"{_HF}:install_lightning",
+        summary="(M [H], C [H, V, K]) per continuing piece (C only for a document's first piece; M = exp(-slope n) "
+                "from the piece's length)",
+    ),
 ):
     register_family(_family)

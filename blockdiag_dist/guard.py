@@ -88,8 +88,8 @@ MIXER_KINDS: dict[str, str] = {
 # the mixer families (blockdiag_dist.families: installed, or of a family's kind and refused) come from their
 # entries; the others are listed here.
 KNOWN_MIXERS: dict[str, str] = {
-    # linear and lightning attention
-    "Glm5NextTextLinearAttention": "linear_attention", "MiniMaxLightningAttention": "lightning_attention",
+    # linear attention (MiniMax's lightning attention is the lightning family's)
+    "Glm5NextTextLinearAttention": "linear_attention",
     # RG-LRU, xLSTM, RWKV
     "RecurrentGemmaRglru": "rglru", "RecurrentGemmaRecurrentBlock": "rglru",
     "xLSTMLayer": "xlstm", "xLSTMBackend": "xlstm",

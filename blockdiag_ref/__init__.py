@@ -2,7 +2,7 @@
 
 Main entries: :class:`DocLayout` (documents of packed rows), :func:`doc_ids_from_batch` (doc ids from a
 training batch) and :func:`reference_attention` (float64 per-document causal attention); for hybrid models
-:func:`reference_causal_conv`, :func:`reference_gated_delta_rule`, :func:`reference_kda`, :func:`reference_ssd`,
+:func:`reference_causal_conv`, :func:`reference_gated_delta_rule`, :func:`reference_kda`, :func:`reference_lightning_attention`, :func:`reference_ssd`,
 :func:`reference_mamba2_mixer`, :func:`reference_selective_scan` and :func:`reference_mamba1_mixer` (float64, token by
 token per document); for indexer-selected sparse attention (DeepSeek-V3.2's DSA) :func:`reference_dsa_attention`
 (:mod:`blockdiag_ref.sparse`).
@@ -15,6 +15,7 @@ from .recurrence import (
     reference_causal_conv,
     reference_gated_delta_rule,
     reference_kda,
+    reference_lightning_attention,
     reference_mamba1_mixer,
     reference_mamba2_mixer,
     reference_selective_scan,
@@ -36,6 +37,7 @@ __all__ = [
     "reference_dsa_select",
     "reference_gated_delta_rule",
     "reference_kda",
+    "reference_lightning_attention",
     "reference_mamba1_mixer",
     "reference_mamba2_mixer",
     "reference_selective_scan",

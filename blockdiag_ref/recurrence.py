@@ -16,6 +16,9 @@ get exactly 0 gradient (they take part in no document).
   ``recurrent_kimi_delta_attention`` / ``chunk_kimi_delta_attention`` compute it (``use_qk_l2norm_in_kernel=True``):
   the gated delta rule with a decay per key channel, ``S = diag(exp(g)) S`` with ``g [K]`` per head and token,
   then the same delta update and read-out;
+- :func:`reference_lightning_attention`: MiniMax's lightning attention as transformers' ``MiniMaxLightningAttention``
+  computes its core: per head a state ``S [K, V]`` and a fixed decay ``slope`` (``slope_rate``, one number per head
+  and layer, not learned), per token ``S = exp(-slope) S + k v^T``, ``o = q S`` (no normalisation of q or k);
 - :func:`reference_ssd`: Mamba2's SSD as transformers' ``mamba2_chunk_scan`` computes it: per head a state
   ``S [Dh, N]``, and per token ``S = exp(dt A) S + dt x B^T``, ``y = S C + D x``;
 - :func:`reference_mamba2_mixer`: the whole Mamba2 layer as transformers' ``NemotronHMamba2Mixer`` (and
@@ -48,6 +51,7 @@ from .layout import DocLayout
 
 __all__ = [
     "ACTIVATIONS", "MAMBA1_VARIANTS", "reference_causal_conv", "reference_gated_delta_rule", "reference_kda",
+    "reference_lightning_attention",
     "reference_mamba1_mixer", "reference_mamba2_mixer", "reference_selective_scan", "reference_ssd",
 ]
 
@@ -227,6 +231,47 @@ def reference_kda(
             read = torch.einsum("hk,hkv->hv", kt, state)
             delta = (v64[b, t] - read) * b64[b, t][:, None]
             state = state + kt[:, :, None] * delta[:, None, :]
+            row.append(torch.einsum("hk,hkv->hv", q64[b, t], state))
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def reference_lightning_attention(
+    q: Tensor, k: Tensor, v: Tensor, slope: Tensor, doc_ids: Tensor, *, dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """Lightning attention (MiniMax) per document, float64: ``q, k [B, S, H, K]``, ``v [B, S, H, V]``, ``slope [H]``
+    (the fixed decay rate of each head, positive) -> ``[B, S, H, V]``; 0 on padding.
+
+    Per head a state ``S [K, V]``, zero at a document's first token; per token ``S = exp(-slope) S + k v^T`` and
+    ``o = q S`` (the token's own key included, with weight 1). ``dtype``: what it computes in.
+
+    >>> one = torch.ones(1, 3, 1, 1)
+    >>> reference_lightning_attention(one, one, one, torch.tensor([0.0]), torch.tensor([[1, 1, 2]])).flatten().tolist()
+    [1.0, 2.0, 1.0]
+    """
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"reference_lightning_attention: expected q, k [B, S, H, K] and v [B, S, H, V] with the same B, S, H; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    B, S, H, K = q.shape
+    if not isinstance(slope, Tensor) or tuple(slope.reshape(-1).shape) != (H,):
+        got = tuple(slope.shape) if isinstance(slope, Tensor) else type(slope).__name__
+        raise ValueError(f"reference_lightning_attention: slope expected H = {H} numbers (one per head), got {got}")
+    seg = _segments(doc_ids, (B, S), "reference_lightning_attention")
+    q64, k64, v64 = (t.to(dtype) for t in (q, k, v))
+    decay = torch.exp(-slope.reshape(H).to(dtype))[:, None, None]
+    zero = v64.new_zeros(H, v.shape[-1])
+    rows = []
+    for b in range(B):
+        row, state = [], None
+        for t in range(S):
+            if seg[b, t] == 0:
+                row.append(zero)
+                continue
+            if t == 0 or seg[b, t] != seg[b, t - 1]:
+                state = v64.new_zeros(H, K, v.shape[-1])  # a document starts: its state starts at zero
+            state = decay * state + k64[b, t][:, :, None] * v64[b, t][:, None, :]
             row.append(torch.einsum("hk,hkv->hv", q64[b, t], state))
         rows.append(torch.stack(row))
     return torch.stack(rows)

@@ -62,6 +62,11 @@ def mixer_inputs(kind: str, B: int, S: int, seed: int, *, C: int = 5, W: int = 4
                 "B": torch.randn(B, S, 2, 2, generator=g, dtype=torch.float64),
                 "C": torch.randn(B, S, 2, 2, generator=g, dtype=torch.float64),
                 "D": torch.randn(6, generator=g, dtype=torch.float64)}
+    if kind == "light":  # lightning attention: H = 4 heads, K = 3, V = 2, a fixed decay rate per head
+        return {"q": torch.randn(B, S, 4, K, generator=g, dtype=torch.float64),
+                "k": torch.randn(B, S, 4, K, generator=g, dtype=torch.float64),
+                "v": torch.randn(B, S, 4, V, generator=g, dtype=torch.float64),
+                "slope": torch.rand(4, generator=g, dtype=torch.float64) * 0.8 + 0.1}
     Hk, Hv = heads
     decay_shape = (B, S, Hv, K) if kind == "kda" else (B, S, Hv)  # KDA: a decay per key channel
     return {"q": torch.randn(B, S, Hk, K, generator=g, dtype=torch.float64),
@@ -72,13 +77,15 @@ def mixer_inputs(kind: str, B: int, S: int, seed: int, *, C: int = 5, W: int = 4
 
 
 def mixer_reference(kind: str, ids: torch.Tensor, inputs: dict) -> torch.Tensor:
-    from blockdiag_ref import (reference_causal_conv, reference_gated_delta_rule, reference_kda, reference_selective_scan,
-                               reference_ssd)
+    from blockdiag_ref import (reference_causal_conv, reference_gated_delta_rule, reference_kda,
+                               reference_lightning_attention, reference_selective_scan, reference_ssd)
 
     if kind == "conv":
         return reference_causal_conv(inputs["x"], ids, inputs["weight"], inputs["bias"], "silu")
     if kind == "ssd":
         return reference_ssd(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], ids, D=inputs["D"])
+    if kind == "light":
+        return reference_lightning_attention(inputs["q"], inputs["k"], inputs["v"], inputs["slope"], ids)
     if kind == "scan":
         return reference_selective_scan(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], ids,
                                         D=inputs["D"])
@@ -87,10 +94,11 @@ def mixer_reference(kind: str, ids: torch.Tensor, inputs: dict) -> torch.Tensor:
 
 
 def run_mixer_cases(cases: list[dict]) -> list[dict]:
-    """Each case: ``kind`` (conv | gdr | kda | ssd | scan), ``ids``, ``layout``, ``seed`` (+ ``chunk``, ``state_dtype``): this
+    """Each case: ``kind`` (conv | gdr | kda | ssd | scan | light), ``ids``, ``layout``, ``seed`` (+ ``chunk``, ``state_dtype``): this
     rank's output rows and positions, its part of every input's gradient of ``(out * w).sum()``, and the mixer
     traffic it recorded, with the plan's expected element counts."""
-    from blockdiag_dist.mixers import causal_conv, gated_delta_rule, kimi_delta_attention, selective_scan, ssd
+    from blockdiag_dist.mixers import (causal_conv, gated_delta_rule, kimi_delta_attention, lightning_attention,
+                                       selective_scan, ssd)
 
     env = worker_info()
     results = []
@@ -108,6 +116,9 @@ def run_mixer_cases(cases: list[dict]) -> list[dict]:
             elif case["kind"] == "ssd":  # chunks of 4: pieces of several chunks, scans of several steps
                 out = ssd(batch["x"], batch["dt"], inputs["A"], batch["B"], batch["C"], inputs["D"],
                           chunk=case.get("chunk", 4), state_dtype=case.get("state_dtype"))
+            elif case["kind"] == "light":  # the slope's gradient too (through the transitions exp(-slope n))
+                out = lightning_attention(batch["q"], batch["k"], batch["v"], inputs["slope"], chunk=case.get("chunk", 4),
+                                          state_dtype=case.get("state_dtype"))
             elif case["kind"] == "scan":
                 out = selective_scan(batch["x"], batch["dt"], inputs["A"], batch["B"], batch["C"], inputs["D"],
                                      chunk=case.get("chunk", 4), state_dtype=case.get("state_dtype"))

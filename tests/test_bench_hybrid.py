@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.hybrid import (C, HK, HV, K, KDA_LAYER, METHODS, MIXER_LAYERS, SCAN_LAYER, SSD_LAYER, V, WIDTH, _ids,
-                          baseline_agreement, kda_bytes, kda_plan_bytes, mixer_cp_times, mixer_output, mixer_single_times,
-                          scan_bytes, scan_plan_bytes, ssd_bytes, ssd_plan_bytes, summary_bytes)
+from bench.hybrid import (C, HK, HV, K, KDA_LAYER, LIGHTNING_LAYER, METHODS, MIXER_LAYERS, SCAN_LAYER, SSD_LAYER, V, WIDTH,
+                          _ids, baseline_agreement, kda_bytes, kda_plan_bytes, lightning_bytes, lightning_plan_bytes,
+                          mixer_cp_times, mixer_output, mixer_single_times, scan_bytes, scan_plan_bytes, ssd_bytes,
+                          ssd_plan_bytes, summary_bytes)
 from blockdiag_dist.plan import plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,3 +71,16 @@ def test_the_kda_and_mamba1_steps_are_the_single_device_layer_and_are_timed(pool
     single = mixer_single_times(S, 0, MIXER_LAYERS, 1, threads=1)
     for seconds in [r["seconds"] for r in cp] + [single]:
         assert set(seconds) == set(MIXER_LAYERS) and all(t > 0 for t in seconds.values()), seconds
+
+
+def test_the_lightning_layer_moves_exactly_its_plan(pools):
+    """The lightning-attention figure: each rank receives its plan's summaries (``H * D * D`` per continuing piece,
+    ``H`` more with a transition; no history), float64: 8 bytes an element."""
+    S = 1024
+    plan = plan_step(_ids(S, 0), 2, "contiguous")
+    per_rank = pools(2).run(lightning_bytes, args=(S, 0, "float64"), timeout=240, name="hybrid bench lightning bytes")
+    for r, res in enumerate(per_rank):
+        want = lightning_plan_bytes(plan, r, element=8)
+        assert res["recv_bytes"] == want["summaries"], (r, res, want)
+    m = LIGHTNING_LAYER
+    assert lightning_plan_bytes(plan, 1, element=8)["summaries"] == m["H"] * m["D"] ** 2 * 8  # one first piece crosses

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 INSTALLER_TABLES = {"gated_delta_net": hf_mixers.GATED_DELTA_NET_CLASSES, "mamba2": hf_mixers.MAMBA2_CLASSES,
                     "short_conv": hf_mixers.SHORT_CONV_CLASSES, "dsa": hf_sparse.DSA_CLASSES,
-                    "mamba1": hf_mixers.MAMBA1_CLASSES}
+                    "mamba1": hf_mixers.MAMBA1_CLASSES, "lightning": hf_mixers.LIGHTNING_CLASSES}
 
 
 def test_every_family_resolves_and_the_guard_knows_its_classes():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from blockdiag_dist import (causal_conv, configure_cp_varlen, cp_blockdiag_sdpa, gated_delta_rule, kimi_delta_attention,
-                            make_cp_blockdiag_batch_and_ctx, selective_scan, ssd)
+                            lightning_attention, make_cp_blockdiag_batch_and_ctx, selective_scan, ssd)
 from blockdiag_ref import DocLayout, reference_attention
 
 FAULTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
@@ -151,6 +151,26 @@ def scan_inputs(L=7, I=6, G=2, N=2, A=None):
             torch.zeros(2, L, G, N, dtype=f), torch.zeros(2, L, G, N, dtype=f)]
 
 
+def light_inputs(L=7, H=4, K=3, V=2, Hv=None, slope=None):
+    f = torch.float64
+    return [torch.zeros(2, L, H, K, dtype=f), torch.zeros(2, L, H, K, dtype=f), torch.zeros(2, L, Hv or H, V, dtype=f),
+            torch.full(slope or (H,), 0.1, dtype=f)]
+
+
+def minimax_layer_with_cache():
+    """A MiniMax lightning layer (the blockdiag forward installed) called with a cache under the step."""
+    minimax = pytest.importorskip("transformers.models.minimax.modeling_minimax", reason="transformers is not installed")
+    from transformers import MiniMaxConfig
+
+    from blockdiag_dist.integrations.hf_mixers import install_lightning
+
+    cfg = MiniMaxConfig(hidden_size=8, num_attention_heads=2, head_dim=4, num_hidden_layers=2, block_size=4,
+                        layer_types=["linear_attention", "full_attention"])
+    layer = minimax.MiniMaxLightningAttention(cfg, layer_idx=0)
+    install_lightning(type(layer))
+    return layer(torch.zeros(2, 7, 8), None, None, cache=object())
+
+
 def mamba1_layer_with_cache():
     """A Jamba Mamba layer (the blockdiag forward installed) called with a cache under the step."""
     jamba = pytest.importorskip("transformers.models.jamba.modeling_jamba", reason="transformers is not installed")
@@ -184,6 +204,11 @@ MIXER_ROWS = [
     ("scan-groups", "selective-scan channels not a multiple of the groups of B and C", lambda: selective_scan(*scan_inputs(I=5, A=(5, 2))), "selective_scan: expected the channels a multiple of the groups, got I=5, G=2"),
     ("scan-decay-shape", "a selective-scan decay `A` that is not `[I, N]`", lambda: selective_scan(*scan_inputs(A=(6,))), r"selective_scan: A expected \[I, N\] = \[6, 2\], got \(6,\)"),
     ("scan-state-dtype", "a selective-scan state (summary) dtype below float32", lambda: selective_scan(*scan_inputs(), state_dtype=torch.float16), r"selective_scan: state_dtype expected one of \['torch.float32', 'torch.float64'\].*got torch.float16"),
+    ("light-shard", "lightning-attention inputs that are not this rank's shard", lambda: lightning_attention(*light_inputs(L=5)), r"lightning_attention: q expected this rank's shard \[B=2, L=7, ...\] of the active step, got \(2, 5, 4, 3\)"),
+    ("light-heads", "lightning-attention values with other heads than the queries", lambda: lightning_attention(*light_inputs(Hv=2)), r"lightning_attention: v expected \[B, L, H, V\] with H=4 \(q's heads\), got \(2, 7, 2, 2\)"),
+    ("light-slope", "a lightning-attention slope that is not one decay rate per head", lambda: lightning_attention(*light_inputs(slope=(2, 7, 4))), r"lightning_attention: slope expected a floating tensor of H=4 decay rates \(one per head\), got torch.float64 \(2, 7, 4\)"),
+    ("light-state-dtype", "a lightning-attention state (summary) dtype below float32", lambda: lightning_attention(*light_inputs(), state_dtype=torch.bfloat16), r"lightning_attention: state_dtype expected one of \['torch.float32', 'torch.float64'\].*got torch.bfloat16"),
+    ("minimax-cache", "a cache given to an installed MiniMax lightning layer under a step", minimax_layer_with_cache, r"MiniMaxLightningAttention \(layer 0\): expected no cache under a CP step \(use_cache=False in training\), got object"),
     ("mamba1-cache", "a cache given to an installed Mamba1 layer under a step", mamba1_layer_with_cache, r"JambaMambaMixer \(layer 0\): expected no cache under a CP step \(use_cache=False in training\), got object"),
 ]
 

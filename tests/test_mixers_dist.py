@@ -25,14 +25,15 @@ ROWS = {
 }
 
 
-KDA_ROWS = ("over-all-ranks", "two-rows-padding", "padding-rank")  # KDA shares the delta rule's code: fewer rows
+# KDA shares the delta rule's code, lightning attention the SSD's: fewer rows
+KDA_ROWS = ("over-all-ranks", "two-rows-padding", "padding-rank")
 
 
 def cases_for(cp: int) -> list[dict]:
     out, seed = [], 0
     for name, ids in ROWS.items():
         for layout in ("contiguous", "balanced", "auto"):
-            for kind in ("conv", "gdr", "ssd", "scan") + (("kda",) if name in KDA_ROWS else ()):
+            for kind in ("conv", "gdr", "ssd", "scan") + (("kda", "light") if name in KDA_ROWS else ()):
                 out.append({"name": f"{name} {layout} {kind}", "kind": kind, "ids": ids, "layout": layout, "seed": seed})
                 seed += 1
     return out
@@ -79,7 +80,8 @@ def expected_elements(case: dict, cp: int) -> list[tuple[str, int, int]]:
             Hv, K, V = 4, 3, 2
             cn, mn = {"gdr": (Hv * K * V, Hv * K * K), "kda": (Hv * K * V, Hv * K * K),
                       "ssd": (4 * 3 * 2, 4),  # ssd: [H, Dh, N], [H]
-                      "scan": (6 * 2, 6 * 2)}[case["kind"]]  # selective scan: [I, N] both
+                      "scan": (6 * 2, 6 * 2),  # selective scan: [I, N] both
+                      "light": (4 * 2 * 3, 4)}[case["kind"]]  # lightning: [H, V, K], [H]
             out.append(None if not rp.any_traffic else ("summary", sum(rp.send_splits(cn, mn)), sum(rp.recv_splits(cn, mn))))
     return out
 

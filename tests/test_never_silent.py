@@ -6,8 +6,8 @@ every rank at CP 1 and CP 2 with a message naming the layer or variant, before a
 Families computed per document instead (Gated DeltaNet, sinks, chunked attention, softcap, Llama 4's NoPE
 temperature tuning, vision-language models; the Mamba2 layers of Nemotron-H, Bamba, Granite-4 hybrids, Zamba2,
 Falcon-H1 and Mamba2 itself; the Mamba1 layers of Mamba, Falcon-Mamba, Jamba and Zamba; LFM2's short convolutions;
-the KDA layers of Kimi Linear and Ling; DeepSeek-V3.2's and GLM-5's sparse attention) have parity tests of their
-own (test_hybrid*, test_hf_hybrid, test_hf_mamba2, test_hf_mamba1, test_hf_short_conv, test_hf_kda,
+the KDA layers of Kimi Linear and Ling; MiniMax's lightning attention; DeepSeek-V3.2's and GLM-5's sparse attention) have parity tests of their
+own (test_hybrid*, test_hf_hybrid, test_hf_mamba2, test_hf_mamba1, test_hf_short_conv, test_hf_kda, test_hf_lightning,
 test_attention_variants*, test_vlm, test_hf_sparse)."""
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ _MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
 
 # (model type, config fields, error class, what the message must name)
 FAMILIES = [
-    pytest.param("minimax", dict(_DECODER, num_local_experts=4, block_size=8,
-                                 layer_types=["full_attention", "linear_attention"], num_hidden_layers=2),
-                 "UnsupportedLayerError", r"\(MiniMaxLightningAttention\).*lightning", id="minimax-lightning"),
     pytest.param("recurrent_gemma", dict(_DECODER, num_key_value_heads=4, lru_width=64, attention_window_size=8,
                                          num_hidden_layers=3),
                  "UnsupportedLayerError", r"\(RecurrentGemmaRecurrentBlock\).*RG-LRU", id="recurrent-gemma-rglru"),

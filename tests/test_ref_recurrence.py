@@ -281,3 +281,61 @@ def test_selective_scan_is_per_document():
                                  torch.zeros(1, 4, 2, 2), torch.ones(1, 4))
     with pytest.raises(ValueError, match=r"A expected \[I, N\] = \[4, 3\], got \(4,\)"):
         reference_selective_scan(x, dt, torch.zeros(4), Bm, Cm, ids)
+
+
+def _minimax_layer(block_size: int):
+    """A float64 ``MiniMaxLightningAttention`` (layer 1 of 3: its own slope) with its decay tables recomputed in
+    float64 from its slope (the stock layer computes them once, at init, in float32)."""
+    import transformers
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    cfg = transformers.MiniMaxConfig(hidden_size=16, num_attention_heads=2, head_dim=6, num_hidden_layers=3,
+                                     block_size=block_size, layer_types=["linear_attention"] * 3)
+    torch.manual_seed(0)
+    layer = MiniMaxLightningAttention(cfg, layer_idx=1).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    layer.query_decay, layer.key_decay, layer.diagonal_decay = layer.decay_factors(layer.slope_rate)
+    return layer
+
+
+@pytest.mark.parametrize("S, block", [pytest.param(5, 8, id="S5-one-block"), pytest.param(19, 8, id="S19-three-blocks")])
+def test_lightning_attention_matches_transformers_on_one_document(S, block):
+    """The reference core inside MiniMaxLightningAttention's own forward (its projections, silu, RMSNorm, sigmoid
+    gate and out_proj around it) against the stock forward on one document: its blocks (intra-block decayed
+    ``q k^T`` and the carried ``k^T v``) against the token-by-token state, in float64."""
+    from blockdiag_ref import reference_lightning_attention
+
+    layer = _minimax_layer(block)
+    H, D = layer.num_attention_heads, layer.head_dim
+    h = torch.randn(1, S, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(S))
+    theirs, _ = layer(h, None, None)
+    q, k, v = torch.nn.functional.silu(layer.qkv_proj(h)).view(1, S, H, 3 * D).split(D, dim=-1)
+    core = reference_lightning_attention(q, k, v, layer.slope_rate.view(H), torch.ones(1, S, dtype=torch.long))
+    ours = layer.out_proj(torch.sigmoid(layer.output_gate(h)) * layer.norm(core.reshape(1, S, H * D)))
+    err = (theirs - ours).abs().max() / theirs.abs().max()
+    assert err < 1e-13, f"relative error {err:.2e}"
+
+
+def test_lightning_attention_is_per_document():
+    from blockdiag_ref import reference_lightning_attention
+
+    ids = torch.tensor([[1, 1, 1, 0, 2, 2, 2, 2, 1, 1], [3, 3, 3, 3, 3, 3, 0, 0, 4, 4]])
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, 10, 2, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 10, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    slope = torch.tensor([0.5, 0.05], dtype=torch.float64)
+    out = reference_lightning_attention(q, k, v, slope, ids)
+    for row, start, end in DocLayout.from_doc_ids(ids).segments.tolist():
+        alone = reference_lightning_attention(*(t[row:row + 1, start:end] for t in (q, k, v)), slope,
+                                              torch.ones(1, end - start, dtype=torch.long))
+        torch.testing.assert_close(out[row:row + 1, start:end], alone, rtol=0, atol=0)
+    assert (out[ids == 0] == 0).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert (t.grad[ids == 0] == 0).all() and t.grad[ids != 0].abs().sum() > 0
+    with pytest.raises(ValueError, match=r"slope expected H = 2 numbers \(one per head\), got \(3,\)"):
+        reference_lightning_attention(q, k, v, torch.ones(3), ids)
+    with pytest.raises(ValueError, match=r"expected q, k \[B, S, H, K\] and v \[B, S, H, V\]"):
+        reference_lightning_attention(q, k[:, :, :1], v, slope, ids)

@@ -226,9 +226,10 @@ def test_every_planted_bug_is_reported_through_the_minimal_adapter_with_quick(se
     pytest.fail(f"{impl}: all {len(cases)} cases of --quick passed")
 
 
-@pytest.mark.parametrize("bug, layer", [("scan_decay_per_rank", "mamba1"), ("decay_per_rank", "kda")])
+@pytest.mark.parametrize("bug, layer", [("scan_decay_per_rank", "mamba1"), ("decay_per_rank", "kda"),
+                                        ("decay_per_rank", "lightning")])
 def test_quick_matrix_meets_the_scan_decay_bug(session, bug, layer):
-    """``mixer_scan_decay_per_rank`` and KDA's ``mixer_decay_per_rank`` (a continuing piece decayed by the tokens
+    """``mixer_scan_decay_per_rank`` and KDA's and lightning's ``mixer_decay_per_rank`` (a continuing piece decayed by the tokens
     its rank holds before it in its row) are reported by blockdiag_dist's own ``--quick`` cases of their layer: some
     balanced case fails (the balanced and auto ones are run)."""
     impl = f"verify.mutants.mixer_{bug}"

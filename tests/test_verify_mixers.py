@@ -1,5 +1,5 @@
 """The verifier judges the mixers of hybrid models as it judges attention: our convolution, gated delta rule,
-Mamba2 SSD, KDA, DeepSeek Sparse Attention and Mamba1's selective scan pass hard cases (a rank holding only padding
+Mamba2 SSD, KDA, DeepSeek Sparse Attention, Mamba1's selective scan and lightning attention pass hard cases (a rank holding only padding
 under non-reentrant checkpointing, documents over every rank, balanced layouts, B > 1), every planted mixer bug is reported as a numerical failure, the replay command
 rebuilds a mixer case, and fuzzing draws mixer layers."""
 
@@ -39,6 +39,7 @@ HARD = [
     case("two-rows", 3, "sparse", width=2, layout="balanced", checkpoint="reentrant"),
     case("padding-rank", 4, "mamba1", checkpoint="nonreentrant", dtype="float32"),
     case("spans-every-rank", 3, "mamba1", layout="balanced", checkpoint="reentrant"),
+    case("padding-rank", 4, "lightning", layout="balanced", checkpoint="nonreentrant", dtype="float32"),
 ]
 
 
@@ -53,17 +54,20 @@ def test_our_mixers_pass_hard_cases(session):
 # bug -> cases where it shows (the numbers, not only the exchange's byte count)
 MUTANT_CASES = {
     "mixer_state_leak": [case("many-short", 2, "gated_delta"), case("many-short", 2, "mamba2"), case("many-short", 2, "kda"),
-                         case("many-short", 2, "mamba1")],
+                         case("many-short", 2, "mamba1"), case("many-short", 2, "lightning")],
     "mixer_reset_late": [case("many-short", 2, "gated_delta"), case("two-rows", 3, "gated_delta", layout="balanced"),
                          case("two-rows", 3, "mamba2", layout="balanced"), case("two-rows", 3, "mamba1", layout="balanced")],
     "mixer_summary_bf16": [case("spans-every-rank", 4, "gated_delta", dtype="float32"),
                            case("spans-every-rank", 4, "mamba2", dtype="float32"),
                            case("spans-every-rank", 4, "kda", dtype="float32"),
-                           case("spans-every-rank", 4, "mamba1", dtype="float32")],
+                           case("spans-every-rank", 4, "mamba1", dtype="float32"),
+                           case("spans-every-rank", 4, "lightning", dtype="float32")],
     # a continuing piece that starts inside a rank's row (balanced layouts): counted from the row, its entering
     # state decays too much
     "mixer_decay_per_rank": [case("spans-every-rank", 3, "kda", layout="balanced"),
-                             case("padding-rank", 4, "kda", layout="balanced", dtype="float32")],
+                             case("padding-rank", 4, "kda", layout="balanced", dtype="float32"),
+                             case("spans-every-rank", 3, "lightning", layout="balanced"),
+                             case("two-rows", 4, "lightning", layout="balanced", dtype="float32")],
     # a continuing piece with other tokens before it in its rank's row: balanced layouts (a rank's second chunk)
     "mixer_scan_decay_per_rank": [case("spans-every-rank", 2, "mamba1", layout="balanced"),
                                   case("two-rows", 4, "mamba1", layout="balanced", dtype="float32")],
@@ -100,11 +104,13 @@ def test_mixer_matrix_covers_every_named_layout_and_cp_size_once_per_layer():
     for layer in (name for name, s in SPECS.items() if not s.layouts_per_cp):
         mine = [(c.name, c.cp) for c in cases if c.layer == layer]
         assert len(mine) == len(set(mine)) == 3 * len(NAMED_LAYOUTS) - 1  # s-lt-cp needs CP >= 2
-    # mamba1 (its plan and folds are run_recurrence's, judged in full above): 4 named layouts per CP size, rotating
+    # mamba1 and lightning (their plan and folds are run_recurrence's, judged in full above): 4 named layouts per CP
+    # size, rotating
     thin = list(mixer_matrix(cps=(1, 2, 3, 4, 8)))
-    mine = [(c.name, c.cp) for c in thin if c.layer == "mamba1"]
-    assert len(mine) == len(set(mine)) == 5 * 4 and {n for n, _ in mine} == set(NAMED_LAYOUTS)
-    assert {cp for _, cp in mine} == {1, 2, 3, 4, 8} and ("s-lt-cp", 1) not in mine
+    for layer in ("mamba1", "lightning"):
+        mine = [(c.name, c.cp) for c in thin if c.layer == layer]
+        assert len(mine) == len(set(mine)) == 5 * 4 and {n for n, _ in mine} == set(NAMED_LAYOUTS)
+        assert {cp for _, cp in mine} == {1, 2, 3, 4, 8} and ("s-lt-cp", 1) not in mine
     assert {c.layout for c in cases} == {"contiguous", "balanced", "auto"}
     assert {c.dtype for c in cases} == {"float64", "float32"} and {c.checkpoint for c in cases} == {"none", "reentrant", "nonreentrant"}
 
@@ -117,7 +123,7 @@ def test_fuzzing_draws_mixer_layers():
 
     seen = set()
 
-    @settings(max_examples=100, database=None, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=150, database=None, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(case_strategy(impl_info("blockdiag_dist")))
     def draw(c):
         seen.add(c.layer)

@@ -294,3 +294,19 @@ def test_a_model_whose_reference_cannot_run_here_is_unavailable_with_the_reason(
 
     r = _prepare(CudaOnly(), ModelCase(model="m", args=("--model", "m"), cp=1, layout="rank-edges"))
     assert r.cls == "unavailable" and r.message == "RuntimeError: fused_kernel: expected a CUDA device, got cpu"
+
+
+def test_minimax_is_judged_against_its_lightning_layers_in_float64(prepared):
+    """The minimax preset's lightning layer computes below float64 only inside a module of its own (its RMSNorm over
+    the heads): the layer still counts as a mixer computing below float64, so the mixers64 truth exists for it; and
+    its decay tables, made at init in float32, are remade in float64 in a float64 model."""
+    import torch
+
+    from verify.model.reference import Reference
+
+    ref = Reference(prepared("minimax"))
+    assert ref.mixer_classes() == ["MiniMaxLightningAttention"] and ref.variants() == ["stock", "mixers64"]
+    model, _ = ref.model("float64")
+    layer = next(m for m in model.modules() if type(m).__name__ == "MiniMaxLightningAttention")
+    n = torch.arange(1, layer.block_size + 1, dtype=torch.float64)[:, None]
+    assert torch.equal(layer.query_decay, torch.exp(-layer.slope_rate * n))

@@ -1,4 +1,5 @@
-"""Hugging Face transformers' Gated DeltaNet, KDA, Mamba2, Mamba1 and short-convolution layers per document under CP.
+"""Hugging Face transformers' Gated DeltaNet, KDA, Mamba2, Mamba1, lightning-attention and short-convolution layers per
+document under CP.
 
 The installers of the mixer families (:data:`blockdiag_dist.families.FAMILIES` names the classes each installs
 on; nothing of transformers is imported here): the first time a step meets one of these classes, the guard
@@ -44,6 +45,14 @@ of ``dt, B, C``; ``dt = softplus(dt_proj(dt))`` in the model's dtype; ``A = -exp
 (its torch path keeps the state in the model's dtype); here they are computed in the model's dtype, float32 at
 least, as for the other families.
 
+MiniMax's lightning attention (``MiniMaxLightningAttention`` of ``minimax``; :func:`install_lightning`): the core
+through :func:`blockdiag_dist.mixers.lightning_attention` with the layer's ``slope_rate``; the stock math elsewhere
+(``act_fn(qkv_proj(h))`` split per head into q, k, v; the RMSNorm over all heads; ``sigmoid(output_gate(h))``;
+``out_proj``). The stock layer computes its core in the model's dtype from decay tables made once at init in float32
+(``query_decay``, ``key_decay``, ``diagonal_decay``: float32-rounded in a float64 model too) and its RMSNorm in
+float32; here the core and the norm are computed in the model's dtype, float32 at least, the decays
+``exp(-slope n)`` from the slope itself.
+
 LFM2's short convolutions (:data:`SHORT_CONV_CLASSES`: ``Lfm2ShortConv`` of ``lfm2`` / ``lfm2_vl``,
 ``Lfm2MoeShortConv`` of ``lfm2_moe``, ``Lfm3ShortConv`` of ``lfm3``; one forward in transformers 5.24,
 :func:`install_short_conv`): ``B, C, x = in_proj(h)``, the depthwise causal convolution of ``B * x`` through
@@ -66,11 +75,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..mixers import causal_conv, gated_delta_rule, kimi_delta_attention, selective_scan, ssd
+from ..mixers import causal_conv, gated_delta_rule, kimi_delta_attention, lightning_attention, selective_scan, ssd
 
 __all__ = [
-    "GATED_DELTA_NET_CLASSES", "KDA_CLASSES", "MAMBA1_CLASSES", "MAMBA2_CLASSES", "SHORT_CONV_CLASSES",
-    "install_gated_delta_net", "install_kda", "install_mamba1", "install_mamba2", "install_short_conv",
+    "GATED_DELTA_NET_CLASSES", "KDA_CLASSES", "LIGHTNING_CLASSES", "MAMBA1_CLASSES", "MAMBA2_CLASSES",
+    "SHORT_CONV_CLASSES", "install_gated_delta_net", "install_kda", "install_lightning", "install_mamba1",
+    "install_mamba2", "install_short_conv",
 ]
 
 CONV_ACTIVATIONS = ("silu", "swish")  # computed inside causal_conv; any other is applied after it, as ACT2FN does
@@ -418,6 +428,35 @@ def install_mamba1(cls: type) -> str:
     return _install(cls, _mamba1_forward, how)
 
 
+LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
+
+
+def _lightning_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, attention_mask: Any):
+    """``MiniMaxLightningAttention.forward`` under ``state``: ``hidden_states [B, L, E]`` -> ``(out [B, L, E], None)``
+    (the stock returns the final state second; its decoder layer discards it)."""
+    _refuse_cache_and_mask(self, cache, attention_mask)
+    B, L, _ = hidden_states.shape
+    H, D = self.num_attention_heads, self.head_dim
+    qkv = self.act_fn(self.qkv_proj(hidden_states)).reshape(B, L, H, 3 * D)
+    q, k, v = torch.split(qkv, D, dim=3)
+    core = lightning_attention(q, k, v, self.slope_rate, state=state)  # [B, L, H, D], float32 at least
+    dt = torch.promote_types(hidden_states.dtype, torch.float32)  # MiniMaxRMSNorm: float32 always
+    x = core.reshape(B, L, H * D).to(dt)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.variance_epsilon)
+    x = self.norm.weight * x.to(hidden_states.dtype)
+    return self.out_proj(torch.sigmoid(self.output_gate(hidden_states)) * x), None
+
+
+def install_lightning(cls: type) -> str:
+    """Give ``cls`` (``MiniMaxLightningAttention``, or a subclass) a forward that is per document under a CP step and
+    the class's own outside one; returns how (for the guard's notes)."""
+    if not any(c.__name__ in LIGHTNING_CLASSES for c in cls.__mro__):
+        raise ValueError(f"install_lightning: expected one of {sorted(LIGHTNING_CLASSES)}, got {cls.__name__}")
+    return _install(cls, _lightning_forward, "lightning attention with the states of documents continuing from other "
+                    "ranks (blockdiag_dist.mixers.lightning_attention)",
+                    positional=("position_embeddings", "attention_mask", "cache"))
+
+
 SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")  # one forward in transformers 5.24
 
 
@@ -437,21 +476,28 @@ def install_short_conv(cls: type) -> str:
                     "from other ranks (blockdiag_dist.mixers.causal_conv)")
 
 
-def _install(cls: type, per_document, how: str) -> str:
+def _install(cls: type, per_document, how: str, positional: tuple[str, ...] = ("cache", "attention_mask")) -> str:
     """``cls.forward`` becomes ``per_document(self, state, hidden_states, cache, attention_mask)`` under a CP step
-    and the stock forward outside one (installed once; the stock forward kept as ``_blockdiag_stock``)."""
+    and the stock forward, called as it was called, outside one (installed once; the stock forward kept as
+    ``_blockdiag_stock``). ``positional``: the names of the stock forward's parameters after ``hidden_states``, in
+    order (a positional argument under a step is read by its name)."""
     stock = cls.forward
     if getattr(stock, "_blockdiag_stock", None) is not None:
         return stock._blockdiag_how
 
     @functools.wraps(stock)
-    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    def forward(self, hidden_states, *args, **kwargs):
         from ..runtime import _step_of_call
 
         state = _step_of_call(hidden_states) if torch.is_tensor(hidden_states) else None
         if state is None:
-            return stock(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        return per_document(self, state, hidden_states, kwargs.get("cache_params", cache), attention_mask)
+            return stock(self, hidden_states, *args, **kwargs)
+        if len(args) > len(positional):
+            raise ValueError(f"{type(self).__name__}.forward: expected at most {len(positional)} positional arguments "
+                             f"after hidden_states ({', '.join(positional)}), got {len(args)}")
+        kwargs.update(zip(positional, args))
+        cache = kwargs.get("cache_params", kwargs.get("cache"))
+        return per_document(self, state, hidden_states, cache, kwargs.get("attention_mask"))
 
     forward._blockdiag_stock = stock
     forward._blockdiag_how = how

@@ -16,13 +16,13 @@ Shape legend: B rows, S (or L, a rank's) positions, E hidden size; the other siz
 
 from __future__ import annotations
 
-from . import conv, gated_delta, kda, mamba1, mamba2, sparse
+from . import conv, gated_delta, kda, lightning, mamba1, mamba2, sparse
 from ._spec import VOCAB, MixerSpec, sizes, weight_maker
 
 __all__ = ["SPECS", "VOCAB", "MixerSpec", "sizes", "spec", "weight_maker"]
 
 SPECS: dict[str, MixerSpec] = {s.layer: s for s in (conv.SPEC, gated_delta.SPEC, mamba2.SPEC, kda.SPEC, sparse.SPEC,
-                                                    mamba1.SPEC)}
+                                                    mamba1.SPEC, lightning.SPEC)}
 
 
 def spec(layer: str) -> MixerSpec:

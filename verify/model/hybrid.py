@@ -5,7 +5,8 @@ configs, the truth they are compared with, and the step every rank of a pool run
   (hidden 32, layers linear-attention / full-attention / linear-attention, 2 key and 4 value heads of 8), or a tiny
   ``nemotron_h`` / ``nemotron_h_moe`` / ``bamba`` / ``granitemoehybrid`` (Mamba2 layers of 4 heads of 8, 2 groups,
   state 8, convolution width 4, SSD chunk 16 in the stock truth, with attention and MLP / MoE layers), random
-  weights from a seed, blockdiag's attention registered;
+  weights from a seed, blockdiag's attention registered; and the other hybrids of ``FAMILIES`` (KDA, Mamba1, LFM2,
+  MiniMax's lightning attention: :func:`float64_decay_tables`);
 - :func:`float64_kernel`: the truth's one substitution. The stock Gated DeltaNet computes its gates, its chunked
   kernel and its gated norm in float32 whatever the model's dtype; inside this context the Gated DeltaNet layers
   run every op in float64 (``verify.model``'s "mixers64" truth: :func:`verify.model.precision.float64_modules`),
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 
 from blockdiag_dist.integrations import pack_documents, register_transformers_attention
 from .harness import StepResult, cp_step, document_reference, text_forward
+from .precision import float64_decay_tables
 
 __all__ = [
     "DOC_LENGTHS",
@@ -39,6 +41,7 @@ __all__ = [
     "build_tiny_hybrid",
     "cp_parity_step",
     "float32_reduced",
+    "float64_decay_tables",
     "float64_kernel",
     "hybrid_batch",
     "hybrid_docs",
@@ -76,6 +79,10 @@ FAMILIES.update({
     "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", "transformers.models.olmo_hybrid.modeling_olmo_hybrid"),
     "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM", "transformers.models.lara_mini.modeling_lara_mini"),
 })
+# MiniMax (lightning attention, softmax attention, lightning attention; every feed-forward a MoE of 4 experts, 2 per
+# token): lightning layers of 4 heads of 8, blocks of 16 tokens in the stock truth (documents over several blocks)
+FAMILIES["minimax"] = ("MiniMaxConfig", "MiniMaxForCausalLM", "transformers.models.minimax.modeling_minimax")
+MINIMAX_LAYERS = ("linear_attention", "full_attention", "linear_attention")
 KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")  # KDA, MLA attention (dense MLPs here), KDA
 # LFM2: short convolution (width 3), attention, short convolution; the MoE variant's last layer sparse
 SHORT_CONV_LAYERS = ("conv", "full_attention", "conv")
@@ -189,9 +196,20 @@ def _mamba1_config(family: str, layers: tuple[str, ...]):
     return cfg_cls(**common, layers_block_type=list(layers), n_mamba_heads=m["zamba_heads"])
 
 
+def _minimax_config(layers: tuple[str, ...]):
+    import transformers
+
+    return transformers.MiniMaxConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=len(layers), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=16,
+        layer_types=list(layers), tie_word_embeddings=False, max_position_embeddings=4 * SEQ_LEN)
+
+
 def _config(family: str, layers: tuple[str, ...]):
     import transformers
 
+    if family == "minimax":
+        return _minimax_config(layers)
     if family in MAMBA1_LAYERS:
         return _mamba1_config(family, layers)
     if family in FAMILY_LAYERS:
@@ -232,14 +250,15 @@ def build_tiny_hybrid(family: str, dtype: torch.dtype = torch.float64, *, seed: 
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
     if layers is None:
-        layers = (SHORT_CONV_LAYERS if family.startswith("lfm2") else
+        layers = (SHORT_CONV_LAYERS if family.startswith("lfm2") else MINIMAX_LAYERS if family == "minimax" else
                   MAMBA1_LAYERS.get(family) or FAMILY_LAYERS.get(family, LAYER_TYPES))
     torch.manual_seed(seed)
     model_cls = getattr(transformers, FAMILIES[family][1])
-    moe = family in ("qwen3_5_moe", "nemotron_h_moe", "lfm2_moe", "lara_mini", "jamba")
+    moe = family in ("qwen3_5_moe", "nemotron_h_moe", "lfm2_moe", "lara_mini", "jamba", "minimax")
     extra = {"experts_implementation": "eager"} if moe else {}  # grouped_mm has no float64
     model = model_cls._from_config(_config(family, layers), attn_implementation=register_transformers_attention(),
                                    **extra).to(dtype)
+    float64_decay_tables(model)
     if checkpointing is not None:
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable({"use_reentrant": checkpointing == "reentrant"})

@@ -25,7 +25,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["LOW", "LowPrecisionUse", "Promote", "float32_ops", "float64_eager_attention", "float64_modules", "module_stack"]
+__all__ = [
+    "LOW", "LowPrecisionUse", "Promote", "float32_ops", "float64_decay_tables", "float64_eager_attention", "float64_modules",
+    "module_stack",
+]
 
 LOW = (torch.float32, torch.bfloat16, torch.float16)
 # ops that only view, move or copy a tensor: not worth naming (the op that produced it is named)
@@ -180,3 +183,14 @@ def float64_modules(model: nn.Module, match: Callable[[nn.Module], bool]) -> Ite
             h.remove()
         while modes:
             modes.pop().__exit__(None, None, None)
+
+
+def float64_decay_tables(model: nn.Module) -> None:
+    """MiniMax's lightning layers make their decay tables (``query_decay``, ``key_decay``, ``diagonal_decay``:
+    ``exp(-slope n)``) once, at init, in float32; a model cast to float64 keeps those float32 roundings (relative
+    6e-8: the model's own float32 step, not CP's). Recomputed here in float64 from the layer's slope, for the
+    float64 truth (blockdiag computes the decays from the slope, in the model's dtype): ``verify model``'s models
+    (:func:`verify.model.zoo.build`) and ``verify.model.hybrid``'s are built so. Other models: unchanged."""
+    for m in model.modules():
+        if type(m).__name__ == "MiniMaxLightningAttention" and m.slope_rate.dtype == torch.float64:
+            m.query_decay, m.key_decay, m.diagonal_decay = m.decay_factors(m.slope_rate)

@@ -102,11 +102,19 @@ class Reference:
         model computes below float64 on its stock path, the model with its mixers in float64 ("mixers64"): an
         implementation that replaces the mixer may compute it in the model's dtype or round as the stock path
         does; either is judged with sharp limits against the truth it follows."""
-        mixers = {u.cls for u in self.float32_ops() if _is_mixer_class(u.cls)}
-        return ["stock", "mixers64"] if mixers else ["stock"]
+        return ["stock", "mixers64"] if self.mixer_classes() else ["stock"]
 
     def mixer_classes(self) -> list[str]:
-        return sorted({u.cls for u in self.float32_ops() if _is_mixer_class(u.cls)})
+        """The sequence mixers that compute below float64 on the stock path: in their own code, or in a module
+        inside them (MiniMax's lightning layer: its RMSNorm over the heads)."""
+        model, _ = self.model("float64")
+        mixers = {n: type(m).__name__ for n, m in model.named_modules() if _is_mixer(m)}
+        found = set()
+        for u in self.float32_ops():
+            if _is_mixer_class(u.cls):
+                found.add(u.cls)
+            found.update(c for n, c in mixers.items() if u.module.startswith(n + "."))
+        return sorted(found)
 
     def packed(self, rows) -> Packed:
         if rows not in self._batches:

@@ -54,6 +54,7 @@ PRESETS: dict[str, Preset] = {
     "jamba": Preset("jamba", "Mamba1 selective scan (RMSNorms of dt, B, C) + attention without positions, MoE"),
     "falcon_mamba": Preset("falcon_mamba", "Mamba1 selective scan only (weightless norms of dt, B, C): no attention"),
     "mamba": Preset("mamba", "Mamba1 selective scan only: no attention"),
+    "minimax": Preset("minimax", "lightning attention (a fixed decay per head) + softmax attention, MoE"),
     "qwen2_5_vl": Preset("qwen2_5_vl", "vision-language: vision tower (windowed and full blocks), mRoPE"),
     "qwen3_vl": Preset("qwen3_vl", "vision-language: vision tower with deepstack levels, mRoPE"),
     "gpt_oss": Preset("gpt_oss", "attention sinks, sliding and full layers, MoE"),
@@ -241,7 +242,8 @@ def resolve(model: str, *, tiny: bool = False) -> Prepared:
 
 def build(prepared: Prepared, dtype: torch.dtype, attn_implementation: str, seed: int = SEED) -> nn.Module:
     """The model with weights drawn from ``seed`` (in float32, then cast: every dtype holds the same weights), in
-    training mode, every dropout off."""
+    training mode, every dropout off; in float64, the constants it makes at init in float32 remade in float64
+    (:func:`~verify.model.precision.float64_decay_tables`)."""
     import copy
 
     config = copy.deepcopy(prepared.config)
@@ -260,6 +262,9 @@ def build(prepared: Prepared, dtype: torch.dtype, attn_implementation: str, seed
     finally:
         torch.set_num_threads(threads)
     model = model.to(dtype)
+    from .precision import float64_decay_tables
+
+    float64_decay_tables(model)  # constants a model makes at init in float32 (MiniMax's), remade in a float64 model
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0

@@ -24,10 +24,11 @@ same code with one bug that CP systems are known to ship:
 | `softcap_after_softmax` | ``softcap * tanh(.)`` applied to the probabilities, not the scores | fail             |
 | `temperature_from_row` | the NoPE temperature from the query's row position, not its document's (Llama 4 as shipped) | fail |
 
-The mixers of hybrid models (``--layer conv`` / ``gated_delta`` / ``mamba2`` / ``kda`` / ``sparse`` / ``mamba1``
-cases; ``verify.mutants._mixers``, the bugs planted by each family of ``verify.families``): blockdiag_dist itself
-with one mistake in its convolution, its recurrences (the recurrence bugs are planted in the gated delta rule,
-Mamba2's SSD, KDA and Mamba1's selective scan) or its sparse attention's indexer.
+The mixers of hybrid models (``--layer conv`` / ``gated_delta`` / ``mamba2`` / ``kda`` / ``sparse`` / ``mamba1`` /
+``lightning`` cases; ``verify.mutants._mixers``, the bugs planted by each family of ``verify.families``):
+blockdiag_dist itself with one mistake in its convolution, its recurrences (the recurrence bugs are planted in the
+gated delta rule, Mamba2's SSD, KDA, Mamba1's selective scan and lightning attention) or its sparse attention's
+indexer.
 
 | module                     | bug                                                                  | verifier reports |
 | -------------------------- | -------------------------------------------------------------------- | ---------------- |
@@ -37,7 +38,7 @@ Mamba2's SSD, KDA and Mamba1's selective scan) or its sparse attention's indexer
 | `mixer_conv_unmasked`      | the convolution's history is not masked by document                   | fail             |
 | `mixer_history_wrong_rank` | the history is the previous rank's last rows (right only for contiguous shards of long pieces) | fail |
 | `mixer_ssd_no_decay`       | the SSD's fold drops the transitions (a state crossing a piece held elsewhere is not decayed) | fail |
-| `mixer_decay_per_rank`     | KDA's decay counted from the rank's first row: a continuing piece's entering state decays too much | fail |
+| `mixer_decay_per_rank`     | KDA's and lightning attention's decay counted from the rank's first row: a continuing piece's entering state decays too much | fail |
 | `mixer_topk_over_row`      | DeepSeek Sparse Attention's indexer picks its top-k among the row's earlier tokens, not the document's (NeMo Automodel's packed path) | fail |
 | `mixer_scan_decay_per_rank` | the selective scan's entering state decayed by every token the rank holds before the piece in its row (per rank, not per document) | fail |
 

@@ -23,8 +23,8 @@ MIXER_BUGS = {
     "conv_unmasked": "the convolution's history is not masked by document: a document reads the previous one's tail",
     "history_wrong_rank": "the convolution's history is the previous rank's last rows, whatever the layout holds there",
     "ssd_no_decay": "the SSD's fold drops the transitions: a state crossing a piece held elsewhere is not decayed by it",
-    "decay_per_rank": "KDA's decay is counted from the rank's first row, not the document's: a continuing document's "
-                      "entering state is also decayed by the tokens the rank holds before it",
+    "decay_per_rank": "KDA's and lightning attention's decay is counted from the rank's first row, not the document's: "
+                      "a continuing document's entering state is also decayed by the tokens the rank holds before it",
     "topk_over_row": "the DSA indexer's candidates are the row's earlier tokens (a global causal mask, as NeMo Automodel's "
                      "packed path), not the query's document: top-k slots and attention go to other documents",
     "scan_decay_per_rank": "the selective scan's entering state is decayed per rank, not per document: by every token "
