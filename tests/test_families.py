@@ -25,7 +25,10 @@ INSTALLER_TABLES = {"gated_delta_net": hf_mixers.GATED_DELTA_NET_CLASSES, "mamba
 
 
 def test_every_family_resolves_and_the_guard_knows_its_classes():
-    for fam in FAMILIES.values():
+    # the package's own entries; a family a user (or a docs example run in this process) registers is not judged here
+    ours = [f for f in FAMILIES.values() if f.load("function").__module__.startswith("blockdiag_dist")]
+    assert {f.name for f in ours} >= set(INSTALLER_TABLES)
+    for fam in ours:
         assert callable(fam.load("function")) and callable(fam.load("reference"))
         assert fam.load("function").__name__ == fam.function_name
         assert fam.load("reference").__module__.startswith("blockdiag_ref")
