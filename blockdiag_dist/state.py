@@ -118,6 +118,7 @@ class StepState:
         self._windows: dict[tuple[int, int, bool], WindowPlan] = {}  # by (window left, chunk, bidirectional)
         self._agreed: set[tuple[int, int, bool]] = set()  # windows whose plan the CP group compared (check_consensus)
         self.blocks: BlockPlan | None = None  # the step's bidirectional blocks (set_bidirectional_blocks)
+        self.block_entries = 0  # entries of a model whose blocks come from its token_type_ids (integrations.vlm)
         self._mixer_plans: dict = {}  # plans of the sequence mixers (blockdiag_dist.mixers), built on first use
         self._mixers_agreed: set[str] = set()  # mixer call signatures the CP group compared (check_consensus)
         self._lock = threading.RLock()

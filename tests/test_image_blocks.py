@@ -83,6 +83,15 @@ def test_what_stays_refused_names_the_layer():
         with ctx():
             model(input_ids=local["input_ids"], token_type_ids=local["token_type_ids"], position_ids=local["position_ids"],
                   use_cache=False)
+    fresh = ib.build("paligemma")  # its inner model called first: the scan hooks it too late for this call
+    batch = ib.packed_batch("paligemma", ib.documents("paligemma"))
+    ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, dict(batch), shard_primary=False)
+    with pytest.raises(ValueError, match=r"blockdiag_cp attention in GemmaAttention: expected the bidirectional blocks its "
+                                         r"model reads from token_type_ids .*got a layer of the language model of a Gemma3Model / "
+                                         r"PaliGemmaModel .*the model itself was the step's first call"):
+        with ctx():
+            fresh.model(**{k: local[k] for k in ("input_ids", "token_type_ids", "position_ids", "pixel_values")},
+                        use_cache=False)
     from blockdiag_dist.guard import KNOWN_MIXERS, MIXER_KINDS
 
     assert KNOWN_MIXERS["Gemma4UnifiedModel"] == "image_bidirectional" and "beyond the window" in MIXER_KINDS["image_bidirectional"]

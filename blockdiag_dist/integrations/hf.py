@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from .._stock import stock_sdpa
 from ..runtime import cp_blockdiag_sdpa
 from ..state import current_state
-from .vlm import causal_with_prefix, in_bidirectional_region, in_sharded_region, unsharded_reason
+from .vlm import BIDIRECTIONAL_MODELS, causal_with_prefix, in_bidirectional_region, in_sharded_region, unsharded_reason
 
 __all__ = ["ATTENTION_NAME", "UnsupportedAttentionError", "blockdiag_attention_forward", "register_transformers_attention"]
 
@@ -200,7 +200,15 @@ def blockdiag_attention_forward(
         query = _without_row_temperature(query, key, temperature)
     state = current_state()
     # Gemma 3 / PaliGemma: the blocks the model's entry gave the step (blockdiag_dist.integrations.vlm)
-    bidirectional = True if state is not None and state.blocks is not None and in_bidirectional_region(module) else None
+    bidirectional = None
+    if state is not None and in_bidirectional_region(module):
+        if state.block_entries == 0:
+            raise _refuse(
+                module, "the bidirectional blocks its model reads from token_type_ids at its entry (a forward pre-hook "
+                "the step's first scan installs)", f"a layer of the language model of a {' / '.join(BIDIRECTIONAL_MODELS)} called "
+                "in a step whose model entry was not seen (the model itself was the step's first call: call its "
+                "...ForConditionalGeneration, or the same model again from the next step on); its image blocks are unknown")
+        bidirectional = True if state.blocks is not None else None
     if attention_mask is not None and attention_mask.is_floating_point() and state is not None:
         raise _refuse(
             module, "no attention_mask, or a bool one (replaced by the per-document causal mask)",

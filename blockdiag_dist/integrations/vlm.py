@@ -227,8 +227,10 @@ def _check_model_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) 
     ``image_grid_thw`` gives, each image within one document."""
     state = current_state()
     pixels = kwargs.get("pixel_values")
-    if state is not None and kwargs.get("token_type_ids") is not None and _bidirectional_rule(module) is not None:
-        _step_blocks(module, kwargs["token_type_ids"], state)
+    if state is not None and _bidirectional_rule(module) is not None:
+        state.block_entries += 1
+        if kwargs.get("token_type_ids") is not None:
+            _step_blocks(module, kwargs["token_type_ids"], state)
     if state is None or (pixels is None and kwargs.get("pixel_values_videos") is None):
         return None
     name = type(module).__name__
