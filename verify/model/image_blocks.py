@@ -26,7 +26,7 @@ from blockdiag_dist.integrations import IGNORE_INDEX, causal_lm_loss, register_t
 
 from .harness import StepResult, cp_step, param_grads
 
-__all__ = ["FAMILIES", "IMAGE_TOKEN", "SEQ_LEN", "build", "document_reference", "documents", "float64_norms",
+__all__ = ["FAMILIES", "IMAGE_TOKEN", "SEQ_LEN", "build", "document_reference", "documents", "float64_norms", "forward", "judge",
            "packed_batch", "run_case", "tiny_config"]
 
 FAMILIES = ("gemma3", "paligemma")
@@ -190,7 +190,8 @@ def float64_norms():
             o.forward = f
 
 
-def _forward(model: nn.Module, local: dict[str, Any]) -> Tensor:
+def forward(model: nn.Module, local: dict[str, Any]) -> Tensor:
+    """The model's own forward on a (sharded) batch of :func:`packed_batch`: logits ``[B, L, V]``."""
     inputs = {k: v for k, v in local.items() if k not in ("labels", "_packed_seq_ids", "padding_mask", "loss_mask")}
     return model(**inputs, use_cache=False).logits
 
@@ -208,7 +209,7 @@ def run_case(family: str, layout: str = "contiguous", *, seed: int = 0, kernel: 
         mesh = worker_info()["cp_mesh"]
     options = {"kernel": kernel} if kernel else {}
     with float64_norms():
-        return cp_step(model, batch, mesh, _forward, shard_primary=False, layout=layout, **options)
+        return cp_step(model, batch, mesh, forward, shard_primary=False, layout=layout, **options)
 
 
 ROUNDING = 1e-12  # a gradient norm at most this fraction of the largest is rounding: zero in exact arithmetic
