@@ -19,6 +19,7 @@ transformers = pytest.importorskip(
 )
 
 from blockdiag_dist import make_cp_blockdiag_batch_and_ctx  # noqa: E402
+from blockdiag_dist.guard import UnsupportedLayerError  # noqa: E402
 from blockdiag_dist.integrations import vlm  # noqa: E402
 from verify.model import image_blocks as ib  # noqa: E402
 
@@ -92,6 +93,11 @@ def test_what_stays_refused_names_the_layer():
         with ctx():
             fresh.model(**{k: local[k] for k in ("input_ids", "token_type_ids", "position_ids", "pixel_values")},
                         use_cache=False)
+    ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, {k: v for k, v in batch.items() if k != "token_type_ids"},
+                                                 shard_primary=False)
+    with pytest.raises(UnsupportedLayerError, match=r"layer PaliGemmaModel is not computed per document under CP without "
+                                                    r"token_type_ids: expected token_type_ids \[B, S\]"), ctx():
+        fresh(**{k: local[k] for k in ("input_ids", "position_ids", "pixel_values")}, use_cache=False)
     from blockdiag_dist.guard import KNOWN_MIXERS, MIXER_KINDS
 
     assert KNOWN_MIXERS["Gemma4UnifiedModel"] == "image_bidirectional" and "beyond the window" in MIXER_KINDS["image_bidirectional"]

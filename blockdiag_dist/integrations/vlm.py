@@ -231,6 +231,16 @@ def _check_model_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) 
         state.block_entries += 1
         if kwargs.get("token_type_ids") is not None:
             _step_blocks(module, kwargs["token_type_ids"], state)
+        elif _bidirectional_rule(module) is _paligemma_blocks:
+            from ..guard import UnsupportedLayerError
+
+            raise UnsupportedLayerError(
+                f"blockdiag_dist: layer {type(module).__name__} is not computed per document under CP without "
+                "token_type_ids: expected token_type_ids [B, S] (0 on each document's prefix of image and prompt, 1 on "
+                "its suffix), got none. Without them its stock text attention depends on the attention implementation "
+                "(its layers say is_causal=False: sdpa attends bidirectionally over the whole text when no mask is "
+                "needed, eager causally), so there is no one truth to compute. Refused on every rank, before the layer ran."
+            )
     if state is None or (pixels is None and kwargs.get("pixel_values_videos") is None):
         return None
     name = type(module).__name__
