@@ -203,6 +203,7 @@ def make_cp_blockdiag_batch_and_ctx(
     shard_vision: bool = False,
     conv_widths: Sequence[int] | None = None,
     options: CPOptions | None = None,
+    bidirectional_blocks: Tensor | None = None,
 ) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
     """Shard a packed batch for block-diagonal CP and build the step state.
 
@@ -256,6 +257,10 @@ def make_cp_blockdiag_batch_and_ctx(
         options: all of the above (and ``padding_token_id``) as one validated :class:`~blockdiag_dist.CPOptions`,
             as a trainer integration or a config file holds them; given together with any of the keyword options
             above set to a non-default value it is refused (one source for each option).
+        bidirectional_blocks: int ``[B, S]`` block ids of the full rows (0 = none): attention calls with
+            ``cp_blockdiag_sdpa(..., bidirectional_blocks=True)`` let a query in a block see every later key of its
+            block in its document (Gemma 3's images, PaliGemma's prefix; :mod:`blockdiag_dist.bidirectional`). The
+            transformers integration sets them itself from ``token_type_ids`` at the model's entry.
 
     Returns:
         ``(train_ctx, batch)``: ``train_ctx()`` is a context manager activating the step state (run forward
@@ -292,6 +297,8 @@ def make_cp_blockdiag_batch_and_ctx(
     substitution = kernel_substitution(kernel_requested)
     if substitution:
         state.note(f"kernel {kernel_requested!r}: {substitution}")
+    if bidirectional_blocks is not None:
+        state.set_bidirectional_blocks(bidirectional_blocks)
     for left in lefts:
         state.agreed_window_plan(left)
     state.docs  # noqa: B018 - the documents' plan, built here once per step (pure, no communication)

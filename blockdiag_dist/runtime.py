@@ -26,6 +26,7 @@ from .state import StepState, current_state, last_exited_state
 __all__ = ["cp_blockdiag_sdpa", "sdpa_routing"]
 
 SINKS_NOT_FLASH = "attention sinks: flash-attn's varlen function has none"
+BLOCKS_NOT_FLASH = "bidirectional blocks: flash-attn's varlen function is causal or not, per sequence"
 NONCAUSAL = ("raise", "causal", "local")  # what a non-causal call does under a step (see cp_blockdiag_sdpa)
 
 
@@ -49,6 +50,7 @@ def cp_blockdiag_sdpa(
     softcap: float | None = None,
     chunk_size: int | None = None,
     temperature: Sequence[float] | None = None,
+    bidirectional_blocks: Tensor | bool | None = None,
 ) -> Tensor:
     """Scaled dot-product attention, per document and across CP ranks while a step context is active.
 
@@ -72,6 +74,12 @@ def cp_blockdiag_sdpa(
       a step: its position in the row, bottom-right aligned to the keys, as ``Llama4TextAttention`` computes it),
       the scale in float32 as the model computes it (:func:`blockdiag_ref.temperature_scale`); the query's
       gradient carries it.
+    - ``bidirectional_blocks``: bidirectional blocks (Gemma 3's image tokens, PaliGemma's prefix): a query in a
+      block also sees every later key of its block, in its document; a window bounds only the keys before the
+      query. Under a step: ``True``, the step's blocks (the batch function's ``bidirectional_blocks``, or
+      ``train_ctx.state.set_bidirectional_blocks``; a block crossing a rank edge brings the later keys from the
+      ranks that hold them, needed-only, and returns their gradients). Without a step: block ids ``[B, Lk]`` of
+      the keys (0 = none), queries bottom-right aligned. Not combined with ``chunk_size``.
 
     With an active context (``with train_ctx():``): ``query [B, Hq, L, D]``, ``key [B, Hkv, L, D]`` and
     ``value [B, Hkv, L, Dv]`` are this rank's rows; the result ``[B, Hq, L, Dv]`` is causal attention inside
@@ -97,6 +105,11 @@ def cp_blockdiag_sdpa(
     variants = sinks is not None or softcap is not None or chunk > 0
     if variants:
         _check_variants(query, sinks, softcap)
+    bidirectional = _check_blocks(bidirectional_blocks, state, key, chunk)
+    if state is None and bidirectional:
+        query = _with_temperature(query, key, temp, None)
+        return _single_device_blocks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+                                     sinks, softcap, bidirectional_blocks)
     if state is None:
         query = _with_temperature(query, key, temp, None)
         if variants:
@@ -124,7 +137,7 @@ def cp_blockdiag_sdpa(
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)
     called_query = query  # what the call's autograd nodes start from (bind_output)
     query = _with_temperature(query, key, temp, state)
-    wp = state.agreed_window_plan(left, chunk)
+    wp = state.agreed_window_plan(left, chunk, bidirectional)
     state.attention_kinds.add((left, chunk, sinks is not None, None if softcap is None else float(softcap)))
     B, Hq, L, D = query.shape
     Hkv, Dv = key.shape[1], value.shape[-1]
@@ -138,7 +151,7 @@ def cp_blockdiag_sdpa(
                               sinks=sinks, softcap=softcap)
     else:
         sequences = int(wp.kernel_meta.piece_q.shape[0])
-        why_not = SINKS_NOT_FLASH if sinks is not None else flash_unusable_reason(
+        why_not = SINKS_NOT_FLASH if sinks is not None else BLOCKS_NOT_FLASH if bidirectional else flash_unusable_reason(
             q_tok, D, Dv, dropout_p=dropout_p, softcap=softcap, sequences=sequences)
         if why_not is not None and q_tok.device.type == "cuda" and sequences:  # padding only: zeros, nothing runs
             state.note(f"varlen kernel: flash-attn not used ({why_not}); batched SDPA per size class instead")
@@ -163,6 +176,53 @@ def _check_variants(query: Tensor, sinks: Tensor | None, softcap: float | None) 
             raise ValueError(f"cp_blockdiag_sdpa: sinks expected on the query's device {query.device}, got {sinks.device}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
         raise ValueError(f"cp_blockdiag_sdpa: softcap expected None or a number > 0, got {softcap!r}")
+
+
+def _check_blocks(blocks: Tensor | bool | None, state: StepState | None, key: Tensor, chunk: int) -> bool:
+    """Whether the call has bidirectional blocks (validated: ``True`` under a step, ids ``[B, Lk]`` without)."""
+    if blocks is None or blocks is False:
+        return False
+    if chunk > 0:
+        raise ValueError(f"cp_blockdiag_sdpa: bidirectional_blocks expected without chunk_size, got chunk_size={chunk}")
+    if state is not None:
+        if blocks is not True:
+            got = f"a tensor of shape {tuple(blocks.shape)}" if isinstance(blocks, Tensor) else repr(blocks)
+            raise ValueError(
+                "cp_blockdiag_sdpa: bidirectional_blocks expected True under a CP step (the step's blocks, given to "
+                f"make_cp_blockdiag_batch_and_ctx(bidirectional_blocks=...) for the full rows), got {got}")
+        if state.blocks is None:
+            raise ValueError(
+                "cp_blockdiag_sdpa: bidirectional_blocks=True expected the step's blocks, got a step without any (give "
+                "them to make_cp_blockdiag_batch_and_ctx(bidirectional_blocks=...) or state.set_bidirectional_blocks)")
+        return True
+    shape = (key.shape[0], key.shape[-2]) if isinstance(key, Tensor) and key.dim() == 4 else None
+    if not isinstance(blocks, Tensor) or blocks.is_floating_point() or tuple(blocks.shape) != shape:
+        got = (tuple(blocks.shape), blocks.dtype) if isinstance(blocks, Tensor) else repr(blocks)
+        raise ValueError(f"cp_blockdiag_sdpa: bidirectional_blocks expected (without a step) integer block ids of the "
+                         f"keys [B, Lk] = {list(shape) if shape else '[B, Lk]'}, got {got}")
+    return True
+
+
+def _single_device_blocks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, sinks,
+                          softcap, blocks: Tensor) -> Tensor:
+    """Bidirectional blocks on the tensors as given (no step): the causal band (with the window) or a later key of
+    the query's block (ids ``[B, Lk]``, queries bottom-right aligned), and ``attn_mask`` if given."""
+    query, key, value = _autocast_like_sdpa(query, key, value)
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"cp_blockdiag_sdpa: Hq={query.shape[1]} != Hkv={key.shape[1]} needs enable_gqa=True (as in SDPA)")
+    left = -1 if window_size is None else normalize_window(window_size)
+    Lq, Lk = query.shape[-2], key.shape[-2]
+    i = torch.arange(Lq, device=query.device)[:, None] + (Lk - Lq)
+    j = torch.arange(Lk, device=query.device)[None, :]
+    band = (j <= i) & ((j >= i - left) if left >= 0 else True)
+    ids = blocks.to(query.device)
+    lab_q, lab_k = ids[:, Lk - Lq:, None], ids[:, None, :]
+    allowed = (band[None] | ((lab_q == lab_k) & (lab_q != 0) & (j > i)[None]))[:, None]  # [B, 1, Lq, Lk]
+    if attn_mask is not None:
+        allowed = allowed & attn_mask if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~allowed, float("-inf"))
+    if sinks is not None or softcap is not None:
+        return explicit_attention(query, key, value, allowed, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
+    return stock_sdpa(query, key, value, attn_mask=allowed, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
 
 
 def _with_temperature(query: Tensor, key: Tensor, temperature: tuple[float, float] | None, state: StepState | None) -> Tensor:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import guard as _guard
+from .bidirectional import BlockPlan, bidirectional_ranges, plan_blocks
 from .docs import RankDocs
 from .exchange import TrafficLog, a2a_kv, allgather_kv, halo_kv
 from .exchange.allgather import all_gather_tensor
@@ -114,8 +115,10 @@ class StepState:
         self.mixer_traffic = TrafficLog()  # what the mixers' exchanges moved: convolution histories, state summaries
         self.mixer_widths: frozenset[int] | None = None  # convolution widths planned in the batch function (None: any)
         self.notes: list[str] = []  # fallbacks and substitutions that happened, with their reasons
-        self._windows: dict[tuple[int, int], WindowPlan] = {}  # by (window left, chunk)
-        self._agreed: set[tuple[int, int]] = set()  # windows whose plan the CP group compared (check_consensus)
+        self._windows: dict[tuple[int, int, bool], WindowPlan] = {}  # by (window left, chunk, bidirectional)
+        self._agreed: set[tuple[int, int, bool]] = set()  # windows whose plan the CP group compared (check_consensus)
+        self.blocks: BlockPlan | None = None  # the step's bidirectional blocks (set_bidirectional_blocks)
+        self.block_entries = 0  # entries of a model whose blocks come from its token_type_ids (integrations.vlm)
         self._mixer_plans: dict = {}  # plans of the sequence mixers (blockdiag_dist.mixers), built on first use
         self._mixers_agreed: set[str] = set()  # mixer call signatures the CP group compared (check_consensus)
         self._lock = threading.RLock()
@@ -185,36 +188,64 @@ class StepState:
                 "other model keep shard_primary=True (the batch function shards every sequence-aligned tensor)."
             )
 
+    # ---- bidirectional blocks ---------------------------------------------------------------------------
+    def set_bidirectional_blocks(self, bidirectional_blocks: Tensor) -> None:
+        """Give the step its bidirectional blocks: int ``[B, S]`` block ids of the full rows (0 = none; the same on
+        every rank), read by calls with ``cp_blockdiag_sdpa(..., bidirectional_blocks=True)``. Planned here, on
+        the host, once (:func:`blockdiag_dist.bidirectional.plan_blocks`); giving different blocks twice in one
+        step raises ``ValueError``."""
+        B, S = self.batch_size, self.seq_len
+        if not isinstance(bidirectional_blocks, Tensor) or tuple(bidirectional_blocks.shape) != (B, S):
+            got = tuple(bidirectional_blocks.shape) if isinstance(bidirectional_blocks, Tensor) else type(bidirectional_blocks).__name__
+            raise ValueError(f"bidirectional_blocks: expected block ids of the full rows [B, S] = [{B}, {S}] "
+                             f"(as given to the batch function), got {got}")
+        blocks = plan_blocks(self.plan.layout, self.plan.shards, self.plan.documents, bidirectional_blocks)
+        with self._lock:
+            if self.blocks is not None and self.blocks.digest != blocks.digest:
+                raise ValueError("bidirectional_blocks: expected one set of blocks per step, got a second, different "
+                                 "one (every attention call of a step sees the same blocks)")
+            self.blocks = blocks
+
     # ---- per-window plans -----------------------------------------------------------------------------
-    def window_plan(self, window_left: int, chunk: int = -1) -> WindowPlan:
-        """The plan for a window (and chunk length of chunked local attention, ``-1`` = none), built on first
-        use in the step (then cached; thread-safe). Never communicates: every decision in it derives from the
-        replicated doc ids, so one rank may call it alone (reports)."""
-        key = (window_left, chunk)
+    def window_plan(self, window_left: int, chunk: int = -1, bidirectional: bool = False) -> WindowPlan:
+        """The plan for a window (and chunk length of chunked local attention, ``-1`` = none; and whether the
+        step's bidirectional blocks apply), built on first use in the step (then cached; thread-safe). Never
+        communicates: every decision in it derives from the replicated doc ids, so one rank may call it alone
+        (reports)."""
+        key = (window_left, chunk, bidirectional)
         wp = self._windows.get(key)
         if wp is None:
             with self._lock:
                 wp = self._windows.get(key)
                 if wp is None:
-                    wp = self._build_window_plan(window_left, chunk)
+                    wp = self._build_window_plan(window_left, chunk, bidirectional)
                     self._windows[key] = wp
         return wp
 
-    def agreed_window_plan(self, window_left: int, chunk: int = -1) -> WindowPlan:
+    def agreed_window_plan(self, window_left: int, chunk: int = -1, bidirectional: bool = False) -> WindowPlan:
         """:meth:`window_plan`, compared across the CP group on the window's first use in the step when
         ``check_consensus`` (one all-gather of a fingerprint; every rank calls it at the same point)."""
-        wp = self.window_plan(window_left, chunk)
-        key = (window_left, chunk)
+        wp = self.window_plan(window_left, chunk, bidirectional)
+        key = (window_left, chunk, bidirectional)
         if self.check_consensus and key not in self._agreed:
             with self._lock:
                 if key not in self._agreed:
-                    self._check_consensus(window_left, wp.mode, chunk)
+                    self._check_consensus(window_left, wp.mode, chunk, self.blocks.digest.hex() if bidirectional else "")
                     self._agreed.add(key)
         return wp
 
-    def _build_window_plan(self, window_left: int, chunk: int = -1) -> WindowPlan:
+    def _build_window_plan(self, window_left: int, chunk: int = -1, bidirectional: bool = False) -> WindowPlan:
         plan = self.plan.chunked(chunk)  # chunked attention: the chunks are the documents
         xplan = plan.exchange(window_left)
+        blocks = self.blocks if bidirectional else None
+        if bidirectional:
+            if blocks is None:
+                raise ValueError("bidirectional_blocks=True: expected the step's blocks (given to the batch function "
+                                 "or StepState.set_bidirectional_blocks), got none")
+            if chunk > 0:
+                raise ValueError(f"bidirectional_blocks: expected no chunked attention with them, got chunk_size={chunk}")
+            xplan = ExchangePlan(shards=xplan.shards, batch_size=xplan.batch_size, window_left=window_left,
+                                 ranges=bidirectional_ranges(plan.documents, xplan.ranges, blocks))
         mode, reason = choose_exchange(xplan, self.kv_exchange)
         local = self.plan.local_flat_ids(self.rank)
         send_rows, send_splits, recv_splits = None, [], []
@@ -244,10 +275,13 @@ class StepState:
                     recv_splits = [xplan.recv_counts(self.rank)[self.rank - 1] if self.rank > 0 else 0]
                 send_rows = send_rows.to(self.device)
             key_index = FlatIndex.from_runs(torch.cat(starts), torch.cat(lengths), space=B * sp)
+        labels = None if blocks is None else blocks.labels
         if self.kernel == "dense":
-            meta = plan_dense(local, key_index.flat_ids(), plan.segments, sp, window_left)
+            meta = plan_dense(local, key_index.flat_ids(), plan.segments, sp, window_left, labels)
         else:  # this rank's pieces, from the step's piece table: no per-token tensor of the whole batch
-            meta = plan_varlen_pieces(plan.documents.kernel_pieces(self.rank), local.numel(), key_index, sp, window_left)
+            key_end = None if blocks is None else blocks.piece_key_end[plan.documents.rank_pieces(self.rank)]
+            meta = plan_varlen_pieces(plan.documents.kernel_pieces(self.rank), local.numel(), key_index, sp, window_left,
+                                      key_end=key_end, labels=labels)
         _log_once(f"kv_exchange={mode} (window left={window_left}{_chunk_text(chunk)}): {reason}")
         return WindowPlan(
             window_left=window_left,
@@ -287,10 +321,10 @@ class StepState:
             self._compare_fingerprints(f"mixer {signature}", lambda: signature)
             self._mixers_agreed.add(signature)
 
-    def _check_consensus(self, window_left: int, mode: str, chunk: int = -1) -> None:
+    def _check_consensus(self, window_left: int, mode: str, chunk: int = -1, blocks: str = "") -> None:
         """All-gather a fingerprint of the plan; raise naming the ranks that disagree (instead of hanging)."""
         self._compare_fingerprints(f"window left={window_left}{_chunk_text(chunk)}", None,
-                                   f"|{window_left}|{chunk}|{mode}|{self.kernel}")
+                                   f"|{window_left}|{chunk}|{mode}|{self.kernel}|{blocks}")
 
     def _compare_fingerprints(self, what: str, readable, extra: str = "") -> None:
         """All-gather a fingerprint of the plan and ``what`` (+ ``extra``); on a mismatch raise on every rank,
@@ -334,12 +368,13 @@ class StepState:
         return torch.cat([kv_tok, recv])
 
     # ---- reports --------------------------------------------------------------------------------------
-    def comm_report(self, window_left: int = -1, *, chunk: int = -1, bytes_per_token: int = 1) -> dict:
+    def comm_report(self, window_left: int = -1, *, chunk: int = -1, bytes_per_token: int = 1,
+                    bidirectional: bool = False) -> dict:
         """Tokens (or bytes, with ``bytes_per_token = Hkv * (D + Dv) * element_size``) received and sent
         per rank by the chosen exchange and by the minimum (needed-only), for one window (and chunk length).
         Never communicates (a window not planned yet is planned here from the replicated doc ids), so one rank
         may log it alone."""
-        wp = self.window_plan(window_left, chunk)
+        wp = self.window_plan(window_left, chunk, bidirectional)
         x = wp.exchange
         needed, sent = x.needed_tokens(), x.sent_tokens()
         ag = [x.allgather_tokens()] * self.world

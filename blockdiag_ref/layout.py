@@ -277,6 +277,7 @@ class DocLayout:
         k_positions: Tensor | None = None,
         window_size: Sequence[int] | None = None,
         chunk_size: int | None = None,
+        bidirectional_blocks: Tensor | None = None,
     ) -> Tensor:
         """Bool mask ``[B, 1, Lq, Lk]``: True where the query may see the key. Slow, for tests and references.
 
@@ -284,6 +285,14 @@ class DocLayout:
         ``i - left <= j``, and with chunks both lie in the same chunk of the document (``(i - start) // C ==
         (j - start) // C`` for the document's start position ``start``). ``q_positions`` / ``k_positions``
         (int64 ``[Lq]`` / ``[Lk]``, default all positions) select rows and columns, e.g. one rank's shard.
+
+        ``bidirectional_blocks`` (int ``[B, S]``, 0 = no block): a query in a block also sees every later key of
+        the same block id in its document (Gemma 3's image tokens, PaliGemma's prefix): the window bounds only the
+        keys before the query (see :meth:`block_labels`).
+
+        >>> lay = DocLayout.from_seqlens([3, 2])
+        >>> lay.materialize_mask(bidirectional_blocks=torch.tensor([[1, 1, 0, 1, 1]]))[0, 0].int().tolist()
+        [[1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
         """
         left = normalize_window(window_size)
         chunk = normalize_chunk(chunk_size)
@@ -305,7 +314,42 @@ class DocLayout:
             chunk_q = (qp[None, :] - start[:, qp]) // chunk
             chunk_k = (kp[None, :] - start[:, kp]) // chunk
             allowed &= chunk_q[:, :, None] == chunk_k[:, None, :]
+        if bidirectional_blocks is not None:
+            if chunk > 0:
+                raise ValueError(f"bidirectional_blocks: expected no chunk_size with them, got chunk_size={chunk}")
+            lab = self.block_labels(bidirectional_blocks)
+            lab_q, lab_k = lab[:, qp][:, :, None], lab[:, kp][:, None, :]
+            allowed |= (lab_q == lab_k) & (lab_q != 0) & (kp[None, None, :] > qp[None, :, None])
         return allowed[:, None]
+
+    def block_labels(self, bidirectional_blocks: Tensor) -> Tensor:
+        """int64 ``[B, S]``: one label per (document, block id) of ``bidirectional_blocks`` (int ``[B, S]``, 0 = no
+        block), numbered 1, 2, ... in order of first token, 0 outside any block and on padding. Tokens of one
+        block id in two documents are two blocks; a block id met again later in its document is the same block
+        (as transformers' ``token_type_ids`` masks read it).
+
+        >>> DocLayout.from_seqlens([3, 2], pad=1).block_labels(torch.tensor([[0, 2, 2, 2, 0, 2]])).tolist()
+        [[0, 1, 1, 2, 0, 0]]
+        """
+        ids = bidirectional_blocks
+        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.is_complex() or tuple(ids.shape) != tuple(self.doc_ids.shape):
+            got = (tuple(ids.shape), ids.dtype) if isinstance(ids, Tensor) else type(ids).__name__
+            raise ValueError(f"bidirectional_blocks: expected an integer or bool tensor [B, S] = {list(self.doc_ids.shape)}, got {got}")
+        ids = ids.detach().to("cpu", torch.int64)
+        if ids.numel() and int(ids.min()) < 0:
+            raise ValueError(f"bidirectional_blocks: expected block ids >= 0 (0 = no block), got {int(ids.min())}")
+        seg = self.segment_ids
+        key = torch.where((ids != 0) & (seg != 0), seg * (int(ids.max()) + 1 if ids.numel() else 1) + ids, 0).flatten()
+        if not bool((key != 0).any()):
+            return torch.zeros_like(seg)
+        first = torch.full((int(key.max()) + 1,), key.numel(), dtype=torch.int64)
+        first.scatter_reduce_(0, key, torch.arange(key.numel()), "amin")
+        first[0] = -1  # "no block" sorts first: label 0
+        present = first < key.numel()
+        order = torch.argsort(torch.where(present, first, key.numel() + 1))
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel())
+        return rank[key].view_as(seg)
 
     def __repr__(self) -> str:
         return f"DocLayout(B={self.batch_size}, S={self.seq_len}, seqlens={self.seqlens})"

@@ -189,6 +189,25 @@ def test_verifier_reports_each_wrong_variant(session, bug):
             assert r.ok, (r.case.label(), r.details)
 
 
+def test_bidirectional_blocks_pass_and_a_block_cut_at_the_rank_edge_is_reported(session):
+    """Bidirectional blocks (the middle half of each document, verify.cases.case_blocks; here crossing a rank edge at
+    CP 2, 3 and 4): blockdiag_dist passes at CP 1-4 on both kernels and every exchange, with a window, sinks and a
+    soft-cap beside them, and so does the toy; ``block_cut_at_rank_edge`` (later keys only from the query's own rank)
+    fails wherever a block crosses a rank edge and passes at CP 1, where none does."""
+    kernels = (("varlen", "a2a"), ("dense", "allgather"), ("varlen", "auto"), ("dense", "a2a"))
+    extra = ({"sinks": True, "softcap": 5.0}, {"window": 1}, {"temperature": 2}, {})
+    ours = [Case(**{**BUGGY_CASE.__dict__, "cp": cp, "dtype": ("float32", "float64")[cp % 2], "bidirectional": True,
+                    **extra[cp - 1], "kernel": kernels[cp - 1][0], "exchange": kernels[cp - 1][1]}) for cp in (1, 2, 3, 4)]
+    mutant = [Case(**{**BUGGY_CASE.__dict__, "bidirectional": True, **c}) for c in ({}, {"cp": 4, "dtype": "float32"}, {"cp": 1})]
+    results = session.run(ours) + session.run(mutant[:1], impl="verify.mutants.toy")
+    assert_pass(results)
+    for r in session.run(mutant, impl="verify.mutants.block_cut_at_rank_edge"):
+        if r.case.cp > 1:
+            assert r.status == "fail" and r.failed_metrics, (r.case.label(), r.status, r.details)
+        else:
+            assert r.ok, (r.case.label(), r.details)
+
+
 def test_variants_pass_on_every_kernel_and_exchange(session):
     """blockdiag_dist with sinks, soft-capping, chunks and the NoPE temperature, alone and together, at CP 1-4 on
     both kernels."""

@@ -122,7 +122,7 @@ def test_matrix_size_stays_within_the_make_verify_budget(quick):
     cov = coverage(cases, cps, dtypes, info.support())
     assert {k: (v["met"], v["total"]) for k, v in cov.items()} == {
         "layout x source": (33, 33), "layout x heads": (33, 33), "layout x window": (33, 33), "layout x variant": (55, 55),
-        "layout x temperature": (22, 22)}
+        "layout x temperature": (22, 22), "layout x bidirectional": (22, 22)}
 
 
 def test_minimal_declaration_meets_reused_ids_with_packed_ids_at_cp_1_2_4():

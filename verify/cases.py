@@ -93,6 +93,7 @@ class Case:
     softcap: float = 0.0  # logit soft-capping softcap * tanh(scores / softcap); 0 = none
     chunk: int = -1  # chunked local attention: chunks of this many positions from each document's start; -1 = none
     temperature: int = -1  # NoPE query temperature (Llama 4): its floor_scale (attn_scale TEMPERATURE_ATTN_SCALE); -1 = none
+    bidirectional: bool = False  # bidirectional blocks (Gemma 3's images): one per document of 3+ tokens (case_blocks)
 
     def __post_init__(self) -> None:
         if self.layer not in LAYERS:
@@ -132,9 +133,14 @@ class Case:
 
     @property
     def variants(self) -> tuple[str, ...]:
-        """The attention variants the case asks for: ``sinks``, ``softcap``, ``chunk``, ``temperature``."""
+        """The attention variants the case asks for: ``sinks``, ``softcap``, ``chunk``, ``temperature``,
+        ``bidirectional``."""
         return tuple(n for n, on in (("sinks", self.sinks), ("softcap", self.softcap > 0), ("chunk", self.chunk > 0),
-                                     ("temperature", self.temperature > 0)) if on)
+                                     ("temperature", self.temperature > 0), ("bidirectional", self.bidirectional)) if on)
+
+    def blocks(self) -> list[list[int]]:
+        """The bidirectional block ids of the case's rows (:func:`case_blocks`)."""
+        return case_blocks(self.doc_ids())
 
     def doc_ids(self) -> list[list[int]]:
         return [[i for i, n in row for _ in range(n)] for row in self.rows]
@@ -149,7 +155,8 @@ class Case:
             kind = SPECS[self.layer].label(self)
             return f"{kind} {self.name} cp{self.cp} {self.layout or ''} {self.dtype}{ckpt}".replace("  ", " ")
         var = ("" if not self.sinks else " sinks") + (f" cap{self.softcap:g}" if self.softcap > 0 else "") + (
-            f" chunk{self.chunk}" if self.chunk > 0 else "") + (f" temp{self.temperature}" if self.temperature > 0 else "")
+            f" chunk{self.chunk}" if self.chunk > 0 else "") + (f" temp{self.temperature}" if self.temperature > 0 else "") + (
+            " bidir" if self.bidirectional else "")
         return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win}{var} {opts} {self.dtype} {self.source}{ckpt}{sdpa}{gain}".replace("  ", " ")
 
     def args(self) -> list[str]:
@@ -173,6 +180,8 @@ class Case:
             a += ["--chunk", str(self.chunk)]
         if self.temperature > 0:
             a += ["--temperature", str(self.temperature)]
+        if self.bidirectional:
+            a += ["--bidirectional"]
         if self.layer != "attention":
             a += ["--layer", self.layer] + SPECS[self.layer].args(self)
         for flag, value in (("--kernel", self.kernel), ("--exchange", self.exchange), ("--layout", self.layout)):
@@ -216,6 +225,8 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=-1, help="chunked local attention: chunk length from each document's start")
     p.add_argument("--temperature", type=int, default=-1, metavar="FLOOR_SCALE",
                    help="NoPE query temperature (Llama 4) with this floor_scale, from each query's position in its document")
+    p.add_argument("--bidirectional", action="store_true",
+                   help="bidirectional blocks (Gemma 3's images): the middle half of each document of 3+ tokens is one block")
 
 
 def case_from_args(ns: argparse.Namespace) -> Case:
@@ -225,8 +236,34 @@ def case_from_args(ns: argparse.Namespace) -> Case:
         window=ns.window, kernel=ns.kernel, exchange=ns.exchange, layout=ns.layout, dtype=ns.dtype, seed=ns.seed,
         source=ns.source, hidden=ns.hidden, checkpoint=ns.checkpoint, backend=ns.sdpa_backend, gain=ns.gain,
         layer=ns.layer, width=ns.width,
-        sinks=ns.sinks, softcap=ns.softcap, chunk=ns.chunk, temperature=ns.temperature,
+        sinks=ns.sinks, softcap=ns.softcap, chunk=ns.chunk, temperature=ns.temperature, bidirectional=ns.bidirectional,
     )
+
+
+def case_blocks(doc_ids: list[list[int]]) -> list[list[int]]:
+    """Bidirectional block ids for doc ids (rows of ints, 0 = padding): in every document of ``n >= 3`` tokens, its
+    positions ``[n // 4, n // 4 + max(2, n // 2))`` form block 1 (an image in the middle half; in the named layouts'
+    long documents it often crosses a rank edge); 0 elsewhere.
+
+    >>> case_blocks([[1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 0]])
+    [[0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0]]
+    """
+    out = []
+    for row in doc_ids:
+        blocks = [0] * len(row)
+        start = 0
+        while start < len(row):
+            end = start
+            while end < len(row) and row[end] == row[start]:
+                end += 1
+            n = end - start
+            if row[start] != 0 and n >= 3:
+                lo = start + n // 4
+                for p in range(lo, min(end, lo + max(2, n // 2))):
+                    blocks[p] = 1
+            start = end
+        out.append(blocks)
+    return out
 
 
 # ---- named layouts: functions of the CP size -> rows --------------------------------------------------
@@ -302,7 +339,7 @@ HEADS = ((2, 2), (4, 2), (3, 1))  # MHA, GQA, MQA
 CHECKPOINT_CYCLE = ("none", "reentrant", "none", "nonreentrant")  # half the cases recompute under checkpointing
 DIMS = (4, 3, 5)  # odd head dims included
 WINDOWS = (-1, 2, -1, 0)
-VARIANT_NAMES = ("sinks", "chunk", "softcap", "temperature")  # the attention variants a case may ask for (Case.variants)
+VARIANT_NAMES = ("sinks", "chunk", "softcap", "temperature", "bidirectional")  # the attention variants a case may ask for
 # attention variants as (sinks, softcap, chunk). The chunk length (3) and the layouts' documents (which rarely start
 # at a multiple of 3) make chunks counted from the row differ from chunks counted from each document; softcap 5
 # bends scores of standard deviation ~4 (gain 2) markedly.
@@ -357,6 +394,7 @@ class Support:
             "window": WINDOWS if self.windows else (-1,),
             "variant": tuple(variants) or (NO_VARIANT,),
             "temperature": (-1, TEMPERATURE_FLOOR) if "temperature" in self.variants else (-1,),
+            "bidirectional": (False, True) if "bidirectional" in self.variants else (False,),
         }
 
     def values(self) -> dict[str, tuple[str, ...]]:
@@ -368,10 +406,10 @@ class Support:
         return out
 
 
-COVERED = ("source", "heads", "window", "variant", "temperature")  # the dimensions every layout meets (Support.rotations)
+COVERED = ("source", "heads", "window", "variant", "temperature", "bidirectional")  # the dimensions every layout meets (Support.rotations)
 # where each rotation starts for case number k (kept from the counter the matrix used before it was a covering)
 _OFFSET = {"source": lambda k: k // 5, "heads": lambda k: k, "window": lambda k: k // 2, "variant": lambda k: k // 2 + k // 16,
-           "temperature": lambda k: k // 3}
+           "temperature": lambda k: k // 3, "bidirectional": lambda k: k // 4 + 1}
 
 
 def _value_name(dim: str, value) -> str:
@@ -383,6 +421,8 @@ def _value_name(dim: str, value) -> str:
         return "none" if value < 0 else str(value)
     if dim == "temperature":
         return "none" if value < 0 else "temperature"
+    if dim == "bidirectional":
+        return "bidirectional" if value else "none"
     sinks, softcap, chunk = value
     return "+".join(n for n, on in (("sinks", sinks), ("chunk", chunk > 0), ("softcap", softcap > 0)) if on) or "none"
 
@@ -392,7 +432,8 @@ def case_values(case: Case) -> dict[str, str]:
     return {"source": case.source, "heads": head_shape(case.hq, case.hkv),
             "window": "none" if case.window < 0 else str(case.window),
             "variant": _value_name("variant", (case.sinks, case.softcap, case.chunk)),
-            "temperature": _value_name("temperature", case.temperature)}
+            "temperature": _value_name("temperature", case.temperature),
+            "bidirectional": _value_name("bidirectional", case.bidirectional)}
 
 
 def _draw(rows: Rows, cp: int, name: str, slot: tuple, dtype: str, k: int, rot: dict[str, tuple],
@@ -406,7 +447,7 @@ def _draw(rows: Rows, cp: int, name: str, slot: tuple, dtype: str, k: int, rot: 
         order = values[start:] + values[:start]
         chosen[dim] = next((v for v in order if _value_name(dim, v) in need[dim]), order[0])
     if plain:
-        chosen["window"], chosen["variant"], chosen["temperature"] = -1, NO_VARIANT, -1
+        chosen["window"], chosen["variant"], chosen["temperature"], chosen["bidirectional"] = -1, NO_VARIANT, -1, False
     kernel, exchange, layout = slot
     sinks, softcap, chunk = chosen["variant"]
     temperature = chosen["temperature"]
@@ -415,6 +456,8 @@ def _draw(rows: Rows, cp: int, name: str, slot: tuple, dtype: str, k: int, rot: 
         window=chosen["window"], kernel=kernel, exchange=exchange, layout=layout, dtype=dtype, seed=k,
         source=chosen["source"], checkpoint=CHECKPOINT_CYCLE[(k // 7) % len(CHECKPOINT_CYCLE)],
         sinks=sinks, softcap=softcap, chunk=chunk, temperature=temperature,
+        # chunked attention has no bidirectional blocks (Llama 4 has no images bidirectional)
+        bidirectional=chosen["bidirectional"] and chunk < 0,
     )
 
 

@@ -43,14 +43,14 @@ from torch import Tensor
 from blockdiag_ref import DocLayout, reference_attention, temperature_scale
 
 from .case_io import Metrics, impl_batch, summed_over_ranks
-from .cases import SOURCES, TEMPERATURE_ATTN_SCALE, Case, Support
+from .cases import SOURCES, TEMPERATURE_ATTN_SCALE, Case, Support, case_blocks
 from .tolerances import BASELINE_BACKENDS, sdpa_backend
 
 __all__ = ["ImplInfo", "applicable", "check_case", "compared_on_ranks", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
 
 VOCAB = 11
 VARIANT_KWARGS = {"sinks": "sinks", "softcap": "softcap", "chunk": "chunk_size",  # Case variant -> sdpa keyword
-                  "temperature": "temperature"}
+                  "temperature": "temperature", "bidirectional": "bidirectional_blocks"}
 
 
 class ImplInfo:
@@ -74,7 +74,9 @@ class ImplInfo:
         self.options = {o for o in ("kernel", "kv_exchange", "layout") if o in self.make_params}
         sdpa_params = set(inspect.signature(self.sdpa).parameters)
         self.windows = "window_size" in sdpa_params
-        self.variants = {v for v, kw in VARIANT_KWARGS.items() if kw in sdpa_params}
+        # bidirectional blocks are the step's: the batch function takes them too
+        self.variants = {v for v, kw in VARIANT_KWARGS.items()
+                         if kw in sdpa_params and (v != "bidirectional" or kw in self.make_params)}
         self.sources = tuple(self.conventions.sources)  # the doc-id sources it declares (all, unless it says)
         from .families import SPECS
 
@@ -110,7 +112,15 @@ def applicable(info, case: Case) -> bool:
         from blockdiag_dist.plan import plan_step
 
         plan = plan_step(torch.tensor(case.doc_ids()), case.cp, case.layout or "contiguous")
-        return plan.exchange(case.window).halo_ok
+        xplan = plan.exchange(case.window)
+        if case.bidirectional:  # a block crossing a rank edge needs keys from the right: no halo then
+            from blockdiag_dist.bidirectional import bidirectional_ranges, plan_blocks
+            from blockdiag_dist.plan import ExchangePlan
+
+            blocks = plan_blocks(plan.layout, plan.shards, plan.documents, torch.tensor(case.blocks()))
+            xplan = ExchangePlan(plan.shards, plan.layout.batch_size, case.window,
+                                 bidirectional_ranges(plan.documents, xplan.ranges, blocks))
+        return xplan.halo_ok
     return True
 
 
@@ -161,6 +171,8 @@ def _variant_kwargs(case: Case, ws: dict[str, Tensor]) -> dict[str, Any]:
         out["chunk_size"] = case.chunk
     if case.temperature > 0:
         out["temperature"] = (case.temperature, TEMPERATURE_ATTN_SCALE)
+    if case.bidirectional:  # the reference takes the block ids; under a step a call asks for the step's (True)
+        out["bidirectional_blocks"] = torch.tensor(case.blocks(), dtype=torch.int64)
     return out
 
 
@@ -210,7 +222,7 @@ def _single_device(
         def attend(q, k, v):
             return reference_attention(q, k, v, layout, enable_gqa=True, window_size=window, **variants)
     else:
-        mask, pad = _dense_mask(inputs["doc_ids"], case.window, case.chunk)
+        mask, pad = _dense_mask(inputs["doc_ids"], case.window, case.chunk, case.bidirectional)
         mask, pad = mask.to(device), pad.to(device)
         sinks, softcap = variants.get("sinks"), variants.get("softcap")
         if sinks is not None or softcap is not None:
@@ -240,18 +252,22 @@ def _single_device(
     }
 
 
-def _dense_mask(doc_ids: Tensor, window: int, chunk: int) -> tuple[Tensor, Tensor]:
+def _dense_mask(doc_ids: Tensor, window: int, chunk: int, bidirectional: bool = False) -> tuple[Tensor, Tensor]:
     """The baseline's dense per-document mask ``[B, 1, S, S]`` and padding rows ``[B, 1, S, 1]`` (bool, host),
     computed once per distinct (doc ids, window, chunk): every baseline backend and the many cases of a matrix
     that share a layout reuse them (read only)."""
     ids = doc_ids.detach().cpu()
-    return _dense_mask_of(str(ids.dtype), tuple(ids.shape), tuple(ids.flatten().tolist()), window, chunk)
+    return _dense_mask_of(str(ids.dtype), tuple(ids.shape), tuple(ids.flatten().tolist()), window, chunk, bidirectional)
 
 
 @functools.lru_cache(maxsize=128)
-def _dense_mask_of(dtype: str, shape: tuple, flat: tuple, window: int, chunk: int) -> tuple[Tensor, Tensor]:
-    layout = DocLayout.from_doc_ids(torch.tensor(flat, dtype=getattr(torch, dtype.removeprefix("torch."))).view(shape))
-    mask = layout.materialize_mask(window_size=(window, 0) if window >= 0 else None, chunk_size=chunk if chunk > 0 else None)
+def _dense_mask_of(dtype: str, shape: tuple, flat: tuple, window: int, chunk: int,
+                   bidirectional: bool = False) -> tuple[Tensor, Tensor]:
+    ids = torch.tensor(flat, dtype=getattr(torch, dtype.removeprefix("torch."))).view(shape)
+    layout = DocLayout.from_doc_ids(ids)
+    blocks = torch.tensor(case_blocks(ids.tolist()), dtype=torch.int64) if bidirectional else None
+    mask = layout.materialize_mask(window_size=(window, 0) if window >= 0 else None, chunk_size=chunk if chunk > 0 else None,
+                                   bidirectional_blocks=blocks)
     return mask, layout.padding_mask[:, None, :, None]
 
 
@@ -299,12 +315,16 @@ def _run_impl(case: Case, impl: ImplInfo, inputs: dict[str, Tensor], dtype, devi
     opts = {k: v for k, v in (("kernel", case.kernel), ("kv_exchange", case.exchange), ("layout", case.layout)) if v}
     if "window_sizes" in impl.make_params:
         opts["window_sizes"] = [(case.window, 0) if case.window >= 0 else None]
+    if case.bidirectional:
+        opts["bidirectional_blocks"] = torch.tensor(case.blocks(), dtype=torch.int64, device=device)
     train_ctx, batch = impl.make(cp_mesh, None, batch, **opts)
     sdpa_kwargs: dict[str, Any] = {"is_causal": True, "enable_gqa": case.hq != case.hkv}
     if case.window >= 0:
         sdpa_kwargs["window_size"] = (case.window, 0)
     variants = _variant_kwargs(case, ws)
     sinks = variants.pop("sinks", None)
+    if case.bidirectional:
+        variants["bidirectional_blocks"] = True
     sdpa_kwargs.update(variants)
 
     def attend(q: Tensor, k: Tensor, v: Tensor, *s: Tensor) -> Tensor:
@@ -474,6 +494,8 @@ def check_case(
     if state is not None and hasattr(state, "traffic") and hasattr(state, "comm_report"):
         bytes_per_token = case.hkv * 2 * case.dim * torch.empty((), dtype=dtype).element_size()
         chunk = {"chunk": case.chunk} if case.chunk > 0 else {}
+        if case.bidirectional:
+            chunk["bidirectional"] = True
         report = state.comm_report(case.window, bytes_per_token=bytes_per_token, **chunk)
         fwd = state.traffic.totals("forward")  # one call per forward (two under checkpointing: the recompute)
         bwd = state.traffic.totals("backward")

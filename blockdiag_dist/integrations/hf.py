@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from .._stock import stock_sdpa
 from ..runtime import cp_blockdiag_sdpa
 from ..state import current_state
-from .vlm import in_sharded_region, unsharded_reason
+from .vlm import BIDIRECTIONAL_MODELS, causal_with_prefix, in_bidirectional_region, in_sharded_region, unsharded_reason
 
 __all__ = ["ATTENTION_NAME", "UnsupportedAttentionError", "blockdiag_attention_forward", "register_transformers_attention"]
 
@@ -189,6 +189,8 @@ def blockdiag_attention_forward(
     chunk = _check_layer(module, kwargs, softcap)
     temperature = _nope_temperature(module)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if not causal and causal_with_prefix(module):  # PaliGemma: causal plus its prefix block, as its model's mask
+        causal = True
     if not causal:
         if temperature is not None:
             raise _refuse(module, "NoPE temperature tuning on a causal layer", "a bidirectional layer with it")
@@ -196,7 +198,18 @@ def blockdiag_attention_forward(
                                   kwargs), None
     if temperature is not None:  # positions from the rows -> positions inside each document (cp_blockdiag_sdpa)
         query = _without_row_temperature(query, key, temperature)
-    if attention_mask is not None and attention_mask.is_floating_point() and current_state() is not None:
+    state = current_state()
+    # Gemma 3 / PaliGemma: the blocks the model's entry gave the step (blockdiag_dist.integrations.vlm)
+    bidirectional = None
+    if state is not None and in_bidirectional_region(module):
+        if state.block_entries == 0:
+            raise _refuse(
+                module, "the bidirectional blocks its model reads from token_type_ids at its entry (a forward pre-hook "
+                "the step's first scan installs)", f"a layer of the language model of a {' / '.join(BIDIRECTIONAL_MODELS)} called "
+                "in a step whose model entry was not seen (the model itself was the step's first call: call its "
+                "...ForConditionalGeneration, or the same model again from the next step on); its image blocks are unknown")
+        bidirectional = True if state.blocks is not None else None
+    if attention_mask is not None and attention_mask.is_floating_point() and state is not None:
         raise _refuse(
             module, "no attention_mask, or a bool one (replaced by the per-document causal mask)",
             f"an additive float attention_mask of shape {tuple(attention_mask.shape)} (a bias, e.g. ALiBi, "
@@ -217,6 +230,7 @@ def blockdiag_attention_forward(
         softcap=softcap,
         chunk_size=chunk,
         temperature=temperature,
+        bidirectional_blocks=bidirectional,
     )
     return out.transpose(1, 2).contiguous(), None
 

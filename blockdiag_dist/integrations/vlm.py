@@ -37,7 +37,8 @@ from ..guard import register_scan_visitor
 from ..sharding import check_visual_rows, shard_tensor, shard_visual_tokens
 from ..state import current_state
 
-__all__ = ["ENCODER_CONFIG_KEYS", "in_sharded_region", "unsharded_reason"]
+__all__ = ["BIDIRECTIONAL_MODELS", "ENCODER_CONFIG_KEYS", "bidirectional_blocks_of", "causal_with_prefix", "in_bidirectional_region",
+           "in_sharded_region", "unsharded_reason"]
 
 # ``base_config_key`` of the sub-configs whose modules run on tensors CP does not shard (images' patches, audio
 # frames): their attention layers are bidirectional over those tensors and run locally.
@@ -45,6 +46,53 @@ ENCODER_CONFIG_KEYS = ("vision_config", "audio_config")
 
 # Modules of language models whose entry the integration shards: their rows are this rank's L rows of the step.
 _sharded_region: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _gemma3_blocks(token_type_ids: Tensor) -> Tensor:
+    """Gemma 3: every run of image tokens (``token_type_ids == 1``) is one block."""
+    image = token_type_ids == 1
+    start = image & ~torch.nn.functional.pad(image, (1, 0), value=False)[:, :-1]
+    return torch.where(image, torch.cumsum(start.to(torch.int64), 1), 0)
+
+
+def _paligemma_blocks(token_type_ids: Tensor) -> Tensor:
+    """PaliGemma: the prefix (image and prompt, ``token_type_ids == 0``) is one block."""
+    return (token_type_ids == 0).to(torch.int64)
+
+
+# Vision-language models whose language model attends bidirectionally within blocks its forward reads from
+# ``token_type_ids`` (transformers 5.24: Gemma 3's ``get_block_sequence_ids_for_mask``, PaliGemma's bidirectional
+# prefix): class name -> block ids [B, S] of the full rows (0 = none), per the model's own rule. Under a step the
+# model's entry hands them to the step (StepState.set_bidirectional_blocks) and every attention layer of its
+# language model attends with them. Gemma 4 (Gemma4UnifiedModel) stays refused by the guard: its sliding layers
+# let an image see its whole image beyond the window (OR of window and block), which this does not compute.
+BIDIRECTIONAL_MODELS = {"Gemma3Model": _gemma3_blocks, "PaliGemmaModel": _paligemma_blocks}
+# module of such a language model -> its model's rule (PaliGemma's decoder layers say is_causal=False, from its
+# config's use_bidirectional_attention set for backward compatibility, while the model's own mask is causal plus
+# the prefix block: those layers attend causally with the blocks)
+_bidirectional_region: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _bidirectional_rule(module: nn.Module):
+    return next((BIDIRECTIONAL_MODELS[c.__name__] for c in type(module).__mro__ if c.__name__ in BIDIRECTIONAL_MODELS), None)
+
+
+def bidirectional_blocks_of(module: nn.Module, token_type_ids: Tensor) -> Tensor | None:
+    """The block ids ``[B, S]`` a model of :data:`BIDIRECTIONAL_MODELS` reads from ``token_type_ids`` (None for any
+    other model)."""
+    rule = _bidirectional_rule(module)
+    return None if rule is None else rule(token_type_ids.detach().cpu())
+
+
+def in_bidirectional_region(module: nn.Module) -> bool:
+    """True for a module of the language model of a model of :data:`BIDIRECTIONAL_MODELS`."""
+    return module in _bidirectional_region
+
+
+def causal_with_prefix(module: nn.Module) -> bool:
+    """True for an attention layer of PaliGemma's language model: it says ``is_causal=False`` while the mask its
+    model builds is causal plus the bidirectional prefix (``PaliGemmaModel.forward``)."""
+    return _bidirectional_region.get(module) is _paligemma_blocks
 
 
 def _is_encoder(module: nn.Module) -> bool:
@@ -90,6 +138,8 @@ def _visit(module: nn.Module) -> None:
     )
     for m in lm.modules():
         _sharded_region.add(m)
+        if _bidirectional_rule(module) is not None:
+            _bidirectional_region[m] = _bidirectional_rule(module)
 
 
 register_scan_visitor(_visit)
@@ -130,11 +180,14 @@ def _shard_decoder_entry(module: nn.Module, args: tuple, kwargs: dict[str, Any])
             f"[n, B, S] (mRoPE) with [B, S] = [{B}, {S}], got {got}" + (
                 " (without them the language model would number this rank's rows from 0)" if pos is None else "")
         )
-    if new.get("attention_mask") is not None:
+    mask = new.get("attention_mask")
+    if isinstance(mask, dict) and all(m is None for m in mask.values()):  # per layer type (Gemma 3), none built
+        mask = None
+    if mask is not None:
+        got = {k: None if m is None else tuple(m.shape) for k, m in mask.items()} if isinstance(mask, dict) else tuple(mask.shape)
         raise ValueError(
             f"{name} (decoder entry, shard_primary=False): attention_mask: expected None under a CP step (the "
-            "documents come from the step; the batch function drops the mask), got shape "
-            f"{tuple(new['attention_mask'].shape)}"
+            f"documents come from the step; the batch function drops the mask), got shape {got}"
         )
     shards, rank = state.plan.shards, state.rank
     deepstack, vpm = new.get("deepstack_visual_embeds"), new.get("visual_pos_masks")
@@ -174,6 +227,20 @@ def _check_model_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) 
     ``image_grid_thw`` gives, each image within one document."""
     state = current_state()
     pixels = kwargs.get("pixel_values")
+    if state is not None and _bidirectional_rule(module) is not None:
+        state.block_entries += 1
+        if kwargs.get("token_type_ids") is not None:
+            _step_blocks(module, kwargs["token_type_ids"], state)
+        elif _bidirectional_rule(module) is _paligemma_blocks:
+            from ..guard import UnsupportedLayerError
+
+            raise UnsupportedLayerError(
+                f"blockdiag_dist: layer {type(module).__name__} is not computed per document under CP without "
+                "token_type_ids: expected token_type_ids [B, S] (0 on each document's prefix of image and prompt, 1 on "
+                "its suffix), got none. Without them its stock text attention depends on the attention implementation "
+                "(its layers say is_causal=False: sdpa attends bidirectionally over the whole text when no mask is "
+                "needed, eager causally), so there is no one truth to compute. Refused on every rank, before the layer ran."
+            )
     if state is None or (pixels is None and kwargs.get("pixel_values_videos") is None):
         return None
     name = type(module).__name__
@@ -215,6 +282,33 @@ def _check_model_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) 
             )
         start += n
     return None
+
+
+def _step_blocks(module: nn.Module, token_type_ids: Tensor, state) -> None:
+    """A model of :data:`BIDIRECTIONAL_MODELS` entered under a step: its blocks, from ``token_type_ids`` of the full
+    rows, become the step's (the same on every rank: the rows are replicated)."""
+    name, (B, S) = type(module).__name__, (state.batch_size, state.seq_len)
+    if tuple(token_type_ids.shape) != (B, S) or state.shard_primary:
+        raise ValueError(
+            f"{name}: token_type_ids: expected the full rows [B, S] = [{B}, {S}] under a CP step built with "
+            f"shard_primary=False (its text attention is bidirectional within blocks read from them: every rank needs "
+            f"all of them), got shape {tuple(token_type_ids.shape)} with shard_primary={state.shard_primary}"
+        )
+    blocks = bidirectional_blocks_of(module, token_type_ids)
+    window = getattr(getattr(getattr(module, "config", None), "text_config", None), "sliding_window", None)
+    if _bidirectional_rule(module) is _paligemma_blocks and window is not None and bool((blocks != 0).any()):
+        # PaliGemma's sliding layers OR the block with the window: equal to ours while no block is longer than it
+        labels = state.plan.layout.block_labels(blocks)
+        longest = int(torch.bincount(labels.flatten())[1:].max()) if bool((labels != 0).any()) else 0
+        if longest > window:
+            raise ValueError(
+                f"{name}: expected every bidirectional prefix within the text model's sliding window ({window} tokens: "
+                f"its sliding layers let a prefix token see its whole prefix beyond the window, which blockdiag computes "
+                f"only inside it), got a prefix of {longest} tokens"
+            )
+    if bool((blocks != 0).any()):
+        state.set_bidirectional_blocks(blocks)
+        state.note(f"{name}: bidirectional blocks from token_type_ids given to the step's attention")
 
 
 def _tokens_per_document(mask: Tensor, doc_ids: Tensor) -> str:

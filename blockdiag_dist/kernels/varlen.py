@@ -138,6 +138,9 @@ class VarlenMeta:
     num_queries: int = 0
     padded_len: int = 1
     window_left: int = -1
+    # int64 [B * Sp] (host): bidirectional block of each flat id (0 = none), or None; with blocks every piece runs
+    # the masked plan, whose masks let a query see the later keys of its block (blockdiag_dist.bidirectional)
+    labels: Tensor | None = field(default=None, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device) -> VarlenMeta:
@@ -151,6 +154,7 @@ class VarlenMeta:
             num_queries=self.num_queries,
             padded_len=self.padded_len,
             window_left=self.window_left,
+            labels=self.labels,
         )
 
     def masked(self, device: torch.device) -> BucketPlan:
@@ -221,16 +225,18 @@ def plan_varlen(
 
 def plan_varlen_pieces(
     pieces: Tensor, num_queries: int, key_lut, padded_len: int, window_left: int, *, band_min: int = BAND_MIN,
+    key_end: Tensor | None = None, labels: Tensor | None = None,
 ) -> VarlenMeta:
     """:func:`plan_varlen` from the rank's pieces, int64 ``[P, 4]`` rows ``(first local query row, length, flat id
     of the first query, its document's start position)`` in local order, and ``key_lut``: the key-buffer row of
     flat ids (a ``[B * Sp]`` tensor, -1 = absent, or any object indexed the same way, e.g.
-    :class:`blockdiag_dist.shard_plan.FlatIndex`)."""
+    :class:`blockdiag_dist.shard_plan.FlatIndex`). Bidirectional blocks: ``key_end`` int64 ``[P]`` (one past the
+    last key of each piece, global position) and ``labels`` int64 ``[B * Sp]`` (the block of each flat id)."""
     Tq = num_queries
     p_start, p_len, p_flat0, p_dstart = pieces.unbind(1)
     p_qfirst = p_flat0 % padded_len
     p_kfirst = p_dstart if window_left < 0 else torch.maximum(p_dstart, p_qfirst - window_left)
-    p_klen = p_qfirst + p_len - p_kfirst
+    p_klen = (p_qfirst + p_len if key_end is None else key_end) - p_kfirst
     real = torch.zeros(Tq, dtype=torch.bool)
     real[_ranges(p_start, p_len)] = True
     blocks = _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq, window_left, band_min)
@@ -248,6 +254,7 @@ def plan_varlen_pieces(
         num_queries=Tq,
         padded_len=padded_len,
         window_left=window_left,
+        labels=labels,
     )
 
 
@@ -365,7 +372,7 @@ def _masked_plan(meta: VarlenMeta) -> BucketPlan:
     p_start, p_len = meta.piece_q.unbind(1)
     p_kflat0, p_klen = meta.piece_k.unbind(1)
     p_qfirst, p_kfirst = meta.piece_flat % sp, p_kflat0 % sp
-    masked = (p_klen != p_len) | ((left >= 0) & (left < p_len - 1))
+    masked = (p_klen != p_len) | ((left >= 0) & (left < p_len - 1)) | (meta.labels is not None)
     cq, ck = size_class(p_len), size_class(p_klen)
     ck = torch.where(masked, ck, cq)
     keys, group_of = torch.unique((masked.long() << 62) | (cq << 31) | ck, return_inverse=True)
@@ -387,6 +394,11 @@ def _masked_plan(meta: VarlenMeta) -> BucketPlan:
             m = valid_q & (c < klen)[:, None, :] & (kpos <= qpos)
             if left >= 0:
                 m &= kpos >= qpos - left
+            if meta.labels is not None:  # the later keys of the query's block
+                base = (p_kflat0[idx] - p_kfirst[idx])[:, None]
+                lab_q = meta.labels[base + (p_qfirst[idx, None] + torch.minimum(a, qlen - 1))][:, :, None]
+                lab_k = meta.labels[base + (p_kfirst[idx, None] + torch.minimum(c, klen - 1))][:, None, :]
+                m |= valid_q & (c < klen)[:, None, :] & (lab_q == lab_k) & (lab_q != 0) & (kpos > qpos)
             m |= ~valid_q & (c == 0)[:, None, :]  # padded query slots see one real key: finite, then dropped
             mask = m[:, None]
         buckets.append(Bucket(q_index=q_index, k_index=k_index, mask=mask))
@@ -767,17 +779,17 @@ def varlen_attention(
     Hq, D = q_tok.shape[1], q_tok.shape[2]
     if not meta.blocks.buckets:  # this rank holds only padding: zeros that still reach q and the key buffer
         return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v, sinks)  # (flash-attn refuses 0 sequences)
-    if use_flash:
+    if use_flash and meta.labels is None:
         kd = heads_kv * D
         k_buf, v_buf = kv_buf[:, :kd].unflatten(1, (heads_kv, D)), kv_buf[:, kd:].unflatten(1, (heads_kv, dim_v))
         return _flash_varlen(q_tok, k_buf, v_buf, meta, dropout_p=dropout_p, scale=scale, softcap=softcap)
-    if meta.window_left == 0 and dropout_p == 0 and sinks is None:  # each query sees only its own key: softmax
+    if meta.labels is None and meta.window_left == 0 and dropout_p == 0 and sinks is None:  # each query sees only its own key: softmax
         rows, keys = meta.self_keys(q_tok.device)  # of one (capped) score is 1
         v_own = kv_buf.index_select(0, keys)[:, heads_kv * D :].unflatten(1, (heads_kv, dim_v))
         own = v_own.repeat_interleave(Hq // heads_kv, dim=1)
         return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v).index_copy(0, rows, own)  # q stays in the graph
     variants = sinks is not None or softcap is not None
-    if fused_unusable_reason(q_tok, D, dim_v, dropout_p) is None:
+    if meta.labels is None and fused_unusable_reason(q_tok, D, dim_v, dropout_p) is None:
         if softcap is None:
             return _MergedBlocks.apply(q_tok, kv_buf, meta.pad_rows, meta.blocks, heads_kv, scale, sinks)
         if SOFTCAP_PLAN == "blocks":

@@ -23,6 +23,7 @@ same code with one bug that CP systems are known to ship:
 | `chunk_from_row`   | chunk boundaries counted from the row's start, not each document's      | fail             |
 | `softcap_after_softmax` | ``softcap * tanh(.)`` applied to the probabilities, not the scores | fail             |
 | `temperature_from_row` | the NoPE temperature from the query's row position, not its document's (Llama 4 as shipped) | fail |
+| `block_cut_at_rank_edge` | a bidirectional block (an image) sees only its later keys on the query's own rank: cut at the rank edge | fail (CP >= 2) |
 
 The mixers of hybrid models (``--layer conv`` / ``gated_delta`` / ``mamba2`` / ``kda`` / ``sparse`` / ``mamba1`` /
 ``lightning`` cases; ``verify.mutants._mixers``, the bugs planted by each family of ``verify.families``):
@@ -45,7 +46,7 @@ indexer.
 Classed by ``verify.classify`` (as third-party code is): ``off_by_one``, ``no_grad_reduce``,
 ``leak_across_docs``, ``nonzero_padding``, ``short_straddle``, ``kv_scale`` and the four variant bugs
 (``sinks_ignored``, ``chunk_from_row``, ``softcap_after_softmax``, ``temperature_from_row``, on cases with the
-variant) are bugs, ``skip_collective`` a hang,
+variant; ``block_cut_at_rank_edge`` where a block crosses a rank edge) are bugs, ``skip_collective`` a hang,
 ``raise_forward``, ``raise_backward``, ``kill_rank`` crashes, ``refuse_rows`` unsupported, ``docs_by_id`` a
 contract (a pass once re-checked with its declared document definition). ``late_layer`` is wrong only in a model's
 later layers: the attention verifier (one call per step) passes it, ``python -m verify model`` names the layer.

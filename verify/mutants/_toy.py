@@ -38,6 +38,7 @@ BUGS = (
     "chunk_from_row",  # chunk boundaries counted from the row's first position instead of each document's start
     "softcap_after_softmax",  # softcap * tanh(p / softcap) on the probabilities instead of on the scores
     "temperature_from_row",  # the NoPE temperature from each query's position in the row, not in its document
+    "block_cut_at_rank_edge",  # a bidirectional block sees only its later keys held on the query's own rank
 )
 
 KV_SCALE = {torch.float64: 1e-9}  # relative perturbation of kv_scale per dtype; 1e-4 for every other dtype
@@ -69,7 +70,8 @@ class _AllGather(torch.autograd.Function):
 def make_toy(bug: str | None) -> tuple[Callable, Callable]:
     assert bug is None or bug in BUGS, bug
 
-    def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask=None, padding_token_id=0):
+    def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask=None, padding_token_id=0, *,
+                                        bidirectional_blocks=None):
         group = None if cp_mesh is None else cp_mesh.get_group()
         world = 1 if group is None else dist.get_world_size(group)
         rank = 0 if group is None else dist.get_rank(group)
@@ -93,6 +95,8 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
         seg = full_ids if bug == "docs_by_id" else layout.segment_ids.to(x.device)
         state = {"group": group, "world": world, "rank": rank, "L": L, "seg": seg, "calls": 0,
                  "start": layout.doc_starts.to(x.device)}
+        if bidirectional_blocks is not None:
+            state["blocks"] = layout.block_labels(F.pad(bidirectional_blocks.cpu(), (0, pad))).to(x.device)
 
         @contextlib.contextmanager
         def ctx():
@@ -105,10 +109,12 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
         return ctx, batch
 
     def cp_blockdiag_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                          window_size=None, *, sinks=None, softcap=None, chunk_size=None, temperature=None):
+                          window_size=None, *, sinks=None, softcap=None, chunk_size=None, temperature=None,
+                          bidirectional_blocks=None):
         st = _state.get("active")
         if st is None:
-            if sinks is not None or softcap is not None or chunk_size is not None or temperature is not None:
+            if sinks is not None or softcap is not None or chunk_size is not None or temperature is not None or (
+                    bidirectional_blocks is not None):
                 raise ValueError("toy: attention variants are computed under a step only")
             return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         rank, world, L = st["rank"], st["world"], st["L"]
@@ -151,6 +157,13 @@ def make_toy(bug: str | None) -> tuple[Callable, Callable]:
                 start = st["start"]
                 cq, ck = (qpos - start[:, qpos]) // chunk_size, (kpos - start) // chunk_size
             mask &= cq[:, :, None] == ck[:, None, :]
+        if bidirectional_blocks:  # the later keys of the query's block
+            lab = st["blocks"]
+            later = (lab[:, qpos][:, :, None] == lab[:, None, :]) & (lab[:, qpos][:, :, None] != 0)
+            later &= (kpos[None, :] > qpos[:, None])[None]
+            if bug == "block_cut_at_rank_edge":
+                later &= (kpos < (rank + 1) * L)[None, None, :]
+            mask = mask | later
         pad_rows = seg_q[:, :, 0] == 0
         if temperature is not None:
             in_doc = torch.where(pad_rows, -1, qpos[None, :] - st["start"][:, qpos])

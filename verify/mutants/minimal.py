@@ -38,17 +38,24 @@ def minimal_adapter(inner_name: str, name: str) -> types.ModuleType:
     inner = importlib.import_module(inner_name)
     module = types.ModuleType(name, f"``{inner_name}`` behind the minimal adapter (see verify.mutants.minimal).")
     # a step of mixers alone (no attention call) is announced to blockdiag_dist-based modules, as the verifier does
-    announce = "expect_attention" in inspect.signature(inner.make_cp_blockdiag_batch_and_ctx).parameters
+    params = inspect.signature(inner.make_cp_blockdiag_batch_and_ctx).parameters
+    announce = "expect_attention" in params
 
     def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], loss_mask=None, padding_token_id=0, *,
-                                        expect_attention: bool = True):
+                                        expect_attention: bool = True, bidirectional_blocks=None):
         if batch.get("_packed_seq_ids") is None or batch.get("attention_mask") is not None:
             given = sorted(k for k in ("_packed_seq_ids", "attention_mask") if batch.get(k) is not None)
             raise Unsupported(f"minimal adapter: expected documents as _packed_seq_ids and no attention_mask, got "
                               f"{', '.join(given) or 'neither'}")
         extra = {"expect_attention": expect_attention} if announce else {}
+        if bidirectional_blocks is not None:  # the variant is declared where the module takes it (stripped below)
+            extra["bidirectional_blocks"] = bidirectional_blocks
         return inner.make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id, **extra)
 
+    if "bidirectional_blocks" not in params:  # the signature declares the variant only where the module takes it
+        def make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask=None, padding_token_id=0, *,
+                                            expect_attention: bool = True, _full=make_cp_blockdiag_batch_and_ctx):
+            return _full(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id, expect_attention=expect_attention)
     module.make_cp_blockdiag_batch_and_ctx = make_cp_blockdiag_batch_and_ctx
     module.cp_blockdiag_sdpa = inner.cp_blockdiag_sdpa  # its signature says which windows and variants it takes
     for fn in mixer_functions():

@@ -1,0 +1,104 @@
+"""Gemma 3 (images) and PaliGemma (a bidirectional prefix) under CP: tiny models from configs (no download), float64,
+trained at CP 1, 2 and 4, every layout, with the loss and every parameter's gradient, vision tower included, equal
+to each document run alone through the stock model (``sdpa``) with its ``token_type_ids`` (verify.model.image_blocks:
+images and prefixes cross rank edges). Gemma's RMS norms, which normalise in float32 even in a float64 model, are
+kept in float64 on both sides (``float64_norms``). Also: the integration refuses what it cannot compute, naming the
+layer, and a model that ignored the blocks would fail these comparisons.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (the 'hf' extra: pip install -e '.[hf]')"
+)
+
+from blockdiag_dist import make_cp_blockdiag_batch_and_ctx  # noqa: E402
+from blockdiag_dist.guard import UnsupportedLayerError  # noqa: E402
+from blockdiag_dist.integrations import vlm  # noqa: E402
+from verify.model import image_blocks as ib  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LAYOUTS = ("contiguous", "balanced", "auto")
+TASK_TIMEOUT_S = 240.0  # per pool task on every rank: a deadline for hangs, not a speed limit
+
+
+@functools.lru_cache(maxsize=None)
+def truth(family: str):
+    """(stock model, each document alone through it)."""
+    model = ib.build(family, attn_implementation="sdpa")
+    with ib.float64_norms():
+        return model, ib.document_reference(model, ib.documents(family, 1))
+
+
+def _failures(world: int, cases, results) -> list[str]:
+    out = []
+    for (family, layout, kernel), got in zip(cases, results):
+        model, ref = truth(family)
+        out += [f"CP {world} {family} {layout} {kernel}: {f}" for f in ib.judge(ref, got, model)]
+        if not any("bidirectional blocks from token_type_ids" in n for n in got.notes):
+            out.append(f"CP {world} {family} {layout}: the blocks did not reach the step ({got.notes})")
+    return out
+
+
+def test_parity_at_cp1_and_the_blocks_matter(monkeypatch):
+    """CP 1 on both kernels; and the check is sharp: with the blocks dropped (causal text attention) the same
+    comparison fails for both models."""
+    cases = [(f, "contiguous", k) for f in ib.FAMILIES for k in ("varlen", "dense")]
+    results = [ib.run_case(f, layout, kernel=k) for f, layout, k in cases]
+    assert not (failures := _failures(1, cases, results)), "\n".join(failures)
+    monkeypatch.setattr(vlm, "_step_blocks", lambda *a: None)
+    for family in ib.FAMILIES:
+        model, ref = truth(family)
+        assert ib.judge(ref, ib.run_case(family), model), f"{family}: causal attention passed for bidirectional blocks"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parity_at_cp2_and_cp4(pools, world):
+    """Every layout (the varlen kernel; the dense one on the contiguous layout): images and prefixes cross rank
+    edges, their later keys come from later ranks and their gradients go back."""
+    cases = [(f, layout, "varlen") for f, layout in itertools.product(ib.FAMILIES, LAYOUTS)]
+    cases += [(f, "contiguous", "dense") for f in ib.FAMILIES]
+    calls = [((f, layout), {"kernel": k}) for f, layout, k in cases]
+    outcomes = list(pools(world).run_many(ib.run_case, calls, timeout=TASK_TIMEOUT_S,
+                                          names=[f"CP {world} {c}" for c in cases]))
+    assert all(isinstance(o, list) for o in outcomes), next(o for o in outcomes if not isinstance(o, list))
+    assert not (failures := _failures(world, cases, [o[0] for o in outcomes])), "\n".join(failures)
+
+
+def test_what_stays_refused_names_the_layer():
+    """token_type_ids sharded to the rank's rows (shard_primary=True) are refused at the model's entry; Gemma 4's
+    model stays refused by the guard, naming the layer."""
+    model = ib.build("gemma3")
+    batch = ib.packed_batch("gemma3", ib.documents("gemma3"))
+    batch.pop("pixel_values")  # text only: the blocks are read from token_type_ids whatever the images
+    ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, dict(batch))
+    with pytest.raises(ValueError, match=r"Gemma3Model: token_type_ids: expected the full rows \[B, S\] = \[2, 24\] under a "
+                                         r"CP step built with shard_primary=False .* got shape \(2, 24\) with shard_primary=True"):
+        with ctx():
+            model(input_ids=local["input_ids"], token_type_ids=local["token_type_ids"], position_ids=local["position_ids"],
+                  use_cache=False)
+    fresh = ib.build("paligemma")  # its inner model called first: the scan hooks it too late for this call
+    batch = ib.packed_batch("paligemma", ib.documents("paligemma"))
+    ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, dict(batch), shard_primary=False)
+    with pytest.raises(ValueError, match=r"blockdiag_cp attention in GemmaAttention: expected the bidirectional blocks its "
+                                         r"model reads from token_type_ids .*got a layer of the language model of a Gemma3Model / "
+                                         r"PaliGemmaModel .*the model itself was the step's first call"):
+        with ctx():
+            fresh.model(**{k: local[k] for k in ("input_ids", "token_type_ids", "position_ids", "pixel_values")},
+                        use_cache=False)
+    ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, {k: v for k, v in batch.items() if k != "token_type_ids"},
+                                                 shard_primary=False)
+    with pytest.raises(UnsupportedLayerError, match=r"layer PaliGemmaModel is not computed per document under CP without "
+                                                    r"token_type_ids: expected token_type_ids \[B, S\]"), ctx():
+        fresh(**{k: local[k] for k in ("input_ids", "position_ids", "pixel_values")}, use_cache=False)
+    from blockdiag_dist.guard import KNOWN_MIXERS, MIXER_KINDS
+
+    assert KNOWN_MIXERS["Gemma4UnifiedModel"] == "image_bidirectional" and "beyond the window" in MIXER_KINDS["image_bidirectional"]
+    assert "Gemma3Model" not in KNOWN_MIXERS and "PaliGemmaModel" not in KNOWN_MIXERS

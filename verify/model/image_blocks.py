@@ -1,0 +1,236 @@
+"""Vision-language models whose text attention is bidirectional within blocks (Gemma 3: each image's tokens;
+PaliGemma: the prefix of image and prompt), stepped two ways: the truth (:func:`document_reference`: each document
+alone through the stock model's own forward with its ``token_type_ids``) and one step under CP on this rank
+(:func:`run_case`: the model's own forward with ``shard_primary=False``; the integration reads the blocks from
+``token_type_ids`` at the model's entry). Compared with :func:`verify.model.harness.compare`.
+
+Tiny models from configs, random weights from a seed, no download: a SigLIP tower of one block over 8 x 8 images,
+4 image tokens per image (Gemma 3 average-pools 4 x 4 patches to 2 x 2; PaliGemma's patches are 4 x 4 pixels),
+a decoder of 2 layers (Gemma 3: one sliding layer of window 4, one full). Two rows of :data:`SEQ_LEN` = 24
+(:func:`documents`): at CP 2 and 4 images / prefixes cross rank edges (positions 6, 12 and 18), an image opens a
+document, one document has two images, one none.
+
+Shape legend: B rows, S row length, n tokens of a document.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from blockdiag_dist.integrations import IGNORE_INDEX, causal_lm_loss, register_transformers_attention
+
+from .harness import StepResult, cp_step, param_grads
+
+__all__ = ["FAMILIES", "IMAGE_TOKEN", "SEQ_LEN", "build", "document_reference", "documents", "float64_norms", "forward", "judge",
+           "packed_batch", "run_case", "tiny_config"]
+
+FAMILIES = ("gemma3", "paligemma")
+IMAGE_TOKEN, BOI, EOI, BOS, SEP = 120, 121, 122, 1, 2
+VOCAB = 128
+SEQ_LEN = 24
+IMAGE_TOKENS = 4  # tokens per image, both families
+
+
+def tiny_config(family: str):
+    """A tiny config of ``family``: decoder hidden 32, 2 layers, 4 heads (2 key/value heads); tower hidden 16."""
+    from transformers import Gemma3Config, PaliGemmaConfig
+
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=256, bos_token_id=BOS, eos_token_id=SEP,
+                pad_token_id=0)
+    vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                  num_channels=3)
+    if family == "gemma3":
+        return Gemma3Config(text_config=dict(text, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+                            vision_config=dict(vision, patch_size=2), mm_tokens_per_image=IMAGE_TOKENS,
+                            image_token_index=IMAGE_TOKEN, boi_token_index=BOI, eoi_token_index=EOI)
+    if family == "paligemma":
+        return PaliGemmaConfig(text_config=dict(text, model_type="gemma"),
+                               vision_config=dict(vision, patch_size=4, projection_dim=32), image_token_index=IMAGE_TOKEN,
+                               projection_dim=32)
+    raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+
+
+def build(family: str, *, dtype: torch.dtype = torch.float64, attn_implementation: str | None = None,
+          seed: int = 0) -> nn.Module:
+    """``Gemma3ForConditionalGeneration`` / ``PaliGemmaForConditionalGeneration`` from :func:`tiny_config`, in
+    ``dtype``, initialised from ``seed``; attention ``attn_implementation`` (default blockdiag's, registered here;
+    ``"sdpa"`` for the stock model)."""
+    from transformers import Gemma3ForConditionalGeneration, PaliGemmaForConditionalGeneration
+
+    cls = {"gemma3": Gemma3ForConditionalGeneration, "paligemma": PaliGemmaForConditionalGeneration}[family]
+    torch.manual_seed(seed)
+    model = cls._from_config(tiny_config(family), attn_implementation=attn_implementation or register_transformers_attention())
+    return model.to(dtype).train()
+
+
+def _doc(family: str, parts: list, g: torch.Generator, dtype: torch.dtype) -> dict:
+    """A document from parts: token lists, ``"image"`` (its 4 image tokens, Gemma 3 between begin / end of image
+    tokens when ``"image+"``), ``"|"`` (PaliGemma: the end of the prefix)."""
+    tokens: list[int] = []
+    prefix = None
+    images = 0
+    for p in parts:
+        if p in ("image", "image+"):
+            wrap = family == "gemma3" and p == "image+"
+            tokens += ([BOI] if wrap else []) + [IMAGE_TOKEN] * IMAGE_TOKENS + ([EOI] if wrap else [])
+            images += 1
+        elif p == "|":
+            prefix = len(tokens)
+        else:
+            tokens += list(p)
+    ids = torch.tensor(tokens)
+    if family == "gemma3":  # 1 on image tokens (the processor's token_type_ids)
+        types = (ids == IMAGE_TOKEN).to(torch.int64)
+    else:  # 0 on the prefix (image and prompt), 1 on the suffix
+        types = (torch.arange(len(tokens)) >= (len(tokens) if prefix is None else prefix)).to(torch.int64)
+    doc = {"input_ids": ids, "token_type_ids": types}
+    if images:
+        doc["pixel_values"] = torch.randn(images, 3, 8, 8, generator=g, dtype=torch.float64).to(dtype)
+    return doc
+
+
+def documents(family: str, seed: int = 1, dtype: torch.dtype = torch.float64) -> list[list[dict]]:
+    """Two rows of documents (random images from ``seed``), identical on every rank.
+
+    Gemma 3: row 0 = [4 text, image 4..9 (begin/end tokens around 5..8), image 10..13, 2 text] (16) and
+    [image 16..19, 4 text] (8); row 1 = 9 text, then [3 text, image 12..15, 3 text] (10), padding.
+    PaliGemma: row 0 = [image, bos, 7 prompt, sep | 3 suffix] (prefix 0..12) and [image, bos, prompt | 2 suffix]
+    (prefix 16..21); row 1 = [bos, 2 prompt, sep | 3 suffix] and [image, bos, 2 prompt, sep | 3 suffix], padding."""
+    g = torch.Generator().manual_seed(seed)
+    d = lambda *parts: _doc(family, list(parts), g, dtype)  # noqa: E731
+    if family == "gemma3":
+        return [[d([5, 6, 7, 8], "image+", "image", [14, 15]), d("image", [30, 31, 32, 33])],
+                [d(list(range(40, 49))), d([50, 51, 52], "image", [56, 57, 58])]]
+    return [[d("image", [BOS, 5, 6, 7, 8, 9, 10, 11, SEP], "|", [14, 15, 16]), d("image", [BOS, 30], "|", [32, 33])],
+            [d([BOS, 40, 41, SEP], "|", [42, 43, 44]), d("image", [BOS, 50, 51, SEP], "|", [52, 53, 54])]]
+
+
+def _labels(ids: Tensor) -> Tensor:
+    """Next-token targets, none on an image token (pre-shifted: position i's target is token i + 1)."""
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[..., :-1] = ids[..., 1:].masked_fill(ids[..., 1:] == IMAGE_TOKEN, IGNORE_INDEX)
+    return labels
+
+
+def packed_batch(family: str, rows: list[list[dict]]) -> dict[str, Tensor]:
+    """The rows packed to :data:`SEQ_LEN`: ``input_ids``, ``token_type_ids``, per-document ``position_ids`` (from 1
+    for PaliGemma, as its forward numbers a document alone), pre-shifted ``labels``, ``_packed_seq_ids`` and the
+    images in row-major order (``pixel_values``)."""
+    B, S = len(rows), SEQ_LEN
+    batch = {k: torch.zeros(B, S, dtype=torch.int64) for k in ("input_ids", "token_type_ids", "position_ids", "_packed_seq_ids")}
+    batch["labels"] = torch.full((B, S), IGNORE_INDEX)
+    first = 1 if family == "paligemma" else 0
+    images = []
+    for b, docs in enumerate(rows):
+        at = 0
+        for i, doc in enumerate(docs):
+            n = doc["input_ids"].numel()
+            if at + n > S:
+                raise ValueError(f"documents of row {b}: expected at most {S} tokens, got more")
+            batch["input_ids"][b, at:at + n] = doc["input_ids"]
+            batch["token_type_ids"][b, at:at + n] = doc["token_type_ids"]
+            batch["position_ids"][b, at:at + n] = torch.arange(n) + first
+            batch["_packed_seq_ids"][b, at:at + n] = i + 1
+            batch["labels"][b, at:at + n] = _labels(doc["input_ids"])
+            if "pixel_values" in doc:
+                images.append(doc["pixel_values"])
+            at += n
+        batch["token_type_ids"][b, at:] = 1 if family == "paligemma" else 0  # padding: in no block
+    batch["pixel_values"] = torch.cat(images)
+    return batch
+
+
+def document_reference(model: nn.Module, rows: list[list[dict]]) -> StepResult:
+    """The truth: each document alone through the model's own forward (``input_ids [1, n]``, its images, its
+    ``token_type_ids``), the loss summed over every document's targets; the gradients of that sum."""
+    model.zero_grad(set_to_none=True)
+    total, targets = 0.0, 0
+    for doc in (d for row in rows for d in row):
+        ids = doc["input_ids"][None]
+        inputs = {"input_ids": ids, "token_type_ids": doc["token_type_ids"][None]}
+        if "pixel_values" in doc:
+            inputs["pixel_values"] = doc["pixel_values"]
+        labels = _labels(ids)
+        loss = causal_lm_loss(model(**inputs, use_cache=False).logits, labels, 1)
+        loss.backward()
+        total += float(loss.detach())
+        targets += int((labels != IGNORE_INDEX).sum())
+    return StepResult(loss=total, grads=param_grads(model), targets=targets)
+
+
+def _rms_norm_in_input_dtype(self, x: Tensor) -> Tensor:
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(dtype)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+    return (h * (1.0 + self.weight.to(dtype))).to(x.dtype)
+
+
+@contextlib.contextmanager
+def float64_norms():
+    """Within the block, Gemma's RMS norms (which normalise in float32 whatever the input's dtype) compute in their
+    input's dtype, float32 at least: a float64 model then stays in float64, so CP's own error is seen at float64's
+    resolution."""
+    from transformers.models.gemma import modeling_gemma
+    from transformers.models.gemma3 import modeling_gemma3
+
+    owners = (modeling_gemma.GemmaRMSNorm, modeling_gemma3.Gemma3RMSNorm)
+    saved = [o.forward for o in owners]
+    try:
+        for o in owners:
+            o.forward = _rms_norm_in_input_dtype
+        yield
+    finally:
+        for o, f in zip(owners, saved):
+            o.forward = f
+
+
+def forward(model: nn.Module, local: dict[str, Any]) -> Tensor:
+    """The model's own forward on a (sharded) batch of :func:`packed_batch`: logits ``[B, L, V]``."""
+    inputs = {k: v for k, v in local.items() if k not in ("labels", "_packed_seq_ids", "padding_mask", "loss_mask")}
+    return model(**inputs, use_cache=False).logits
+
+
+def run_case(family: str, layout: str = "contiguous", *, seed: int = 0, kernel: str | None = None) -> StepResult:
+    """One step of ``family`` on this rank (CP over the default group when one is initialised, else CP 1): the
+    model's own forward on :func:`packed_batch` with ``shard_primary=False``, in float64 with :func:`float64_norms`;
+    loss and gradients summed over the CP group."""
+    model = build(family, seed=seed)
+    batch = packed_batch(family, documents(family, seed + 1))
+    mesh = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from verify.pool import worker_info
+
+        mesh = worker_info()["cp_mesh"]
+    options = {"kernel": kernel} if kernel else {}
+    with float64_norms():
+        return cp_step(model, batch, mesh, forward, shard_primary=False, layout=layout, **options)
+
+
+ROUNDING = 1e-12  # a gradient norm at most this fraction of the largest is rounding: zero in exact arithmetic
+
+
+def judge(ref: StepResult, got: StepResult, model: nn.Module, limit: float = 1e-10) -> list[str]:
+    """What differs beyond ``limit``: the loss and each parameter's gradient relative to its own norm; a parameter
+    whose true gradient is zero in exact arithmetic (SigLIP's key biases: a softmax is unchanged when every logit of
+    a query moves alike; norm <= :data:`ROUNDING` of the largest) is judged against the largest gradient's norm
+    instead (its relative error would be rounding over rounding)."""
+    import numpy as np
+
+    from .harness import compare
+
+    norms = {n: float(np.linalg.norm(g)) for n, g in ref.grads.items()}
+    top = max(norms.values())
+    rounding = {n for n, v in norms.items() if v <= ROUNDING * top}
+    c = compare(ref, got, model, limit, limits={n: float("inf") for n in rounding})
+    out = [] if c.loss_rel <= limit else [f"loss: {c.loss_rel:.2e} > {limit:g}"]
+    out += [f"{n}: {e:.2e} > {limit:g}" for n, e in c.per_param.items() if n not in rounding and e > limit]
+    out += [f"{n} (zero in exact arithmetic): {float(np.linalg.norm(got.grads[n] - ref.grads[n])) / top:.2e} of the "
+            f"largest gradient > {limit:g}" for n in sorted(rounding)
+            if float(np.linalg.norm(got.grads[n] - ref.grads[n])) > limit * top]
+    return out
