@@ -413,3 +413,53 @@ def test_sinks_keep_a_lone_keys_gradient_in_bfloat16():
     base = (dk(torch.bfloat16, explicit) - truth).abs().max().item()
     limit = 2 * base + 1e-2 * truth.abs().max().item()
     assert err <= limit, f"dk error {err:.3e} > {limit:.3e} (explicit bf16 scores: {base:.3e})"
+
+
+@pytest.mark.parametrize("variant", ["softcap", "sinks"])
+def test_dense_explicit_scores_round_bfloat16_once(variant):
+    """The dense kernel's explicit-score path on bfloat16 inputs keeps every intermediate (scores, the soft-cap's
+    tanh and its derivative, probabilities, dS) in float32 and rounds each gradient once: its dq, dk, dv are the
+    float32 computation's on the same values, rounded to bfloat16, bit for bit. So its own error is below that
+    of eager attention, which rounds the scores to bfloat16 before capping (verifier case ``spans-every-rank``,
+    seed 160: a dk there exceeds the bfloat16 limit only because the baseline's own rounding happens to cancel
+    the error that the keys' bfloat16 rounding carries into dk)."""
+    g = torch.Generator().manual_seed(160)
+    ids = _ids((1, 2), (2, 13), (3, 1))
+    T, hq, hkv, D = ids.shape[1], 4, 2, 5
+    plan = plan_step(ids, 1)
+    meta = plan_dense(plan.local_flat_ids(0), plan.allgather_flat_ids(), plan.segments, T, -1)
+    q, k, v = ((torch.randn(T, h, D, generator=g, dtype=F64) * 2.5).bfloat16().double() for h in (hq, hkv, hkv))
+    grad = torch.randn(T, hq, D, generator=g, dtype=F64).bfloat16().double()
+    kw = {"softcap": 5.0} if variant == "softcap" else {"sinks": torch.randn(hq, generator=g, dtype=F64).bfloat16().double()}
+
+    def grads(dtype: torch.dtype, run) -> list[torch.Tensor]:
+        leaves = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
+        run(*leaves).backward(grad.to(dtype))
+        return [t.grad for t in leaves]
+
+    def ours(qq, kk, vv):
+        opts = {n: t.to(qq.dtype) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+        return dense_attention(qq, torch.cat([kk, vv], 1).flatten(1), meta, heads_kv=hkv, dim_v=D, dropout_p=0.0,
+                               scale=None, **opts)
+
+    def eager(qq, kk, vv):  # transformers' eager attention: scores in the inputs' dtype, softmax in float32
+        s = (qq.transpose(0, 1) @ kk.repeat_interleave(hq // hkv, 1).permute(1, 2, 0)) / math.sqrt(D)
+        s = s.float() if qq.dtype == torch.bfloat16 else s
+        if "softcap" in kw:
+            s = torch.tanh(s / kw["softcap"]) * kw["softcap"]
+        s = s.masked_fill(~meta.mask[0], -math.inf)
+        if "sinks" in kw:
+            sink = kw["sinks"].to(s.dtype).view(-1, 1, 1).expand(hq, T, 1)
+            p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+        else:
+            p = torch.softmax(s, -1)
+        return (p.to(qq.dtype) @ vv.repeat_interleave(hq // hkv, 1).transpose(0, 1)).transpose(0, 1)
+
+    bf16, f32 = grads(torch.bfloat16, ours), grads(torch.float32, ours)
+    for name, a, b in zip("qkv", bf16, f32):
+        assert torch.equal(a, b.bfloat16()), f"d{name}: not the float32 gradient rounded once"
+    truth, base = grads(F64, ours), grads(torch.bfloat16, eager)
+    assert all((t - e).abs().max() <= 1e-12 for t, e in zip(truth, grads(F64, eager)))  # the same attention
+    for name, a, e, t in zip("qkv", bf16, base, truth):
+        err, base_err = (a.double() - t).abs().max().item(), (e.double() - t).abs().max().item()
+        assert err <= base_err, f"d{name}: error {err:.3e} above eager bfloat16 attention's {base_err:.3e}"
