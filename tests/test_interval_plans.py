@@ -405,3 +405,39 @@ def test_chunk_runs_equal_the_intervals_rank_by_rank(world, per_rank, data):
             extra += L - m
         intervals.append(ivs)
     assert torch.equal(_chunk_runs(owned, edges[:-1], lens, L, padded_len), runs_of(intervals))
+
+
+@SETTINGS
+@given(space=st.integers(1, 300), data=st.data())
+def test_flat_index_rows_of_blocks_equal_id_by_id(space, data):
+    """FlatIndex.rows_of (one lookup per block row where the row's ids lie in one run of the buffer) equals the
+    id-by-id lookup, for rows inside a run, across runs, over absent ids, ascending, descending and clamped."""
+    n = data.draw(st.integers(0, space))
+    flat = torch.randperm(space, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))[:n]
+    if data.draw(st.booleans()):
+        flat = torch.sort(flat).values
+    index = FlatIndex(flat)
+    m = data.draw(st.integers(1, 9))
+    lo = torch.tensor(data.draw(st.lists(st.integers(0, space - 1), min_size=1, max_size=12)))
+    step = torch.tensor(data.draw(st.lists(st.sampled_from([-1, 1]), min_size=lo.numel(), max_size=lo.numel())))
+    x = (lo[:, None] + step[:, None] * torch.arange(m)[None, :]).clamp(0, space - 1)
+    assert torch.equal(index.rows_of(x), index[x])
+
+
+class _SmallWindows(FlatIndex):
+    WINDOW_FROM = 1  # every lookup of a dense enough span goes through the span's table
+
+
+@SETTINGS
+@given(space=st.integers(1, 300), data=st.data())
+def test_flat_index_span_tables_equal_the_search(space, data):
+    """FlatIndex's lookup through a table of the looked-up span (built from the runs that meet it) equals the
+    search id by id (ids absent, repeated, out of order; spans inside one run and across many)."""
+    n = data.draw(st.integers(0, space))
+    flat = torch.randperm(space, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))[:n]
+    if data.draw(st.booleans()):
+        flat = torch.sort(flat).values
+    x = torch.tensor(data.draw(st.lists(st.integers(0, space - 1), min_size=1, max_size=40)))
+    assert torch.equal(_SmallWindows(flat)[x], FlatIndex(flat)[x])
+    blocks = (x[:, None] + torch.arange(3)).clamp(max=space - 1)  # rows of 3 ids: in one run, across, absent
+    assert torch.equal(_SmallWindows(flat).rows_of(blocks), FlatIndex(flat)[blocks])
