@@ -133,12 +133,17 @@ def _assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[list[li
 
     The LPT runs in rounds (:func:`_lpt`): the same choices as one chunk at a time from a heap of
     ``(load, rank)``, without a Python step per chunk where whole rounds can be decided at once."""
-    w = np.asarray(chunk_work, dtype=np.float64)
+    owned, loads = _assign_array(np.asarray(chunk_work, dtype=np.float64), world, per_rank)
+    return owned.tolist(), loads.tolist()
+
+
+def _assign_array(w: np.ndarray, world: int, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_assign` on arrays: ``(owned [world, per_rank] in owned order, loads [world])``."""
     owned, loads = _lpt(w, world, per_rank)
     for _ in range(_MAX_SWAPS):
         hi, lo = int(np.argmax(loads)), int(np.argmin(loads))
         gap = loads[hi] - loads[lo]
-        a_idx, b_idx = np.array(owned[hi]), np.array(owned[lo])
+        a_idx, b_idx = owned[hi], owned[lo]
         d = w[a_idx][:, None] - w[b_idx][None, :]
         ok = (d > 0) & (d < gap)
         if not ok.any():
@@ -149,17 +154,17 @@ def _assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[list[li
             break
         ia, ib = divmod(i, b_idx.size)
         dd = d[ia, ib]
-        owned[hi][ia], owned[lo][ib] = int(b_idx[ib]), int(a_idx[ia])
+        owned[hi, ia], owned[lo, ib] = b_idx[ib], a_idx[ia]
         loads[hi] -= dd
         loads[lo] += dd
-    return owned, loads.tolist()
+    return owned, loads
 
 
 _LPT_MIN_ROUND = 16  # a round deciding fewer chunks than this hands the next ``world`` chunks to the heap
 
 
-def _lpt(w: np.ndarray, world: int, per_rank: int) -> tuple[list[list[int]], np.ndarray]:
-    """The LPT part of :func:`_assign`: ``(chunks of each rank in the order they came, loads)``.
+def _lpt(w: np.ndarray, world: int, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """The LPT part of :func:`_assign`: ``(chunks of each rank in the order they came [world, per_rank], loads)``.
 
     Each chunk (by decreasing work, ties: lower index) goes to the smallest ``(load, rank)`` among the ranks with
     room. A *round* decides many chunks at once: with the ranks with room sorted by ``(load, rank)`` as
@@ -210,9 +215,7 @@ def _lpt(w: np.ndarray, world: int, per_rank: int) -> tuple[list[list[int]], np.
             i += 1
         count = np.asarray(cnt, dtype=np.int64)
     by_rank = np.argsort(rank_of, kind="stable")  # chunks grouped by rank, each rank's in the order they came
-    chunks = order[by_rank].tolist()
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(rank_of, minlength=world))]).tolist()
-    return [chunks[bounds[r]:bounds[r + 1]] for r in range(world)], loads
+    return order[by_rank].reshape(world, per_rank), loads  # every rank ends with exactly per_rank chunks
 
 
 def _hopeless(chunk_work: list[float], world: int, limit: float) -> bool:
@@ -228,15 +231,35 @@ def runs_of(intervals: list[list[tuple[int, int]]]) -> Tensor:
     counts = np.array([len(ivs) for ivs in intervals], dtype=np.int64)
     rank = np.repeat(np.arange(len(intervals)), counts)
     flat = np.array([iv for ivs in intervals for iv in ivs], dtype=np.int64).reshape(-1, 2)
-    start, length = flat[:, 0], flat[:, 1]
+    return _runs(rank, flat[:, 0], flat[:, 1])
+
+
+def _runs(rank: np.ndarray, start: np.ndarray, length: np.ndarray) -> Tensor:
+    """:func:`runs_of` from flat arrays: interval ``i`` of rank ``rank[i]`` (nondecreasing), in local order."""
+    first = np.ones(len(rank), dtype=bool)
+    first[1:] = rank[1:] != rank[:-1]
     before = np.cumsum(length) - length  # rows before each interval, all ranks
-    local = before - before[np.repeat(np.cumsum(counts) - counts, counts)]  # ... on its own rank
-    new = np.ones(len(rank), dtype=bool)
-    new[1:] = (rank[1:] != rank[:-1]) | (start[1:] != start[:-1] + length[:-1])
+    local = before - np.maximum.accumulate(np.where(first, before, 0))  # ... on its own rank
+    new = first.copy()
+    new[1:] |= start[1:] != start[:-1] + length[:-1]
     group = np.cumsum(new) - 1
     merged = np.zeros(int(new.sum()), dtype=np.int64)
     np.add.at(merged, group, length)
     return torch.from_numpy(np.stack([rank[new], start[new], merged, local[new]], 1).reshape(-1, 4))
+
+
+def _chunk_runs(owned: np.ndarray, chunk_start: np.ndarray, chunk_len: np.ndarray, L: int, padded_len: int) -> Tensor:
+    """Shard runs of chunks: rank ``r`` holds chunks ``owned[r]`` (ascending) in order, then, when it holds fewer
+    than ``L`` rows, CP padding: positions from ``padded_len`` on, handed out in rank order."""
+    world, per_rank = owned.shape
+    rows = chunk_len[owned].sum(1)
+    pad = L - rows
+    pad_start = padded_len + np.cumsum(pad) - pad
+    start = np.concatenate([chunk_start[owned], pad_start[:, None]], 1).reshape(-1)
+    length = np.concatenate([chunk_len[owned], pad[:, None]], 1).reshape(-1)
+    rank = np.repeat(np.arange(world), per_rank + 1)
+    keep = length > 0
+    return _runs(rank[keep], start[keep], length[keep])
 
 
 def interval_ranges(starts: Tensor, lengths: Tensor) -> Tensor:
@@ -260,8 +283,8 @@ def _positions_of(runs: Tensor, world: int, local_len: int) -> Tensor:
     return interval_ranges(runs[:, 1], runs[:, 2]).view(world, local_len)
 
 
-def _balanced(work, world: int) -> tuple[int, int, list[list[int]], float]:
-    """``(local_len, chunk_len, chunks owned per rank, max/mean work)``."""
+def _balanced(work, world: int) -> tuple[int, int, np.ndarray, float]:
+    """``(local_len, chunk_len, chunks owned per rank [world, per_rank] ascending, max/mean work)``."""
     S = work.seq_len
     best = None
     for per_rank in CHUNKS_PER_RANK:
@@ -273,15 +296,22 @@ def _balanced(work, world: int) -> tuple[int, int, list[list[int]], float]:
         chunk_work = work.equal_chunks(chunks, chunk_len)
         if best is not None and _hopeless(chunk_work, world, best[0] - 1e-12):
             continue  # cannot beat the best so far, which did not reach TARGET either
-        owned, load = _assign(chunk_work, world, per_rank)
+        owned, loads = _assign_array(np.asarray(chunk_work, dtype=np.float64), world, per_rank)
+        load = loads.tolist()
         mean = sum(load) / world
         imbalance = max(load) / mean if mean > 0 else 1.0
         if best is None or imbalance < best[0] - 1e-12:
-            best = (imbalance, local_len, chunk_len, [sorted(ks) for ks in owned])
+            best = (imbalance, local_len, chunk_len, np.sort(owned, 1))
         if best[0] <= TARGET:
             break
     imbalance, local_len, chunk_len, owned = best
     return local_len, chunk_len, owned, imbalance
+
+
+def _equal_chunk_runs(owned: np.ndarray, chunk_len: int, local_len: int) -> Tensor:
+    n = owned.size
+    return _chunk_runs(owned, np.arange(n, dtype=np.int64) * chunk_len, np.full(n, chunk_len, dtype=np.int64),
+                       local_len, 0)
 
 
 def balanced_runs(work: CumulativeWork, world: int) -> tuple[int, Tensor, float]:
@@ -291,7 +321,7 @@ def balanced_runs(work: CumulativeWork, world: int) -> tuple[int, Tensor, float]
     if world == 1:
         return S, torch.tensor([[0, 0, S, 0]]), 1.0
     local_len, chunk_len, owned, imbalance = _balanced(work, world)
-    return local_len, runs_of([[(k * chunk_len, chunk_len) for k in ks] for ks in owned]), imbalance
+    return local_len, _equal_chunk_runs(owned, chunk_len, local_len), imbalance
 
 
 def balanced_positions(work: Tensor, world: int) -> tuple[int, Tensor, float]:
@@ -305,7 +335,7 @@ def balanced_positions(work: Tensor, world: int) -> tuple[int, Tensor, float]:
     if world == 1:  # one rank holds everything: nothing to balance, no padding to add
         return S, torch.arange(S)[None], 1.0
     local_len, chunk_len, owned, imbalance = _balanced(_TensorWork(work), world)
-    runs = runs_of([[(k * chunk_len, chunk_len) for k in ks] for ks in owned])
+    runs = _equal_chunk_runs(owned, chunk_len, local_len)
     return local_len, _positions_of(runs, world, local_len), imbalance
 
 
@@ -364,25 +394,40 @@ class _Allowed:
 
 def _snap(edges: Tensor, allowed: _Allowed, reach: int, S: int) -> Tensor:
     """Move each interior edge below ``S`` to the nearest allowed boundary within ``reach`` (kept strictly
-    increasing: an edge that would not pass the one before keeps its place, or moves one past it)."""
+    increasing: an edge that would not pass the one before keeps its place, or moves one past it).
+
+    The rule is sequential (each edge depends on the one before), but an edge whose candidate passes the edge
+    before it lands on its candidate, and from there on the edges follow their candidates until one does not pass
+    the one before: only the stretches that start at such an edge, up to the first edge back on its candidate,
+    are walked one by one (the order-preserving case, the common one, walks none)."""
     x = edges[1:-1]
     best = allowed.nearest(x)
     cand = torch.where((x < S) & ((best - x).abs() <= reach), best, x)
     full = torch.cat([edges[:1], cand, edges[-1:]])
     if bool((full[1:] > full[:-1]).all()):  # every move keeps the order: the sequential rule changes nothing
         return full
-    xs, bs = x.tolist(), best.tolist()
-    out = [int(edges[0])]
-    for xv, bv in zip(xs, bs):
-        if xv < S and abs(bv - xv) <= reach and bv > out[-1]:
-            xv = bv
-        out.append(max(xv, out[-1] + 1))
-    out.append(int(edges[-1]))
-    return torch.tensor(out)
+    out = full.numpy().copy()
+    xs = edges.numpy()
+    n = out.size - 1  # out[n], the last edge, stays
+    bad = np.flatnonzero(out[1:n] <= out[:n - 1]) + 1  # interior edges whose candidate does not pass the one before
+    j = 0
+    for i in bad.tolist():
+        if i < j:
+            continue  # inside a stretch already walked
+        prev = int(out[i - 1])
+        while i < n:
+            c = int(out[i])  # still the candidate: the walk only writes behind itself
+            if c > prev:  # back on its candidate: the rest follows the candidates up to the next bad edge
+                break
+            prev = max(int(xs[i]), prev + 1)
+            out[i] = prev
+            i += 1
+        j = i
+    return torch.from_numpy(out)
 
 
-def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, list[list[tuple[int, int]]], float] | None:
-    """``(L, each rank's intervals in local order, max/mean work)`` or None (see :func:`snapped_positions`)."""
+def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, Tensor, float] | None:
+    """``(L, shard runs [R, 4], max/mean work)`` or None (see :func:`snapped_positions`)."""
     S = work.seq_len
     if world == 1:
         return None
@@ -404,31 +449,20 @@ def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, list[list[tuple[
             lens = np.diff(edge_t.numpy())
             if _hopeless(chunk_work, world, SNAP_TARGET) or int(lens.max()) > SNAP_TARGET * local_len:
                 continue  # the largest chunk alone breaks the work or the row target: its assignment would too
-            owned, load = _assign(chunk_work, world, per_rank)
-            rows = lens[np.array(owned)].sum(1).tolist()  # every rank owns exactly per_rank chunks
-            edges = edge_t.tolist()
+            owned, loads = _assign_array(np.asarray(chunk_work, dtype=np.float64), world, per_rank)
+            load = loads.tolist()
+            rows = lens[owned].sum(1).tolist()  # every rank owns exactly per_rank chunks
             mean = sum(load) / world
             imbalance = max(load) / mean if mean > 0 else 1.0
             if imbalance <= SNAP_TARGET and max(rows) <= SNAP_TARGET * local_len:
                 L = max(rows)
-                intervals, extra = [], padded_len
-                for ks, n in zip(owned, rows):
-                    ivs = [(edges[k], edges[k + 1] - edges[k]) for k in sorted(ks)]
-                    if L > n:  # CP padding: positions past the sequence, handed out in rank order
-                        ivs.append((extra, L - n))
-                        extra += L - n
-                    intervals.append(ivs)
-                return L, intervals, imbalance
+                return L, _chunk_runs(np.sort(owned, 1), edge_t.numpy()[:-1], lens, L, padded_len), imbalance
     return None
 
 
 def snapped_runs(work: CumulativeWork, world: int, interiors: tuple[Tensor, Tensor]) -> tuple[int, Tensor, float] | None:
     """:func:`snapped_positions` as shard runs, from the documents' intervals (``interiors``: :func:`doc_interiors`)."""
-    got = _snapped(work, world, _Allowed(interiors=interiors))
-    if got is None:
-        return None
-    L, intervals, imbalance = got
-    return L, runs_of(intervals), imbalance
+    return _snapped(work, world, _Allowed(interiors=interiors))
 
 
 def snapped_positions(work: Tensor, world: int, bounds: Tensor) -> tuple[int, Tensor, float] | None:
@@ -443,5 +477,5 @@ def snapped_positions(work: Tensor, world: int, bounds: Tensor) -> tuple[int, Te
     got = _snapped(_TensorWork(work), world, _Allowed(bounds=bounds))
     if got is None:
         return None
-    L, intervals, imbalance = got
-    return L, _positions_of(runs_of(intervals), world, L), imbalance
+    L, runs, imbalance = got
+    return L, _positions_of(runs, world, L), imbalance

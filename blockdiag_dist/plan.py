@@ -19,6 +19,7 @@ import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -207,21 +208,23 @@ def needed_ranges(docs: DocPlan, window_left: int) -> Tensor:
     (pieces in document order, each range starting no earlier than the one before). ``O(P log P)``.
     """
     sp = docs.shards.padded_len
-    t = docs.table
-    lo = t["doc_start"] if window_left < 0 else torch.maximum(t["doc_start"], t["start"] - window_left)
+    # numpy on the host: a dozen calls on a few hundred pieces, where each torch call costs tens of microseconds
+    t = {name: docs.table[name].numpy() for name in ("rank", "doc", "row", "start", "doc_start")}
+    lo = t["doc_start"] if window_left < 0 else np.maximum(t["doc_start"], t["start"] - window_left)
     hi = t["start"]
     keep = lo < hi
     rank, doc, row, lo, hi = t["rank"][keep], t["doc"][keep], t["row"][keep], lo[keep], hi[keep]
-    order = torch.argsort(rank * (docs.num_docs * sp) + doc * sp + hi)  # by rank, document, then position
+    order = np.argsort(rank * (docs.num_docs * sp) + doc * sp + hi, kind="stable")  # by rank, document, position
     rank, doc, row, lo, hi = rank[order], doc[order], row[order], lo[order], hi[order]
-    if rank.numel() == 0:
+    if rank.size == 0:
         return torch.zeros(0, 4, dtype=torch.int64)
-    new = torch.ones(rank.numel(), dtype=torch.bool)
+    new = np.ones(rank.size, dtype=bool)
     new[1:] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1]) | (lo[1:] > hi[:-1])
-    first = new.nonzero().flatten()
-    last = torch.cat([first[1:], torch.tensor([rank.numel()], dtype=torch.int64)]) - 1
-    ranges = torch.stack([rank[first], row[first], lo[first], hi[last]], 1)
-    return ranges[torch.argsort(ranges[:, 0] * (docs.batch_size * sp) + ranges[:, 1] * sp + ranges[:, 2])]
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], rank.size) - 1
+    ranges = np.stack([rank[first], row[first], lo[first], hi[last]], 1).astype(np.int64, copy=False)
+    key = ranges[:, 0] * (docs.batch_size * sp) + ranges[:, 1] * sp + ranges[:, 2]
+    return torch.from_numpy(np.ascontiguousarray(ranges[np.argsort(key, kind="stable")]))
 
 
 def _cut(ranges: Tensor, shards: ShardPlan) -> Tensor:

@@ -144,6 +144,8 @@ class FlatIndex:
     """
 
     DENSE_UP_TO = 1 << 16  # a flat space this small gets a plain lookup table (faster for small batches)
+    WINDOW_FROM = 1 << 12  # this many ids or more, over a span at most WINDOW_SPAN times as long: a table of the span
+    WINDOW_SPAN = 4
 
     def __init__(self, flat: Tensor, space: int | None = None) -> None:
         first = torch.ones(flat.numel(), dtype=torch.bool)
@@ -179,10 +181,44 @@ class FlatIndex:
             return self._table[x]
         if self.start.numel() == 0:
             return torch.full_like(x, -1)
+        if x.numel() >= self.WINDOW_FROM:
+            lo, hi = int(x.min()), int(x.max())
+            if hi - lo + 1 <= self.WINDOW_SPAN * x.numel():
+                return self._window(lo, hi + 1)[x - lo]
         k = torch.searchsorted(self.start, x, right=True) - 1
         kc = k.clamp(min=0)
         off = x - self.start[kc]
         return torch.where((k >= 0) & (off < self.length[kc]), self.row[kc] + off, -1)
+
+    def _window(self, lo: int, hi: int) -> Tensor:
+        """The lookup table of flat ids ``[lo, hi)`` (``-1`` where absent), from the runs that meet the span: their
+        intersections with it, one range each (memory ``O(hi - lo)``, no search per id)."""
+        table = torch.full((hi - lo,), -1, dtype=torch.int64)
+        end = self.start + self.length
+        meet = (self.start < hi) & (end > lo)
+        s, e = self.start[meet].clamp(min=lo), end[meet].clamp(max=hi)
+        table[interval_ranges(s - lo, e - s)] = interval_ranges(self.row[meet] + (s - self.start[meet]), e - s)
+        return table
+
+    def rows_of(self, x: Tensor) -> Tensor:
+        """``self[x]`` for ``x [n, m]`` whose rows each span few flat ids (a block's keys): a row whose span
+        ``[min, max]`` lies in one run of the buffer is that run's row offset plus ``x`` (one ``searchsorted`` per
+        row, not per id); the others are looked up id by id.
+
+        >>> index = FlatIndex(torch.tensor([7, 8, 9, 2, 3]))
+        >>> index.rows_of(torch.tensor([[7, 9, 8], [3, 4, 2]])).tolist()
+        [[0, 2, 1], [4, -1, 3]]
+        """
+        if self._table is not None or x.dim() != 2 or x.numel() == 0 or self.start.numel() == 0:
+            return self[x]
+        lo, hi = x.min(1).values, x.max(1).values
+        k = (torch.searchsorted(self.start, lo, right=True) - 1).clamp(min=0)
+        inside = (lo >= self.start[k]) & (hi < self.start[k] + self.length[k])
+        out = x + (self.row[k] - self.start[k])[:, None]
+        if not bool(inside.all()):
+            rest = (~inside).nonzero().flatten()
+            out[rest] = self[x[rest]]
+        return out
 
 
 def plan_shards(seq_len: int, world: int, layout: str = "contiguous", *, work: Tensor | None = None) -> ShardPlan:

@@ -337,3 +337,107 @@ def test_interval_ranges_equal_concatenated_aranges(spans):
     want = [p for s, n in spans for p in range(s, s + n)]
     got = interval_ranges(starts, lengths)
     assert got.dtype == torch.int64 and got.tolist() == want
+
+
+def sequential_snap(edges, allowed, reach: int, S: int):
+    """The oracle of ``balance._snap``: its candidates, then the repair one edge at a time, every edge walked."""
+    x = edges[1:-1]
+    best = allowed.nearest(x).tolist()
+    out = [int(edges[0])]
+    for xv, bv in zip(x.tolist(), best):
+        if xv < S and abs(bv - xv) <= reach and bv > out[-1]:
+            xv = bv
+        out.append(max(xv, out[-1] + 1))
+    out.append(int(edges[-1]))
+    return torch.tensor(out)
+
+
+@SETTINGS
+@given(seqlens=st.lists(st.integers(1, 40), min_size=1, max_size=12), chunks=st.integers(1, 40),
+       tolerance=st.sampled_from([1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16]), pad=st.integers(0, 9), world=st.integers(2, 5))
+def test_snap_repair_equals_edge_by_edge(seqlens, chunks, tolerance, pad, world):
+    """balance._snap (walks only the stretches where snapped edges cross) gives the edges of the edge-by-edge
+    repair, for many chunks per document (edges that snap onto one boundary) and CP padding past ``S``; and
+    ``snapped_runs`` chooses the same layout (runs, rows, max/mean work) with either repair."""
+    from unittest import mock
+
+    from blockdiag_dist import balance
+    from blockdiag_dist.balance import _Allowed, _snap
+
+    layout = DocLayout.from_seqlens([seqlens])
+    S = layout.seq_len
+    chunk_len = -(-(S + pad) // chunks)
+    edges = torch.arange(chunks + 1) * chunk_len
+    for allowed in (_Allowed(interiors=doc_interiors(layout)), _Allowed(bounds=doc_boundaries(layout))):
+        got = _snap(edges, allowed, int(tolerance * chunk_len), S)
+        assert got.tolist() == sequential_snap(edges, allowed, int(tolerance * chunk_len), S).tolist()
+    work, interiors = CumulativeWork(layout), doc_interiors(layout)
+    got = snapped_runs(work, world, interiors)
+    with mock.patch.object(balance, "_snap", sequential_snap):
+        want = snapped_runs(work, world, interiors)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert got[0] == want[0] and torch.equal(got[1], want[1]) and got[2] == want[2]
+
+
+@SETTINGS
+@given(world=st.integers(1, 6), per_rank=st.sampled_from([1, 2, 4]), data=st.data())
+def test_chunk_runs_equal_the_intervals_rank_by_rank(world, per_rank, data):
+    """balance._chunk_runs (the shard runs of a chunk assignment, in arrays) equals ``runs_of`` of each rank's
+    intervals built one chunk at a time: its chunks ascending, then its CP padding past the sequence in rank order."""
+    import numpy as np
+
+    from blockdiag_dist.balance import _chunk_runs, runs_of
+
+    n = world * per_rank
+    lens = np.array(data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n)), dtype=np.int64)
+    edges = np.concatenate([[0], np.cumsum(lens)])
+    perm = np.array(data.draw(st.permutations(range(n))), dtype=np.int64)
+    owned = np.sort(perm.reshape(world, per_rank), 1)
+    rows = lens[owned].sum(1).tolist()
+    L = max(rows) + data.draw(st.integers(0, 2))
+    padded_len = int(edges[-1]) + data.draw(st.integers(0, 3))
+    intervals, extra = [], padded_len
+    for ks, m in zip(owned.tolist(), rows):
+        ivs = [(int(edges[k]), int(edges[k + 1] - edges[k])) for k in ks]
+        if L > m:
+            ivs.append((extra, L - m))
+            extra += L - m
+        intervals.append(ivs)
+    assert torch.equal(_chunk_runs(owned, edges[:-1], lens, L, padded_len), runs_of(intervals))
+
+
+@SETTINGS
+@given(space=st.integers(1, 300), data=st.data())
+def test_flat_index_rows_of_blocks_equal_id_by_id(space, data):
+    """FlatIndex.rows_of (one lookup per block row where the row's ids lie in one run of the buffer) equals the
+    id-by-id lookup, for rows inside a run, across runs, over absent ids, ascending, descending and clamped."""
+    n = data.draw(st.integers(0, space))
+    flat = torch.randperm(space, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))[:n]
+    if data.draw(st.booleans()):
+        flat = torch.sort(flat).values
+    index = FlatIndex(flat)
+    m = data.draw(st.integers(1, 9))
+    lo = torch.tensor(data.draw(st.lists(st.integers(0, space - 1), min_size=1, max_size=12)))
+    step = torch.tensor(data.draw(st.lists(st.sampled_from([-1, 1]), min_size=lo.numel(), max_size=lo.numel())))
+    x = (lo[:, None] + step[:, None] * torch.arange(m)[None, :]).clamp(0, space - 1)
+    assert torch.equal(index.rows_of(x), index[x])
+
+
+class _SmallWindows(FlatIndex):
+    WINDOW_FROM = 1  # every lookup of a dense enough span goes through the span's table
+
+
+@SETTINGS
+@given(space=st.integers(1, 300), data=st.data())
+def test_flat_index_span_tables_equal_the_search(space, data):
+    """FlatIndex's lookup through a table of the looked-up span (built from the runs that meet it) equals the
+    search id by id (ids absent, repeated, out of order; spans inside one run and across many)."""
+    n = data.draw(st.integers(0, space))
+    flat = torch.randperm(space, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))[:n]
+    if data.draw(st.booleans()):
+        flat = torch.sort(flat).values
+    x = torch.tensor(data.draw(st.lists(st.integers(0, space - 1), min_size=1, max_size=40)))
+    assert torch.equal(_SmallWindows(flat)[x], FlatIndex(flat)[x])
+    blocks = (x[:, None] + torch.arange(3)).clamp(max=space - 1)  # rows of 3 ids: in one run, across, absent
+    assert torch.equal(_SmallWindows(flat).rows_of(blocks), FlatIndex(flat)[blocks])

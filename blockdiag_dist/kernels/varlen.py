@@ -194,6 +194,12 @@ class VarlenMeta:
         return cached
 
 
+def _rows_of(key_lut, flat: Tensor) -> Tensor:
+    """``key_lut[flat]`` for ``flat [n, m]``; by block rather than by key for a
+    :class:`~blockdiag_dist.shard_plan.FlatIndex` (:meth:`~blockdiag_dist.shard_plan.FlatIndex.rows_of`)."""
+    return key_lut.rows_of(flat) if hasattr(key_lut, "rows_of") else key_lut[flat]
+
+
 def _ranges(starts: Tensor, lens: Tensor) -> Tensor:
     """Concatenation of ``arange(s, s + n)`` for each (s, n) (:func:`blockdiag_dist.balance.interval_ranges`)."""
     return interval_ranges(starts, lens)
@@ -330,9 +336,10 @@ def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut: Tensor, 
         kraw = b["k0"] + b["kdir"] * torch.arange(lk)[None, :]
         kpos = torch.minimum(torch.maximum(kraw, b["klo"]), b["khi"])
         base = p_base[b["piece"]]
-        k_index = key_lut[base + kpos]
+        k_index = _rows_of(key_lut, base + kpos)
         # keys outside the needed set can only sit where no real query looks: any present key will do
-        k_index = torch.where(k_index >= 0, k_index, key_lut[base + b["qlo"]])
+        if not bool((k_index >= 0).all()):
+            k_index = torch.where(k_index >= 0, k_index, key_lut[base + b["qlo"]])
         assert bool((k_index >= 0).all()), "varlen plan: a piece's key is missing from the key buffer"
         mask = None
         if kind == MASKED:  # bottom-right causal within the window; padded query slots see one real key
@@ -385,7 +392,7 @@ def _masked_plan(meta: VarlenMeta) -> BucketPlan:
         c = torch.arange(lk)[None, :]
         qlen, klen = p_len[idx, None], p_klen[idx, None]
         q_index = p_start[idx, None] + torch.minimum(a, qlen - 1)
-        k_index = meta.key_lut[p_kflat0[idx, None] + torch.minimum(c, klen - 1)]
+        k_index = _rows_of(meta.key_lut, p_kflat0[idx, None] + torch.minimum(c, klen - 1))
         mask = None
         if is_masked:
             qpos = (p_qfirst[idx, None] + a)[:, :, None]
