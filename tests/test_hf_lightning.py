@@ -72,6 +72,7 @@ def test_minimax_matches_each_document_alone(pools, cp):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # its stock call below
 def test_the_layer_outside_a_step_is_transformers_own_and_under_one_refuses_a_cache_or_a_mask():
     from verify.model.harness import text_forward
 
@@ -91,9 +92,19 @@ def test_the_layer_outside_a_step_is_transformers_own_and_under_one_refuses_a_ca
             layer(h, None, None, object())  # positionally, as the stock signature orders them
         with pytest.raises(ValueError, match=r"expected no attention_mask under a CP step .*got a tensor of shape \(2, 64\)"):
             layer(h, None, torch.ones(2, 64))
-        with pytest.raises(ValueError, match=r"expected at most 3 positional arguments after hidden_states "
-                                             r"\(position_embeddings, attention_mask, cache\), got 4"):
+        with pytest.raises(ValueError, match=r"expected no cache under a CP step .*got object"):
+            layer(h, None, None, past_key_values=object())  # the deprecated name the stock decorator renames
+        with pytest.raises(TypeError, match=r"MiniMaxLightningAttention.forward: too many positional arguments \(expected "
+                                            r"the parameters of MiniMaxLightningAttention.forward: \(self, hidden_states, "
+                                            r"position_embeddings, attention_mask, cache, \*\*kwargs\); got hidden_states, "
+                                            r"4 more positional"):
             layer(h, None, None, None, None)
+        for twice in ({"cache": None}, {"past_key_values": None}, {"attention_mask": None}):  # given twice
+            with pytest.raises(TypeError, match=r"multiple values for argument '(cache|attention_mask)'"):
+                layer(h, None, None, None, **twice)
+    for twice in ({"cache": None}, {"past_key_values": None}, {"attention_mask": None}):  # as the stock refuses them
+        with pytest.raises(TypeError, match=r"multiple values for argument '(cache|attention_mask)'"):
+            layer(h, None, None, None, **twice)
     from blockdiag_dist.integrations.hf_mixers import install_lightning
 
     with pytest.raises(ValueError, match=r"install_lightning: expected one of \['MiniMaxLightningAttention'\], got Linear"):
