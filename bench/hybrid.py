@@ -252,14 +252,15 @@ def ssd_plan_bytes(plan, rank: int, element: int = 4) -> dict:
 
 class _MixerStep:
     """blockdiag's forward + backward of the KDA layer (:data:`KDA_LAYER`: the convolution of ``q, k, v``, then KDA
-    with its decay per key channel) or the Mamba1 layer (:data:`SCAN_LAYER`: the convolution of ``x``, then the
-    selective scan) on this rank's rows, contiguous shards (inputs built once, grads recomputed every call); with
+    with its decay per key channel), the Mamba1 layer (:data:`SCAN_LAYER`: the convolution of ``x``, then the
+    selective scan) or the lightning-attention layer (:data:`LIGHTNING_LAYER`: MiniMax's fixed slopes, no
+    convolution) on this rank's rows, contiguous shards (inputs built once, grads recomputed every call); with
     ``mesh=None`` the single-device layer over the whole sequence. Every rank draws the whole sequence's inputs from
     ``seed`` and keeps its rows: the ranks' outputs together are the single device's (:func:`mixer_output`)."""
 
     def __init__(self, layer: str, S: int, seed: int, mesh, dtype: torch.dtype = torch.float32) -> None:
-        if layer not in MIXER_LAYERS:
-            raise ValueError(f"layer: expected one of {MIXER_LAYERS}, got {layer!r}")
+        if layer not in MIXER_LAYERS + ("lightning",):
+            raise ValueError(f"layer: expected one of {MIXER_LAYERS + ('lightning',)}, got {layer!r}")
         self.layer = layer
         ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": torch.zeros(1, S, 1),
                                                               "_packed_seq_ids": _ids(S, seed)},
@@ -278,6 +279,11 @@ class _MixerStep:
                            "beta": rows(torch.rand(1, S, H, generator=gen, dtype=dtype)),
                            "weight": torch.randn(3 * H * Kd, WIDTH, generator=gen, dtype=dtype) / WIDTH}
             self.grad_out = rows(torch.randn(1, S, H, Kd, generator=gen, dtype=dtype))
+        elif layer == "lightning":
+            H, D = LIGHTNING_LAYER["H"], LIGHTNING_LAYER["D"]
+            self.inputs = {n: rows(torch.randn(1, S, H, D, generator=gen, dtype=dtype)) for n in ("q", "k", "v")}
+            self.slope = 2.0 ** (-8.0 * torch.arange(1, H + 1, dtype=dtype) / H)  # MiniMax's, a constant
+            self.grad_out = rows(torch.randn(1, S, H, D, generator=gen, dtype=dtype))
         else:
             I, N = SCAN_LAYER["I"], SCAN_LAYER["N"]
             self.inputs = {"x": rows(torch.randn(1, S, I, generator=gen, dtype=dtype)),
@@ -297,6 +303,8 @@ class _MixerStep:
             H, Kd = KDA_LAYER["H"], KDA_LAYER["K"]
             q, k, v = causal_conv(t["mixed"], t["weight"], None, "silu", state=state).reshape(1, L, 3, H, Kd).unbind(2)
             return kimi_delta_attention(q, k, v, t["g"], t["beta"], state=state)
+        if self.layer == "lightning":
+            return lightning_attention(t["q"], t["k"], t["v"], self.slope, state=state)
         x = causal_conv(t["x"], t["weight"], None, "silu", state=state)
         return selective_scan(x, t["dt"], t["A"], t["B"], t["C"], state=state)
 
@@ -368,18 +376,7 @@ def scan_plan_bytes(plan, rank: int, element: int = 4) -> dict:
 def lightning_bytes(S: int, seed: int, dtype: str = "float32") -> dict:
     """On every rank: one forward (no autograd) of lightning attention from ``q, k, v [1, L, H, D]`` and MiniMax's
     slopes under blockdiag, contiguous shards; the bytes this rank received."""
-    m, dt_ = LIGHTNING_LAYER, getattr(torch, dtype)
-    mesh = worker_info().get("cp_mesh")
-    ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": torch.zeros(1, S, 1),
-                                                          "_packed_seq_ids": _ids(S, seed)}, expect_attention=False)
-    state, L, H, D = ctx.state, ctx.state.local_len, m["H"], m["D"]
-    gen = torch.Generator().manual_seed(seed * 100 + state.rank)
-    q, k, v = (torch.randn(1, L, H, D, generator=gen, dtype=dt_) for _ in range(3))
-    slope = 2.0 ** (-8.0 * torch.arange(1, H + 1, dtype=dt_) / H)
-    state.mixer_traffic.clear()
-    with torch.no_grad():
-        lightning_attention(q, k, v, slope, state=state)
-    return {"recv_bytes": sum(e.recv_bytes for e in state.mixer_traffic.entries if e.phase == "forward")}
+    return {"recv_bytes": _MixerStep("lightning", S, seed, worker_info().get("cp_mesh"), getattr(torch, dtype)).forward_bytes()}
 
 
 def lightning_plan_bytes(plan, rank: int, element: int = 4) -> dict:

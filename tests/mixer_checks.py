@@ -1,5 +1,7 @@
 """Functions that the mixer tests run on every rank of a verify.pool.WorkerPool (importable by the spawned
-workers): each builds its inputs from a seed on every rank, runs one step and returns plain numbers or arrays."""
+workers): each builds its inputs from a seed on every rank, runs one step and returns plain numbers or arrays. Last,
+the checks the hybrid model tests (tests/test_hf_*.py) share, run in the parent: :func:`parity_problems`,
+:func:`assert_summaries_cross`."""
 
 from __future__ import annotations
 
@@ -186,3 +188,38 @@ def extension_inputs(B: int, S: int, H: int = 2, K: int = 3, V: int = 2) -> dict
             "k": torch.randn(B, S, H, K, generator=g, dtype=torch.float64).requires_grad_(),
             "v": torch.randn(B, S, H, V, generator=g, dtype=torch.float64).requires_grad_(),
             "a": torch.rand(B, S, H, generator=g, dtype=torch.float64).requires_grad_()}
+
+
+def parity_problems(label: str, got, ref, model, *, computed: str, layers: str, limit: float = 1e-10,
+                    loss_limit: float | None = None, limit_of=None) -> list[str]:
+    """What the hybrid model tests find wrong in a step ``got`` (verify.model.hybrid.cp_parity_step) against the
+    per-document truth ``ref`` of ``model``: a loss beyond ``loss_limit`` (default ``limit``), a parameter's
+    gradient beyond ``limit_of(name)`` (default ``limit``), and notes that do not say the ``layers`` were computed
+    per document by ``computed`` (a name in blockdiag_dist.mixers)."""
+    from verify.model.harness import compare
+
+    loss_limit = limit if loss_limit is None else loss_limit
+    c = compare(ref, got, model, limit)
+    bad = [f"{label}: loss {c.loss_rel:.1e} > {loss_limit:g}"] if c.loss_rel > loss_limit else []
+    for name, err in c.per_param.items():
+        name_limit = limit if limit_of is None else limit_of(name)
+        if err > name_limit:
+            bad.append(f"{label}: {name} {err:.1e} > {name_limit:g} ({c.summary()})")
+    if not any("computed per document" in n and computed in n for n in got.notes):
+        bad.append(f"{label}: the {layers} layers were not computed per document (notes {got.notes})")
+    return bad
+
+
+def assert_summaries_cross(cp: int, *, transitions: bool = False) -> None:
+    """The hybrid tests' documents (verify.model.hybrid.hybrid_docs) cross ranks at CP ``cp`` on the contiguous and
+    balanced layouts: some rank receives summaries, and with ``transitions`` at CP 4 one receives a transition."""
+    from blockdiag_dist import plan_step
+    from blockdiag_dist.mixers import plan_recurrence
+    from verify.model.hybrid import hybrid_batch, hybrid_docs
+
+    ids = hybrid_batch(hybrid_docs())["_packed_seq_ids"]
+    for layout in ("contiguous", "balanced"):
+        docs = plan_step(ids, cp, layout).documents
+        assert any(plan_recurrence(docs, r).any_traffic for r in range(cp)), (cp, layout)
+        if transitions and cp == 4:
+            assert any(plan_recurrence(docs, r).with_transition for r in range(cp)), (cp, layout)

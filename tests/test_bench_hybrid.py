@@ -75,7 +75,8 @@ def test_the_kda_and_mamba1_steps_are_the_single_device_layer_and_are_timed(pool
 
 def test_the_lightning_layer_moves_exactly_its_plan(pools):
     """The lightning-attention figure: each rank receives its plan's summaries (``H * D * D`` per continuing piece,
-    ``H`` more with a transition; no history), float64: 8 bytes an element."""
+    ``H`` more with a transition; no history), float64: 8 bytes an element; the ranks' outputs together are the
+    single device's."""
     S = 1024
     plan = plan_step(_ids(S, 0), 2, "contiguous")
     per_rank = pools(2).run(lightning_bytes, args=(S, 0, "float64"), timeout=240, name="hybrid bench lightning bytes")
@@ -84,3 +85,9 @@ def test_the_lightning_layer_moves_exactly_its_plan(pools):
         assert res["recv_bytes"] == want["summaries"], (r, res, want)
     m = LIGHTNING_LAYER
     assert lightning_plan_bytes(plan, 1, element=8)["summaries"] == m["H"] * m["D"] ** 2 * 8  # one first piece crosses
+    S = 300  # the layer whose bytes these are computes what the single device computes
+    per_rank = pools(2).run(mixer_output, args=("lightning", S, 0), timeout=240, name="hybrid bench lightning output")
+    one = mixer_output("lightning", S, 0)
+    got = torch.cat(per_rank, dim=1)[:, :S]
+    assert got.shape == one.shape and torch.allclose(got, one, rtol=1e-10, atol=1e-12), (got - one).abs().max()
+    assert got.abs().max() > 0

@@ -162,3 +162,40 @@ def test_refuses_a_cache_or_a_mask_under_a_step(family):
             layer(h, cache=object())
         with pytest.raises(ValueError, match=r"expected no attention_mask under a CP step .*got a tensor of shape \(2, 64\)"):
             layer(h, attention_mask=torch.ones(2, 64))
+        for alias in ("cache_params", "past_key_values"):  # the deprecated names transformers renames to the cache
+            with pytest.raises(ValueError, match=r"expected no cache under a CP step .*got object"):
+                layer(h, **{alias: object()})
+        with pytest.raises(ValueError, match=r"expected no cache under a CP step .*got object"):
+            layer(h, object())  # by position, as the stock signature orders them (cache, attention_mask)
+        for twice in ({"cache": None}, {"cache_params": None}, {"attention_mask": None}):  # given twice
+            with pytest.raises(TypeError, match=rf"{type(layer).__name__}.forward: .*multiple values for argument "
+                                                r"'(cache|attention_mask)'"):
+                layer(h, None, None, **twice)
+
+
+def test_a_subclass_is_read_by_its_own_signature():
+    """The installers accept subclasses, whose forward may order its parameters otherwise: under a step a
+    positional argument is read by the installed class's own signature."""
+    from blockdiag_dist.integrations.hf_mixers import install_mamba2
+
+    layer = build_tiny_hybrid("nemotron_h").get_submodule("model.layers.0.mixer")
+    base = type(layer)
+
+    class MaskFirst(base):
+        def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
+            return base.forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+
+    layer.__class__ = MaskFirst
+    install_mamba2(MaskFirst)
+    h = torch.randn(2, 16, 32, dtype=torch.float64)
+    assert torch.equal(layer(h), base.forward(layer, h)), "outside a step the subclass's own forward runs"
+    ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, hybrid_batch(hybrid_docs()), expect_attention=False)
+    h = torch.randn(*local["input_ids"].shape, 32, dtype=torch.float64)
+    with ctx():
+        with pytest.raises(ValueError, match=r"MaskFirst \(layer 0\): expected no cache under a CP step .*got object"):
+            layer(h, None, object())
+        with pytest.raises(ValueError, match=r"expected no attention_mask under a CP step .*got a tensor of shape \(2, 64\)"):
+            layer(h, torch.ones(2, 64), None)
+        with pytest.raises(TypeError, match=r"MaskFirst.forward: too many positional arguments \(expected the parameters "
+                                            r"of MaskFirst.forward: \(self, hidden_states, attention_mask, cache, \*\*kwargs\)"):
+            layer(h, None, None, None)

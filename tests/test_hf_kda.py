@@ -13,19 +13,15 @@ dense MLPs). Measured: every gradient and the loss within 3e-15 of the truth at 
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
 
-from blockdiag_dist import plan_step  # noqa: E402
-from blockdiag_dist.mixers import plan_recurrence  # noqa: E402
-from verify.model.harness import compare  # noqa: E402
-from verify.model.hybrid import build_tiny_hybrid, cp_parity_step, hybrid_batch, hybrid_docs, truth  # noqa: E402
+from verify.model.hybrid import build_tiny_hybrid, cp_parity_step  # noqa: E402
 
-from test_hf_hybrid import cp_problems  # noqa: E402
+from mixer_checks import assert_summaries_cross, parity_problems  # noqa: E402
+from test_hf_hybrid import cp_problems, the_truth  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,18 +29,9 @@ FLOAT64_LIMIT = 1e-10
 TIMEOUT = 300.0
 
 
-@functools.lru_cache(maxsize=None)
-def the_truth(family: str):
-    return truth(family, hybrid_docs())
-
-
 def float64_problems(label: str, family: str, got) -> list[str]:
-    c = compare(the_truth(family), got, build_tiny_hybrid(family), FLOAT64_LIMIT)
-    bad = [f"{label}: loss {c.loss_rel:.1e}"] if c.loss_rel > FLOAT64_LIMIT else []
-    bad += [f"{label}: {n} {e:.1e} > {FLOAT64_LIMIT:g} ({c.summary()})" for n, e in c.per_param.items() if e > FLOAT64_LIMIT]
-    if not any("computed per document" in n and "kimi_delta_attention" in n for n in got.notes):
-        bad.append(f"{label}: the KDA layers were not computed per document (notes {got.notes})")
-    return bad
+    return parity_problems(label, got, the_truth(family), build_tiny_hybrid(family), computed="kimi_delta_attention",
+                           layers="KDA", limit=FLOAT64_LIMIT)
 
 
 CP_RUNS = {  # CP size -> (family, layout, checkpointing)
@@ -62,10 +49,7 @@ def test_kda_models_match_each_document_alone(pools, cp):
         problems = [p for fam in ("kimi_linear", "bailing_hybrid") for p in float64_problems(f"{fam} cp1", fam, cp_parity_step(fam))]
     else:
         problems = cp_problems(pools, cp, CP_RUNS[cp], float64_problems, TIMEOUT)
-        ids = hybrid_batch(hybrid_docs())["_packed_seq_ids"]
-        for layout in ("contiguous", "balanced"):  # documents cross ranks: summaries (with transitions at CP 4) move
-            docs = plan_step(ids, cp, layout).documents
-            assert any(plan_recurrence(docs, r).any_traffic for r in range(cp))
+        assert_summaries_cross(cp)  # documents cross ranks: summaries move
     assert not problems, "\n".join(problems)
 
 

@@ -16,19 +16,16 @@ the truth and under CP) and the MoE router (per token, the same in both). Measur
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
 
-from blockdiag_dist import make_cp_blockdiag_batch_and_ctx, plan_step  # noqa: E402
-from blockdiag_dist.mixers import plan_recurrence  # noqa: E402
-from verify.model.harness import compare  # noqa: E402
-from verify.model.hybrid import build_tiny_hybrid, cp_parity_step, hybrid_batch, hybrid_docs, truth  # noqa: E402
+from blockdiag_dist import make_cp_blockdiag_batch_and_ctx  # noqa: E402
+from verify.model.hybrid import build_tiny_hybrid, cp_parity_step, hybrid_batch, hybrid_docs  # noqa: E402
 
-from test_hf_hybrid import cp_problems  # noqa: E402
+from mixer_checks import assert_summaries_cross, parity_problems  # noqa: E402
+from test_hf_hybrid import cp_problems, the_truth  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,18 +33,9 @@ FLOAT64_LIMIT = 1e-10
 TIMEOUT = 300.0
 
 
-@functools.lru_cache(maxsize=None)
-def the_truth():
-    return truth("minimax", hybrid_docs())
-
-
 def float64_problems(label: str, family: str, got) -> list[str]:
-    c = compare(the_truth(), got, build_tiny_hybrid(family), FLOAT64_LIMIT)
-    bad = [f"{label}: loss {c.loss_rel:.1e}"] if c.loss_rel > FLOAT64_LIMIT else []
-    bad += [f"{label}: {n} {e:.1e} > {FLOAT64_LIMIT:g} ({c.summary()})" for n, e in c.per_param.items() if e > FLOAT64_LIMIT]
-    if not any("computed per document" in n and "lightning_attention" in n for n in got.notes):
-        bad.append(f"{label}: the lightning layers were not computed per document (notes {got.notes})")
-    return bad
+    return parity_problems(label, got, the_truth(family), build_tiny_hybrid(family), computed="lightning_attention",
+                           layers="lightning", limit=FLOAT64_LIMIT)
 
 
 CP_RUNS = {  # CP size -> (family, layout, checkpointing)
@@ -63,15 +51,11 @@ def test_minimax_matches_each_document_alone(pools, cp):
         problems = float64_problems("minimax cp1", "minimax", cp_parity_step("minimax"))
     else:
         problems = cp_problems(pools, cp, CP_RUNS[cp], float64_problems, TIMEOUT)
-        ids = hybrid_batch(hybrid_docs())["_packed_seq_ids"]
-        for layout in ("contiguous", "balanced"):  # documents cross ranks: summaries (with transitions at CP 4) move
-            docs = plan_step(ids, cp, layout).documents
-            assert any(plan_recurrence(docs, r).any_traffic for r in range(cp))
-            if cp == 4:
-                assert any(plan_recurrence(docs, r).with_transition for r in range(cp))
+        assert_summaries_cross(cp, transitions=True)  # documents cross ranks: summaries (transitions at CP 4) move
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # its stock call below
 def test_the_layer_outside_a_step_is_transformers_own_and_under_one_refuses_a_cache_or_a_mask():
     from verify.model.harness import text_forward
 
@@ -91,9 +75,19 @@ def test_the_layer_outside_a_step_is_transformers_own_and_under_one_refuses_a_ca
             layer(h, None, None, object())  # positionally, as the stock signature orders them
         with pytest.raises(ValueError, match=r"expected no attention_mask under a CP step .*got a tensor of shape \(2, 64\)"):
             layer(h, None, torch.ones(2, 64))
-        with pytest.raises(ValueError, match=r"expected at most 3 positional arguments after hidden_states "
-                                             r"\(position_embeddings, attention_mask, cache\), got 4"):
+        with pytest.raises(ValueError, match=r"expected no cache under a CP step .*got object"):
+            layer(h, None, None, past_key_values=object())  # the deprecated name the stock decorator renames
+        with pytest.raises(TypeError, match=r"MiniMaxLightningAttention.forward: too many positional arguments \(expected "
+                                            r"the parameters of MiniMaxLightningAttention.forward: \(self, hidden_states, "
+                                            r"position_embeddings, attention_mask, cache, \*\*kwargs\); got hidden_states, "
+                                            r"4 more positional"):
             layer(h, None, None, None, None)
+        for twice in ({"cache": None}, {"past_key_values": None}, {"attention_mask": None}):  # given twice
+            with pytest.raises(TypeError, match=r"multiple values for argument '(cache|attention_mask)'"):
+                layer(h, None, None, None, **twice)
+    for twice in ({"cache": None}, {"past_key_values": None}, {"attention_mask": None}):  # as the stock refuses them
+        with pytest.raises(TypeError, match=r"multiple values for argument '(cache|attention_mask)'"):
+            layer(h, None, None, None, **twice)
     from blockdiag_dist.integrations.hf_mixers import install_lightning
 
     with pytest.raises(ValueError, match=r"install_lightning: expected one of \['MiniMaxLightningAttention'\], got Linear"):

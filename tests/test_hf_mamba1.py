@@ -20,11 +20,9 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
 
-from blockdiag_dist import plan_step  # noqa: E402
-from blockdiag_dist.mixers import plan_recurrence  # noqa: E402
-from verify.model.harness import compare  # noqa: E402
-from verify.model.hybrid import build_tiny_hybrid, cp_parity_step, hybrid_batch, hybrid_docs  # noqa: E402
+from verify.model.hybrid import build_tiny_hybrid, cp_parity_step  # noqa: E402
 
+from mixer_checks import assert_summaries_cross, parity_problems  # noqa: E402
 from test_hf_hybrid import cp_problems, the_truth  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,14 +41,8 @@ def truth_and_model(family: str):
 
 def float64_problems(label: str, family: str, got) -> list[str]:
     ref, model = truth_and_model(family)
-    c = compare(ref, got, model, FLOAT64_LIMIT)
-    loss_limit = FLOAT32_LIMIT if family in FLOAT32_LOSS else FLOAT64_LIMIT
-    bad = [f"{label}: loss {c.loss_rel:.1e} > {loss_limit:g}"] if c.loss_rel > loss_limit else []
-    bad += [f"{label}: {name} {err:.1e} > {FLOAT64_LIMIT:g} ({c.summary()})" for name, err in c.per_param.items()
-            if err > FLOAT64_LIMIT]
-    if not any("computed per document" in n and "selective_scan" in n for n in got.notes):
-        bad.append(f"{label}: the Mamba1 layers were not computed per document (notes {got.notes})")
-    return bad
+    return parity_problems(label, got, ref, model, computed="selective_scan", layers="Mamba1", limit=FLOAT64_LIMIT,
+                           loss_limit=FLOAT32_LIMIT if family in FLOAT32_LOSS else FLOAT64_LIMIT)
 
 
 @pytest.mark.parametrize("family", ["jamba", "falcon_mamba", "mamba", "zamba"])
@@ -71,12 +63,7 @@ CP_RUNS = {  # CP size -> (family, layout, checkpointing)
 @pytest.mark.parametrize("cp", sorted(CP_RUNS))
 def test_cp_matches_each_document_alone(pools, cp):
     problems = cp_problems(pools, cp, CP_RUNS[cp], float64_problems, TIMEOUT)
-    ids = hybrid_batch(hybrid_docs())["_packed_seq_ids"]
-    for layout in ("contiguous", "balanced"):  # documents cross ranks: summaries (with transitions at CP 4) move
-        docs = plan_step(ids, cp, layout).documents
-        assert any(plan_recurrence(docs, r).any_traffic for r in range(cp))
-        if cp == 4:
-            assert any(plan_recurrence(docs, r).with_transition for r in range(cp))
+    assert_summaries_cross(cp, transitions=True)  # documents cross ranks: summaries (transitions at CP 4) move
     assert not problems, "\n".join(problems)
 
 

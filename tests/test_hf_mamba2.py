@@ -17,11 +17,11 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
 
-from blockdiag_dist import make_cp_blockdiag_batch_and_ctx, plan_step  # noqa: E402
-from blockdiag_dist.mixers import plan_recurrence  # noqa: E402
-from verify.model.harness import compare, text_forward  # noqa: E402
+from blockdiag_dist import make_cp_blockdiag_batch_and_ctx  # noqa: E402
+from verify.model.harness import text_forward  # noqa: E402
 from verify.model.hybrid import build_tiny_hybrid, cp_parity_step, hybrid_batch, hybrid_docs  # noqa: E402
 
+from mixer_checks import assert_summaries_cross, parity_problems  # noqa: E402
 from test_hf_hybrid import cp_problems, the_truth  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,17 +40,10 @@ def float32_reduced(family: str, name: str) -> bool:
 
 
 def float64_problems(label: str, family: str, got) -> list[str]:
-    ref = the_truth(family)
-    c = compare(ref, got, build_tiny_hybrid(family), FLOAT64_LIMIT)
-    loss_limit = FLOAT32_LIMIT if family in FLOAT32_LOSS else FLOAT64_LIMIT
-    bad = [f"{label}: loss {c.loss_rel:.1e} > {loss_limit:g}"] if c.loss_rel > loss_limit else []
-    for name, err in c.per_param.items():
-        limit = FLOAT32_LIMIT if family in FLOAT32_EVERYWHERE or float32_reduced(family, name) else FLOAT64_LIMIT
-        if err > limit:
-            bad.append(f"{label}: {name} {err:.1e} > {limit:g} ({c.summary()})")
-    if not any("computed per document" in n and "ssd" in n for n in got.notes):
-        bad.append(f"{label}: the Mamba2 layers were not computed per document (notes {got.notes})")
-    return bad
+    return parity_problems(
+        label, got, the_truth(family), build_tiny_hybrid(family), computed="ssd", layers="Mamba2", limit=FLOAT64_LIMIT,
+        loss_limit=FLOAT32_LIMIT if family in FLOAT32_LOSS else FLOAT64_LIMIT,
+        limit_of=lambda name: FLOAT32_LIMIT if family in FLOAT32_EVERYWHERE or float32_reduced(family, name) else FLOAT64_LIMIT)
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "bamba", "granitemoehybrid", "zamba2", "mamba2", "falcon_h1",
@@ -75,10 +68,7 @@ CP_RUNS = {  # CP size -> (family, layout, checkpointing)
 @pytest.mark.parametrize("cp", sorted(CP_RUNS))
 def test_cp_matches_each_document_alone(pools, cp):
     problems = cp_problems(pools, cp, CP_RUNS[cp], float64_problems, TIMEOUT)
-    ids = hybrid_batch(hybrid_docs())["_packed_seq_ids"]
-    for layout in ("contiguous", "balanced"):  # documents cross ranks: summaries (with transitions at CP 4) move
-        docs = plan_step(ids, cp, layout).documents
-        assert any(plan_recurrence(docs, r).any_traffic for r in range(cp))
+    assert_summaries_cross(cp)  # documents cross ranks: summaries move
     assert not problems, "\n".join(problems)
 
 

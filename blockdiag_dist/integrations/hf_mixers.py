@@ -69,6 +69,7 @@ head dim, G groups, N state size, E hidden size; Mamba1: I channels, R the time 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -453,8 +454,7 @@ def install_lightning(cls: type) -> str:
     if not any(c.__name__ in LIGHTNING_CLASSES for c in cls.__mro__):
         raise ValueError(f"install_lightning: expected one of {sorted(LIGHTNING_CLASSES)}, got {cls.__name__}")
     return _install(cls, _lightning_forward, "lightning attention with the states of documents continuing from other "
-                    "ranks (blockdiag_dist.mixers.lightning_attention)",
-                    positional=("position_embeddings", "attention_mask", "cache"))
+                    "ranks (blockdiag_dist.mixers.lightning_attention)")
 
 
 SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")  # one forward in transformers 5.24
@@ -476,14 +476,28 @@ def install_short_conv(cls: type) -> str:
                     "from other ranks (blockdiag_dist.mixers.causal_conv)")
 
 
-def _install(cls: type, per_document, how: str, positional: tuple[str, ...] = ("cache", "attention_mask")) -> str:
+# transformers' names for a layer's cache: ``cache`` in 5.24, whose deprecation decorators rename ``cache_params``
+# (Mamba, Gated DeltaNet, KDA layers) or ``past_key_values`` (MiniMax, LFM2) to it
+CACHE_NAMES = ("cache", "cache_params", "past_key_values")
+
+
+def _install(cls: type, per_document, how: str) -> str:
     """``cls.forward`` becomes ``per_document(self, state, hidden_states, cache, attention_mask)`` under a CP step
     and the stock forward, called as it was called, outside one (installed once; the stock forward kept as
-    ``_blockdiag_stock``). ``positional``: the names of the stock forward's parameters after ``hidden_states``, in
-    order (a positional argument under a step is read by its name)."""
+    ``_blockdiag_stock``). Under a step the arguments are bound by the stock forward's own signature (read here,
+    from the class installed: a subclass's forward may order them differently), so a call the stock forward
+    refuses (an argument given twice, too many) raises the same ``TypeError``; a deprecated name of the cache
+    is the cache (refused like it)."""
     stock = cls.forward
     if getattr(stock, "_blockdiag_stock", None) is not None:
         return stock._blockdiag_how
+    signature = inspect.signature(stock)  # through functools.wraps: the def's own parameters, self first
+    params = signature.parameters
+    cache_name = next((n for n in CACHE_NAMES if n in params), None)
+    aliases = tuple(n for n in CACHE_NAMES if n not in params)
+    var_kw = next((n for n, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    names = ", ".join(("**" if p.kind is p.VAR_KEYWORD else "*" if p.kind is p.VAR_POSITIONAL else "") + n
+                      for n, p in params.items())
 
     @functools.wraps(stock)
     def forward(self, hidden_states, *args, **kwargs):
@@ -492,12 +506,19 @@ def _install(cls: type, per_document, how: str, positional: tuple[str, ...] = ("
         state = _step_of_call(hidden_states) if torch.is_tensor(hidden_states) else None
         if state is None:
             return stock(self, hidden_states, *args, **kwargs)
-        if len(args) > len(positional):
-            raise ValueError(f"{type(self).__name__}.forward: expected at most {len(positional)} positional arguments "
-                             f"after hidden_states ({', '.join(positional)}), got {len(args)}")
-        kwargs.update(zip(positional, args))
-        cache = kwargs.get("cache_params", kwargs.get("cache"))
-        return per_document(self, state, hidden_states, cache, kwargs.get("attention_mask"))
+        aliased = [kwargs.pop(a) for a in aliases if a in kwargs]
+        if aliased and cache_name is not None and cache_name not in kwargs:
+            kwargs[cache_name] = aliased.pop(0)  # renamed as the stock decorator does: bound like the cache
+        try:
+            bound = signature.bind(self, hidden_states, *args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{type(self).__name__}.forward: {exc} (expected the parameters of {cls.__name__}.forward: "
+                            f"({names}); got hidden_states, {len(args)} more positional and the keywords "
+                            f"{sorted(kwargs)})") from None
+        given = {**bound.arguments.get(var_kw, {}), **bound.arguments} if var_kw else bound.arguments
+        caches = [given.get(n) for n in CACHE_NAMES] + aliased
+        cache = next((c for c in caches if c is not None), None)
+        return per_document(self, state, hidden_states, cache, given.get("attention_mask"))
 
     forward._blockdiag_stock = stock
     forward._blockdiag_how = how
