@@ -102,3 +102,30 @@ def test_what_stays_refused_names_the_layer():
 
     assert KNOWN_MIXERS["Gemma4UnifiedModel"] == "image_bidirectional" and "beyond the window" in MIXER_KINDS["image_bidirectional"]
     assert "Gemma3Model" not in KNOWN_MIXERS and "PaliGemmaModel" not in KNOWN_MIXERS
+
+
+def test_outside_a_step_after_one_stays_refused():
+    """After a step has hooked the models, a call outside any step is refused, not run causally: PaliGemma's
+    layers (is_causal=False) the same as before any step, Gemma 3 with image tokens in token_type_ids at its
+    model's entry; Gemma 3 without image tokens runs (plain causal text is what the stock model computes)."""
+    from blockdiag_dist.integrations.hf import UnsupportedAttentionError
+
+    for family, error in (("paligemma", UnsupportedAttentionError), ("gemma3", UnsupportedLayerError)):
+        model = ib.build(family)
+        batch = ib.packed_batch(family, ib.documents(family))
+        full = {k: batch[k] for k in ("input_ids", "token_type_ids", "position_ids", "pixel_values")}
+        if family == "paligemma":
+            with pytest.raises(error, match=r"got is_causal=False in not an encoder's layer"):
+                model(**full, use_cache=False)
+        ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, dict(batch), shard_primary=False)
+        with ctx():
+            model(**{k: local[k] for k in full}, use_cache=False)
+        match = (r"got is_causal=False in a layer of the language model" if family == "paligemma" else
+                 r"layer Gemma3Model is not computed outside a CP step with image tokens: expected token_type_ids "
+                 r"without image tokens \(all 0\) outside a step, .* got \d+ image tokens")
+        with pytest.raises(error, match=match):
+            model(**full, use_cache=False)
+    text = dict(full, token_type_ids=torch.zeros_like(full["token_type_ids"]))
+    text.pop("pixel_values")
+    text["input_ids"] = torch.where(text["input_ids"] == ib.IMAGE_TOKEN, ib.BOS, text["input_ids"])
+    assert torch.isfinite(model(**text, use_cache=False).logits).all()

@@ -227,6 +227,8 @@ def _check_model_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) 
     ``image_grid_thw`` gives, each image within one document."""
     state = current_state()
     pixels = kwargs.get("pixel_values")
+    if state is None and _bidirectional_rule(module) is _gemma3_blocks and kwargs.get("token_type_ids") is not None:
+        _refuse_blocks_outside_a_step(module, kwargs["token_type_ids"])
     if state is not None and _bidirectional_rule(module) is not None:
         state.block_entries += 1
         if kwargs.get("token_type_ids") is not None:
@@ -282,6 +284,33 @@ def _check_model_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) 
             )
         start += n
     return None
+
+
+def _uses_blockdiag_attention(module: nn.Module) -> bool:
+    """True when the language model of ``module`` dispatches its attention to blockdiag's registered function."""
+    from transformers import AttentionInterface
+
+    from .hf import blockdiag_attention_forward
+
+    config = getattr(module, "config", None)
+    impl = getattr(getattr(config, "text_config", config), "_attn_implementation", None)
+    return isinstance(impl, str) and AttentionInterface._global_mapping.get(impl) is blockdiag_attention_forward
+
+
+def _refuse_blocks_outside_a_step(module: nn.Module, token_type_ids: Tensor) -> None:
+    """Gemma 3 called outside a step with image tokens in ``token_type_ids`` while its attention is blockdiag's:
+    the registered attention gets no blocks there (only a step carries them) and would attend causally."""
+    if not bool((token_type_ids != 0).any()) or not _uses_blockdiag_attention(module):
+        return
+    from ..guard import UnsupportedLayerError
+
+    raise UnsupportedLayerError(
+        f"blockdiag_dist: layer {type(module).__name__} is not computed outside a CP step with image tokens: expected "
+        "token_type_ids without image tokens (all 0) outside a step, or the call under a step (a CP-1 step evaluates "
+        f"one process), got {int((token_type_ids != 0).sum())} image tokens, whose bidirectional blocks only a step "
+        "gives blockdiag's attention (it would attend causally). Or set the model's stock attention "
+        "(model.set_attn_implementation('sdpa')) for calls outside a step."
+    )
 
 
 def _step_blocks(module: nn.Module, token_type_ids: Tensor, state) -> None:
