@@ -61,6 +61,8 @@ def test_the_reference_mask_is_its_definition(doc_ids, blocks, left):
 def test_block_labels_split_by_document_and_validate():
     labels = DocLayout.from_doc_ids(DOCS).block_labels(BLOCKS)
     assert labels.tolist() == [[0, 0, 1, 1, 1, 1, 1, 0, 0, 2, 0, 3, 3, 3, 3, 0, 0, 0, 0, 0, 0, 4, 4, 0, 0]]
+    huge = torch.where(BLOCKS != 0, BLOCKS + 10**15, 0)  # tables sized by the blocks met, not by the largest id
+    assert torch.equal(DocLayout.from_doc_ids(DOCS).block_labels(huge), labels)
     with pytest.raises(ValueError, match=r"expected an integer or bool tensor \[B, S\] = \[1, 25\], got \(\(1, 3\)"):
         DocLayout.from_doc_ids(DOCS).block_labels(torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="expected block ids >= 0"):
