@@ -14,12 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import blockdiag_dist.kernels.varlen as varlen
 from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
-from blockdiag_dist.bidirectional import bidirectional_ranges, plan_blocks
+from blockdiag_dist.bidirectional import exchange_plan, plan_blocks
 from blockdiag_dist.kernels.dense import dense_attention, plan_dense
 from blockdiag_dist.kernels.varlen import plan_varlen_pieces, varlen_attention
-from blockdiag_dist.plan import ExchangePlan, plan_step
+from blockdiag_dist.plan import plan_step
 from blockdiag_ref import DocLayout, reference_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,6 +31,8 @@ BLOCKS = torch.tensor([[0, 0, 4, 4, 4, 4, 4, 0, 0] + [4, 0, 3, 3, 3, 3, 0] + [0,
 TWO_ROWS = (torch.tensor([[1] * 6 + [2] * 5, [0, 0] + [3] * 9]),
             torch.tensor([[0, 1, 1, 1, 1, 0, 0, 0, 2, 2, 2], [0, 0, 0, 5, 5, 5, 5, 5, 5, 0, 0]]))
 CASES = [pytest.param(DOCS, BLOCKS, id="one-row"), pytest.param(*TWO_ROWS, id="two-rows")]
+# a block id met again later in its document (one block of two runs, text between them)
+SPLIT = (torch.ones(1, 20, dtype=torch.long), torch.tensor([[0, 0, 5, 5, 5, 5] + [0] * 6 + [5, 5, 5] + [0] * 5]))
 
 
 def _brute_mask(doc_ids, blocks, left):
@@ -80,15 +81,16 @@ def test_the_reference_equals_each_document_alone():
         assert torch.allclose(out[:, :, s:e], alone, rtol=0, atol=1e-14)
 
 
-@pytest.mark.parametrize("doc_ids, blocks", CASES)
+@pytest.mark.parametrize("doc_ids, blocks", [*CASES, pytest.param(*SPLIT, id="split-block")])
 @pytest.mark.parametrize("world, layout", [(2, "contiguous"), (3, "contiguous"), (4, "contiguous"), (3, "balanced"), (4, "auto")])
 @pytest.mark.parametrize("left", [-1, 1])
 def test_needed_sets_equal_brute_force(doc_ids, blocks, world, layout, left):
+    """Needed-only: exactly the keys the reference mask lets the rank's queries see (a split block's own runs,
+    not the text between them)."""
     plan = plan_step(doc_ids, world, layout)
     sp = plan.shards.padded_len
     bp = plan_blocks(plan.layout, plan.shards, plan.documents, blocks)
-    causal = plan.exchange(left)
-    x = ExchangePlan(plan.shards, doc_ids.shape[0], left, bidirectional_ranges(plan.documents, causal.ranges, bp))
+    x = exchange_plan(plan, left, bp)
     padded = torch.nn.functional.pad(doc_ids, (0, sp - doc_ids.shape[1]))
     mask = _brute_mask(padded, torch.nn.functional.pad(blocks, (0, sp - doc_ids.shape[1])), left)
     later = False
@@ -105,7 +107,7 @@ def test_needed_sets_equal_brute_force(doc_ids, blocks, world, layout, left):
         assert later, "a block crosses the rank edge: keys after the rank's rows are needed"
 
 
-def _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant, monkeypatch):
+def _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant):
     g = torch.Generator().manual_seed(7)
     plan = plan_step(doc_ids, world, layout)
     B, sp, D, hq, hkv = doc_ids.shape[0], plan.shards.padded_len, 4, 4, 2
@@ -115,7 +117,8 @@ def _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant, monkeyp
     q, k, v = (torch.randn(B, h, sp, D, generator=g, dtype=F64) * s for h, s in ((hq, 2), (hkv, 2), (hkv, 1)))
     sinks = torch.randn(hq, generator=g, dtype=F64) if variant == "sinks" else None
     softcap = 5.0 if variant == "softcap" else None
-    local, key_flat = plan.local_flat_ids(rank), plan.allgather_flat_ids()
+    local = plan.local_flat_ids(rank)  # the key buffer: the rank's rows and the keys its plan fetches, nothing else
+    key_flat = torch.cat([local, exchange_plan(plan, left, bp).needed[rank]])
     grad = torch.randn(local.numel(), hq, D, generator=g, dtype=F64)
     qi, ki, vi = (t.detach().clone().requires_grad_() for t in (q, k, v))
     q_tok = qi.permute(0, 2, 1, 3).reshape(B * sp, hq, D)[local]
@@ -129,7 +132,6 @@ def _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant, monkeyp
         docs = plan.documents
         meta = plan_varlen_pieces(docs.kernel_pieces(rank), local.numel(), lut, sp, left,
                                   key_end=bp.piece_key_end[docs.rank_pieces(rank)], labels=bp.labels)
-        monkeypatch.setattr(varlen, "_MergedBlocks", None)  # the maskless blocks are causal: never with blocks
         out = varlen_attention(q_tok, kv_tok, meta, **opts)
     out.backward(grad)
     qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -144,13 +146,13 @@ def _rel(a, b) -> float:
     return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-3))
 
 
-@pytest.mark.parametrize("doc_ids, blocks", CASES)
+@pytest.mark.parametrize("doc_ids, blocks", [*CASES, pytest.param(*SPLIT, id="split-block")])
 @pytest.mark.parametrize("world, layout, left", [(2, "contiguous", -1), (4, "contiguous", 2), (3, "balanced", -1)])
 @pytest.mark.parametrize("path, variant", [("varlen", None), ("dense", None), ("varlen", "sinks"), ("varlen", "softcap"),
                                            ("dense", "softcap")])
-def test_kernels_rank_by_rank(doc_ids, blocks, world, layout, left, path, variant, monkeypatch):
+def test_kernels_rank_by_rank(doc_ids, blocks, world, layout, left, path, variant):
     for rank in range(world):
-        out, ref, grads, ref_grads = _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant, monkeypatch)
+        out, ref, grads, ref_grads = _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant)
         assert _rel(out, ref) < 1e-10, f"rank {rank}: output"
         for name, a, b in zip("qkv", grads, ref_grads):
             assert _rel(a, b) < 1e-10, f"rank {rank}: d{name}"

@@ -386,6 +386,8 @@ def _masked_plan(meta: VarlenMeta) -> BucketPlan:
         qlen, klen = p_len[idx, None], p_klen[idx, None]
         q_index = p_start[idx, None] + torch.minimum(a, qlen - 1)
         k_index = meta.key_lut[p_kflat0[idx, None] + torch.minimum(c, klen - 1)]
+        if meta.labels is not None:  # text between a block's runs after the piece is not fetched (-1): masked below
+            k_index = k_index.clamp(min=0)
         mask = None
         if is_masked:
             qpos = (p_qfirst[idx, None] + a)[:, :, None]
