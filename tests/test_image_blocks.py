@@ -18,7 +18,7 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (the 'hf' extra: pip install -e '.[hf]')"
 )
 
-from blockdiag_dist import make_cp_blockdiag_batch_and_ctx  # noqa: E402
+from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx  # noqa: E402
 from blockdiag_dist.guard import UnsupportedLayerError  # noqa: E402
 from blockdiag_dist.integrations import vlm  # noqa: E402
 from verify.model import image_blocks as ib  # noqa: E402
@@ -129,3 +129,29 @@ def test_outside_a_step_after_one_stays_refused():
     text.pop("pixel_values")
     text["input_ids"] = torch.where(text["input_ids"] == ib.IMAGE_TOKEN, ib.BOS, text["input_ids"])
     assert torch.isfinite(model(**text, use_cache=False).logits).all()
+
+
+def test_paligemma_prefix_beyond_the_sliding_window_is_refused():
+    """PaliGemma's sliding layers OR its prefix with the window: a prefix spanning more than the window (first to
+    last token, suffix tokens between them counted) is refused; one within it is given to the step."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from blockdiag_dist.state import current_state
+
+    class PaliGemmaModel(nn.Module):  # the rule is found by class name; only the text config's window is read
+        config = SimpleNamespace(text_config=SimpleNamespace(sliding_window=8))
+
+    batch = {"input_ids": torch.ones(1, 12, dtype=torch.long), "_packed_seq_ids": torch.ones(1, 12, dtype=torch.long)}
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch, shard_primary=False)
+    split = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1]])  # 6 prefix tokens spanning 11 positions
+    with ctx():
+        with pytest.raises(ValueError, match=r"PaliGemmaModel: expected every bidirectional prefix within the text "
+                                             r"model's sliding window \(8 tokens: .*got a prefix spanning 11 tokens"):
+            vlm._step_blocks(PaliGemmaModel(), split, current_state())
+        vlm._step_blocks(PaliGemmaModel(), torch.tensor([[0] * 8 + [1] * 4]), current_state())
+        assert current_state().blocks is not None
+        current_state().decoder_entries += 1  # no model runs here: the step's exit check counts decoder entries
+        q = torch.randn(1, 1, 12, 2, dtype=torch.float64)
+        assert torch.isfinite(cp_blockdiag_sdpa(q, q, q, is_causal=True, bidirectional_blocks=True)).all()

@@ -326,14 +326,20 @@ def _step_blocks(module: nn.Module, token_type_ids: Tensor, state) -> None:
     blocks = bidirectional_blocks_of(module, token_type_ids)
     window = getattr(getattr(getattr(module, "config", None), "text_config", None), "sliding_window", None)
     if _bidirectional_rule(module) is _paligemma_blocks and window is not None and bool((blocks != 0).any()):
-        # PaliGemma's sliding layers OR the block with the window: equal to ours while no block is longer than it
+        # PaliGemma's sliding layers OR the block with the window: equal to ours while no block spans more than it
+        # (from its first token to its last: a prefix interrupted by suffix tokens spans more than it counts)
         labels = state.plan.layout.block_labels(blocks)
-        longest = int(torch.bincount(labels.flatten())[1:].max()) if bool((labels != 0).any()) else 0
+        inside = labels != 0
+        pos = torch.arange(labels.shape[1]).expand_as(labels)[inside]
+        n = int(labels.max()) + 1
+        first = torch.full((n,), labels.shape[1], dtype=torch.int64).scatter_reduce_(0, labels[inside], pos, "amin")
+        last = torch.full((n,), -1, dtype=torch.int64).scatter_reduce_(0, labels[inside], pos, "amax")
+        longest = int((last - first + 1)[1:].max())
         if longest > window:
             raise ValueError(
                 f"{name}: expected every bidirectional prefix within the text model's sliding window ({window} tokens: "
                 f"its sliding layers let a prefix token see its whole prefix beyond the window, which blockdiag computes "
-                f"only inside it), got a prefix of {longest} tokens"
+                f"only inside it), got a prefix spanning {longest} tokens (first to last)"
             )
     if bool((blocks != 0).any()):
         state.set_bidirectional_blocks(blocks)
