@@ -151,7 +151,8 @@ def cp_blockdiag_sdpa(
                               sinks=sinks, softcap=softcap)
     else:
         sequences = int(wp.kernel_meta.piece_q.shape[0])
-        why_not = SINKS_NOT_FLASH if sinks is not None else BLOCKS_NOT_FLASH if bidirectional else flash_unusable_reason(
+        every_piece_blocked = wp.kernel_meta.labels is not None and wp.kernel_meta.plain is None
+        why_not = SINKS_NOT_FLASH if sinks is not None else BLOCKS_NOT_FLASH if every_piece_blocked else flash_unusable_reason(
             q_tok, D, Dv, dropout_p=dropout_p, softcap=softcap, sequences=sequences)
         if why_not is not None and q_tok.device.type == "cuda" and sequences:  # padding only: zeros, nothing runs
             state.note(f"varlen kernel: flash-attn not used ({why_not}); batched SDPA per size class instead")

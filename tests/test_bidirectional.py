@@ -211,3 +211,41 @@ def test_a_step_without_blocks_and_chunks_with_blocks_raise():
     with pytest.raises(ValueError, match="expected one set of blocks per step, got a second, different one"):
         ctx.state.set_bidirectional_blocks(BLOCKS.clamp(max=1))
     ctx.state.set_bidirectional_blocks(BLOCKS.clone())  # the same blocks again: fine
+
+
+@pytest.mark.parametrize("world, layout", [(1, "contiguous"), (2, "contiguous"), (3, "balanced")])
+def test_pieces_without_blocks_run_as_without_blocks(world, layout):
+    """One image in the step: the pieces none of whose queries lies in a block give, bit for bit, what the same
+    call without blocks gives (they keep the maskless paths); a rank with no block query plans no labels."""
+    one = torch.zeros_like(BLOCKS)
+    one[0, 21:23] = 7  # an image in the last document only
+    plan = plan_step(DOCS, world, layout)
+    B, sp, D, hq, hkv = 1, plan.shards.padded_len, 4, 4, 2
+    bp = plan_blocks(plan.layout, plan.shards, plan.documents, one)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, h, sp, D, generator=g, dtype=F64) for h in (hq, hkv, hkv))
+    kv_all = torch.cat([k.permute(0, 2, 1, 3).reshape(B * sp, -1), v.permute(0, 2, 1, 3).reshape(B * sp, -1)], 1)
+    seen_plain = False
+    for rank in range(world):
+        docs, local = plan.documents, plan.local_flat_ids(rank)
+        key_flat = torch.cat([local, exchange_plan(plan, -1, bp).needed[rank]])
+        lut = torch.full((B * sp,), -1, dtype=torch.int64)
+        lut[key_flat] = torch.arange(key_flat.numel())
+        q_tok = q.permute(0, 2, 1, 3).reshape(B * sp, hq, D)[local]
+        opts = dict(heads_kv=hkv, dim_v=D, dropout_p=0.0, scale=None)
+        pieces = docs.kernel_pieces(rank)
+        with_blocks = plan_varlen_pieces(pieces, local.numel(), lut, sp, -1,
+                                         key_end=bp.piece_key_end[docs.rank_pieces(rank)], labels=bp.labels)
+        without = plan_varlen_pieces(pieces, local.numel(), lut, sp, -1)
+        got, want = (varlen_attention(q_tok, kv_all[key_flat], m, **opts) for m in (with_blocks, without))
+        in_block = bp.labels[local] != 0
+        if not bool(in_block.any()):
+            assert with_blocks.labels is None, f"rank {rank}: no block query, yet labels planned"
+        free = ~in_block
+        for p_start, p_len in pieces[:, :2].tolist():
+            rows = torch.arange(p_start, p_start + p_len)
+            if bool(in_block[rows].any()):
+                free[rows] = False
+        seen_plain |= with_blocks.plain is not None
+        assert torch.equal(got[free], want[free]), f"rank {rank}: a piece without blocks changed"
+    assert seen_plain, "no rank mixes pieces with and without blocks: the case does not test the split"

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -138,9 +139,12 @@ class VarlenMeta:
     num_queries: int = 0
     padded_len: int = 1
     window_left: int = -1
-    # int64 [B * Sp] (host): bidirectional block of each flat id (0 = none), or None; with blocks every piece runs
-    # the masked plan, whose masks let a query see the later keys of its block (blockdiag_dist.bidirectional)
+    # int64 [B * Sp] (host): bidirectional block of each flat id (0 = none), or None; with blocks the pieces of this
+    # meta run the masked plan, whose masks let a query see the later keys of its block (blockdiag_dist.bidirectional)
     labels: Tensor | None = field(default=None, repr=False)
+    # with labels: the pieces none of whose queries lies in a block, planned without labels (every path open to
+    # them), or None when every piece holds a block; this meta then holds only the pieces with blocks
+    plain: VarlenMeta | None = field(default=None, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device) -> VarlenMeta:
@@ -155,6 +159,7 @@ class VarlenMeta:
             padded_len=self.padded_len,
             window_left=self.window_left,
             labels=self.labels,
+            plain=None if self.plain is None else self.plain.to(device),
         )
 
     def masked(self, device: torch.device) -> BucketPlan:
@@ -231,8 +236,23 @@ def plan_varlen_pieces(
     of the first query, its document's start position)`` in local order, and ``key_lut``: the key-buffer row of
     flat ids (a ``[B * Sp]`` tensor, -1 = absent, or any object indexed the same way, e.g.
     :class:`blockdiag_dist.shard_plan.FlatIndex`). Bidirectional blocks: ``key_end`` int64 ``[P]`` (one past the
-    last key of each piece, global position) and ``labels`` int64 ``[B * Sp]`` (the block of each flat id)."""
+    last key of each piece, global position) and ``labels`` int64 ``[B * Sp]`` (the block of each flat id):
+    only the pieces one of whose queries lies in a block run masked by label; the others are planned as without
+    blocks (``VarlenMeta.plain``), and without any such piece the meta has no labels at all."""
     Tq = num_queries
+    if labels is not None:
+        p_len = pieces[:, 1]
+        q_lab = labels[interval_ranges(pieces[:, 2], p_len)]
+        piece_of = torch.repeat_interleave(torch.arange(p_len.numel()), p_len)
+        blocked = torch.zeros(p_len.numel(), dtype=torch.int64).scatter_reduce_(0, piece_of, (q_lab != 0).long(), "amax")
+        blocked = blocked.bool() | (key_end > pieces[:, 2] % padded_len + p_len)
+        if not bool(blocked.any()):  # no query of this rank in a block: exactly the plan without blocks
+            return plan_varlen_pieces(pieces, Tq, key_lut, padded_len, window_left, band_min=band_min)
+        if not bool(blocked.all()):
+            plain = plan_varlen_pieces(pieces[~blocked], Tq, key_lut, padded_len, window_left, band_min=band_min)
+            meta = plan_varlen_pieces(pieces[blocked], Tq, key_lut, padded_len, window_left, band_min=band_min,
+                                      key_end=key_end[blocked], labels=labels)
+            return dataclasses.replace(meta, plain=plain, _cache={})
     p_start, p_len, p_flat0, p_dstart = pieces.unbind(1)
     p_qfirst = p_flat0 % padded_len
     p_kfirst = p_dstart if window_left < 0 else torch.maximum(p_dstart, p_qfirst - window_left)
@@ -778,6 +798,16 @@ def varlen_attention(
     ``variants``), and the masked plan runs explicit scores whenever a variant is given. flash-attn takes the
     soft-cap itself; it has no sinks (``use_flash`` is never set with sinks).
     """
+    Hq, D = q_tok.shape[1], q_tok.shape[2]
+    if meta.plain is not None:  # pieces without blocks on their own paths, those with blocks masked; rows disjoint
+        rest = _attention(q_tok, kv_buf, meta.plain, heads_kv, dim_v, dropout_p, scale, use_flash, sinks, softcap)
+        return rest + _attention(q_tok, kv_buf, meta, heads_kv, dim_v, dropout_p, scale, False, sinks, softcap)
+    return _attention(q_tok, kv_buf, meta, heads_kv, dim_v, dropout_p, scale, use_flash, sinks, softcap)
+
+
+def _attention(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: int, dim_v: int, dropout_p: float,
+               scale: float | None, use_flash: bool, sinks: Tensor | None, softcap: float | None) -> Tensor:
+    """:func:`varlen_attention` over the pieces of ``meta`` itself (not ``meta.plain``'s); other rows 0."""
     Hq, D = q_tok.shape[1], q_tok.shape[2]
     if not meta.blocks.buckets:  # this rank holds only padding: zeros that still reach q and the key buffer
         return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v, sinks)  # (flash-attn refuses 0 sequences)
