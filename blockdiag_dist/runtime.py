@@ -107,6 +107,12 @@ def cp_blockdiag_sdpa(
         _check_variants(query, sinks, softcap)
     bidirectional = _check_blocks(bidirectional_blocks, state, key, chunk)
     if state is None and bidirectional:
+        if not is_causal and window_size is None:
+            raise ValueError(
+                "cp_blockdiag_sdpa: bidirectional_blocks: expected is_causal=True (or a window_size): the blocks widen "
+                "causal attention by the later keys of each query's block, got is_causal=False without a window "
+                "(plain bidirectional attention: call without bidirectional_blocks)"
+            )
         query = _with_temperature(query, key, temp, None)
         return _single_device_blocks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
                                      sinks, softcap, bidirectional_blocks)

@@ -203,6 +203,9 @@ def test_a_step_without_blocks_and_chunks_with_blocks_raise():
     ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(1, S, 1)})
     with pytest.raises(ValueError, match="expected the step's blocks, got a step without any"), ctx():
         cp_blockdiag_sdpa(q, q, q, is_causal=True, bidirectional_blocks=True)
+    with pytest.raises(ValueError, match=r"bidirectional_blocks: expected is_causal=True \(or a window_size\).* got "
+                                         r"is_causal=False without a window"):
+        cp_blockdiag_sdpa(q, q, q, is_causal=False, bidirectional_blocks=BLOCKS)
     with pytest.raises(ValueError, match="bidirectional_blocks expected without chunk_size, got chunk_size=3"):
         cp_blockdiag_sdpa(q, q, q, is_causal=True, chunk_size=3, bidirectional_blocks=BLOCKS)
     with pytest.raises(ValueError, match=r"expected block ids of the full rows \[B, S\] = \[1, 25\]"):

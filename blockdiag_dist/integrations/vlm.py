@@ -328,13 +328,14 @@ def _step_blocks(module: nn.Module, token_type_ids: Tensor, state) -> None:
     if _bidirectional_rule(module) is _paligemma_blocks and window is not None and bool((blocks != 0).any()):
         # PaliGemma's sliding layers OR the block with the window: equal to ours while no block spans more than it
         # (from its first token to its last: a prefix interrupted by suffix tokens spans more than it counts)
-        labels = state.plan.layout.block_labels(blocks)
-        inside = labels != 0
-        pos = torch.arange(labels.shape[1]).expand_as(labels)[inside]
-        n = int(labels.max()) + 1
-        first = torch.full((n,), labels.shape[1], dtype=torch.int64).scatter_reduce_(0, labels[inside], pos, "amin")
-        last = torch.full((n,), -1, dtype=torch.int64).scatter_reduce_(0, labels[inside], pos, "amax")
-        longest = int((last - first + 1)[1:].max())
+        # (its rule gives one id, 1, so a block is a document's prefix: spans per segment, no labelling needed)
+        seg = state.plan.layout.segment_ids
+        inside = (blocks != 0) & (seg != 0)
+        pos = torch.arange(seg.shape[1]).expand_as(seg)[inside]
+        n = int(seg.max()) + 1
+        first = torch.full((n,), seg.shape[1], dtype=torch.int64).scatter_reduce_(0, seg[inside], pos, "amin")
+        last = torch.full((n,), -1, dtype=torch.int64).scatter_reduce_(0, seg[inside], pos, "amax")
+        longest = int((last - first + 1).max())
         if longest > window:
             raise ValueError(
                 f"{name}: expected every bidirectional prefix within the text model's sliding window ({window} tokens: "

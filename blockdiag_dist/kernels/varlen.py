@@ -175,8 +175,8 @@ class VarlenMeta:
         """(local rows of the real queries, key-buffer row of each one's own token), built once per device."""
         cached = self._cache.get(("self", device))
         if cached is None:
-            rows = _ranges(self.piece_q[:, 0], self.piece_q[:, 1])
-            keys = self.key_lut[_ranges(self.piece_flat, self.piece_q[:, 1])]
+            rows = interval_ranges(self.piece_q[:, 0], self.piece_q[:, 1])
+            keys = self.key_lut[interval_ranges(self.piece_flat, self.piece_q[:, 1])]
             cached = self._cache.setdefault(("self", device), (rows.to(device), keys.to(device)))
         return cached
 
@@ -185,8 +185,8 @@ class VarlenMeta:
         cached = self._cache.get(("flash", device))
         if cached is None:
             lens_q, lens_k = self.piece_q[:, 1], self.piece_k[:, 1]
-            q_rows = _ranges(self.piece_q[:, 0], lens_q)
-            k_rows = self.key_lut[_ranges(self.piece_k[:, 0], lens_k)]
+            q_rows = interval_ranges(self.piece_q[:, 0], lens_q)
+            k_rows = self.key_lut[interval_ranges(self.piece_k[:, 0], lens_k)]
             out_index = torch.full((self.num_queries,), q_rows.numel(), dtype=torch.int64)
             out_index[q_rows] = torch.arange(q_rows.numel())
             cu_q = torch.nn.functional.pad(torch.cumsum(lens_q, 0), (1, 0)).to(torch.int32)
@@ -198,10 +198,6 @@ class VarlenMeta:
             cached = self._cache.setdefault(("flash", device), cached)
         return cached
 
-
-def _ranges(starts: Tensor, lens: Tensor) -> Tensor:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n) (:func:`blockdiag_dist.balance.interval_ranges`)."""
-    return interval_ranges(starts, lens)
 
 
 def plan_varlen(
@@ -258,7 +254,7 @@ def plan_varlen_pieces(
     p_kfirst = p_dstart if window_left < 0 else torch.maximum(p_dstart, p_qfirst - window_left)
     p_klen = (p_qfirst + p_len if key_end is None else key_end) - p_kfirst
     real = torch.zeros(Tq, dtype=torch.bool)
-    real[_ranges(p_start, p_len)] = True
+    real[interval_ranges(p_start, p_len)] = True
     blocks = _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq, window_left, band_min)
     rows = blocks.out_rows[blocks.out_rows < Tq]
     covered = torch.zeros(Tq, dtype=torch.bool)
@@ -312,7 +308,7 @@ def _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, 
         k_lo = (p_qfirst[cut] - p_dstart[cut]) // c
         n_chunks = (p_last[cut] - p_dstart[cut]) // c - k_lo + 1
         piece = torch.repeat_interleave(cut, n_chunks)
-        k = torch.repeat_interleave(k_lo, n_chunks) + _ranges(torch.zeros_like(n_chunks), n_chunks)
+        k = torch.repeat_interleave(k_lo, n_chunks) + interval_ranges(torch.zeros_like(n_chunks), n_chunks)
         s = p_dstart[piece] + k * c
         qlo, qhi = torch.maximum(s, p_qfirst[piece]), torch.minimum(s + c - 1, p_last[piece])
         cls = size_class(torch.full_like(s, c))
