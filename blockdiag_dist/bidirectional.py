@@ -3,8 +3,9 @@
 A *block* is the set of tokens of one document that share a block id (:meth:`blockdiag_ref.DocLayout.block_labels`).
 A query in a block also sees every later key of its block; everywhere else attention stays causal per document,
 and a window bounds only the keys before a query. A block that crosses a rank edge therefore makes a rank need
-keys *after* its pieces, held by later ranks: the needed set of a piece grows by ``[piece end, block end)`` for the
-block its last query lies in (the later keys of every other block of the piece are inside the piece). The
+keys *after* its pieces, held by later ranks: the needed set of a piece grows by the tokens after the piece's end
+of every block one of its queries lies in (a block whose id recurs later in its document is several runs: only
+its own runs are fetched, not the text between them). The
 exchanges carry those keys like any other needed key, and their gradients flow back to their owners through the
 exchange's backward; the kernels mask by block label (the masked plan of the varlen kernel, the dense kernel).
 
@@ -25,9 +26,10 @@ from torch import Tensor
 from blockdiag_ref import DocLayout
 
 from .docs import DocPlan
+from .plan import ExchangePlan, StepPlan
 from .shard_plan import ShardPlan, interval_ranges
 
-__all__ = ["BlockPlan", "bidirectional_ranges", "plan_blocks"]
+__all__ = ["BlockPlan", "bidirectional_ranges", "exchange_plan", "plan_blocks"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,19 +38,13 @@ class BlockPlan:
 
     - ``labels`` int64 ``[B * Sp]``: the block of each token (1, 2, ...; 0 outside any block, on padding and on
       CP padding), unique across documents and rows;
-    - ``ends`` int64 ``[B * Sp]``: one past the last position of each token's block (0 outside any block);
     - ``piece_key_end`` int64 ``[P]``: one past the last key each piece's queries may see (the piece's end, or
       the end of the block its queries reach furthest into).
     """
 
     labels: Tensor
-    ends: Tensor
     piece_key_end: Tensor
     digest: bytes
-
-    @property
-    def any(self) -> bool:
-        return bool(self.piece_key_end.numel()) and bool((self.labels != 0).any())
 
 
 def plan_blocks(layout: DocLayout, shards: ShardPlan, docs: DocPlan, bidirectional_blocks: Tensor) -> BlockPlan:
@@ -73,18 +69,48 @@ def plan_blocks(layout: DocLayout, shards: ShardPlan, docs: DocPlan, bidirection
     reach = torch.zeros(t["length"].numel(), dtype=torch.int64).scatter_reduce_(0, piece, ends[q_flat], "amax")
     key_end = torch.maximum(t["start"] + t["length"], reach)
     digest = hashlib.sha256(flat.numpy().tobytes()).digest()
-    return BlockPlan(labels=flat, ends=ends, piece_key_end=key_end, digest=digest)
+    return BlockPlan(labels=flat, piece_key_end=key_end, digest=digest)
+
+
+def _later_block_ranges(docs: DocPlan, labels: Tensor) -> Tensor:
+    """``[K, 4]`` ``(dest, row, lo, hi)``: for every piece, the runs of each block one of its queries lies in,
+    clipped to after the piece's end (a block's tokens are contiguous runs; a recurring id makes several)."""
+    t, sp = docs.table, docs.shards.padded_len
+    n = labels.numel()
+    change = torch.ones(n, dtype=torch.bool)
+    change[1:] = (labels[1:] != labels[:-1]) | (torch.arange(1, n) % sp == 0)
+    run_lo = change.nonzero().flatten()
+    run_hi = torch.cat([run_lo[1:], torch.tensor([n])])
+    run_label = labels[run_lo]
+    keep = run_label != 0
+    run_lo, run_hi, run_label = run_lo[keep], run_hi[keep], run_label[keep]
+    order = torch.argsort(run_label, stable=True)  # the runs of each block, grouped
+    run_lo, run_hi, run_label = run_lo[order], run_hi[order], run_label[order]
+    count = torch.bincount(run_label, minlength=int(labels.max()) + 1 if n else 1)
+    first_run = torch.cumsum(count, 0) - count
+    q_flat = interval_ranges(t["row"] * sp + t["start"], t["length"])
+    piece = torch.repeat_interleave(torch.arange(t["length"].numel()), t["length"])
+    pairs = torch.unique(torch.stack([piece, labels[q_flat]], 1)[labels[q_flat] != 0], dim=0)  # (piece, block)
+    if pairs.shape[0] == 0:
+        return torch.zeros(0, 4, dtype=torch.int64)
+    p, lab = pairs[:, 0], pairs[:, 1]
+    per = count[lab]
+    which = interval_ranges(first_run[lab], per)  # every run of each pair's block
+    p = torch.repeat_interleave(p, per)
+    end_flat = t["row"][p] * sp + t["start"][p] + t["length"][p]
+    lo, hi = torch.maximum(run_lo[which], end_flat), run_hi[which]
+    later = hi > lo
+    p, lo, hi = p[later], lo[later], hi[later]
+    row = t["row"][p]
+    return torch.stack([t["rank"][p], row, lo - row * sp, hi - row * sp], 1)
 
 
 def bidirectional_ranges(docs: DocPlan, causal_ranges: Tensor, blocks: BlockPlan) -> Tensor:
     """The needed ranges ``[K, 4]`` (``(dest, row, lo, hi)``, see :class:`~blockdiag_dist.plan.ExchangePlan`) of
-    causal attention (``causal_ranges``) joined with the later keys of the blocks: ``[piece end, key end)`` of
-    every piece whose block goes on after it. Merged per destination and row, ordered by destination then flat id,
-    disjoint."""
-    t = docs.table
-    end = t["start"] + t["length"]
-    later = blocks.piece_key_end > end
-    extra = torch.stack([t["rank"][later], t["row"][later], end[later], blocks.piece_key_end[later]], 1)
+    causal attention (``causal_ranges``) joined with the later keys of the blocks: every run, after the piece's
+    end, of each block a query of the piece lies in. Merged per destination and row, ordered by destination then
+    flat id, disjoint."""
+    extra = _later_block_ranges(docs, blocks.labels)
     ranges = torch.cat([causal_ranges, extra])
     if ranges.shape[0] == 0:
         return ranges
@@ -99,3 +125,18 @@ def bidirectional_ranges(docs: DocPlan, causal_ranges: Tensor, blocks: BlockPlan
     first = new.nonzero().flatten()
     hi = torch.zeros(first.numel(), dtype=torch.int64).scatter_reduce_(0, group, ranges[:, 3], "amax", include_self=False)
     return torch.stack([ranges[first, 0], ranges[first, 1], ranges[first, 2], hi], 1)
+
+
+def exchange_plan(plan: StepPlan, window_left: int, blocks: BlockPlan) -> ExchangePlan:
+    """The step's :class:`~blockdiag_dist.plan.ExchangePlan` for attention with ``blocks``: the causal (and
+    windowed) needed ranges of ``plan`` joined with the later keys of the blocks (:func:`bidirectional_ranges`).
+
+    >>> from blockdiag_dist.plan import plan_step
+    >>> plan = plan_step(torch.tensor([[1] * 8]), 2)   # rank 0: 0..3, rank 1: 4..7
+    >>> bp = plan_blocks(plan.layout, plan.shards, plan.documents, torch.tensor([[0, 0, 7, 7, 7, 0, 0, 0]]))
+    >>> [sorted(n.tolist()) for n in exchange_plan(plan, -1, bp).needed]   # rank 0 fetches the image's key 4
+    [[4], [0, 1, 2, 3]]
+    """
+    causal = plan.exchange(window_left)
+    return ExchangePlan(shards=causal.shards, batch_size=causal.batch_size, window_left=window_left,
+                        ranges=bidirectional_ranges(plan.documents, causal.ranges, blocks))

@@ -107,6 +107,12 @@ def cp_blockdiag_sdpa(
         _check_variants(query, sinks, softcap)
     bidirectional = _check_blocks(bidirectional_blocks, state, key, chunk)
     if state is None and bidirectional:
+        if not is_causal and window_size is None:
+            raise ValueError(
+                "cp_blockdiag_sdpa: bidirectional_blocks: expected is_causal=True (or a window_size): the blocks widen "
+                "causal attention by the later keys of each query's block, got is_causal=False without a window "
+                "(plain bidirectional attention: call without bidirectional_blocks)"
+            )
         query = _with_temperature(query, key, temp, None)
         return _single_device_blocks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
                                      sinks, softcap, bidirectional_blocks)
@@ -151,7 +157,8 @@ def cp_blockdiag_sdpa(
                               sinks=sinks, softcap=softcap)
     else:
         sequences = int(wp.kernel_meta.piece_q.shape[0])
-        why_not = SINKS_NOT_FLASH if sinks is not None else BLOCKS_NOT_FLASH if bidirectional else flash_unusable_reason(
+        every_piece_blocked = wp.kernel_meta.labels is not None and wp.kernel_meta.plain is None
+        why_not = SINKS_NOT_FLASH if sinks is not None else BLOCKS_NOT_FLASH if every_piece_blocked else flash_unusable_reason(
             q_tok, D, Dv, dropout_p=dropout_p, softcap=softcap, sequences=sequences)
         if why_not is not None and q_tok.device.type == "cuda" and sequences:  # padding only: zeros, nothing runs
             state.note(f"varlen kernel: flash-attn not used ({why_not}); batched SDPA per size class instead")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import guard as _guard
-from .bidirectional import BlockPlan, bidirectional_ranges, plan_blocks
+from .bidirectional import BlockPlan, exchange_plan, plan_blocks
 from .docs import RankDocs
 from .exchange import TrafficLog, a2a_kv, allgather_kv, halo_kv
 from .exchange.allgather import all_gather_tensor
@@ -244,8 +244,7 @@ class StepState:
                                  "or StepState.set_bidirectional_blocks), got none")
             if chunk > 0:
                 raise ValueError(f"bidirectional_blocks: expected no chunked attention with them, got chunk_size={chunk}")
-            xplan = ExchangePlan(shards=xplan.shards, batch_size=xplan.batch_size, window_left=window_left,
-                                 ranges=bidirectional_ranges(plan.documents, xplan.ranges, blocks))
+            xplan = exchange_plan(plan, window_left, blocks)
         mode, reason = choose_exchange(xplan, self.kv_exchange)
         local = self.plan.local_flat_ids(self.rank)
         send_rows, send_splits, recv_splits = None, [], []

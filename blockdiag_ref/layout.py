@@ -339,17 +339,19 @@ class DocLayout:
         if ids.numel() and int(ids.min()) < 0:
             raise ValueError(f"bidirectional_blocks: expected block ids >= 0 (0 = no block), got {int(ids.min())}")
         seg = self.segment_ids
-        key = torch.where((ids != 0) & (seg != 0), seg * (int(ids.max()) + 1 if ids.numel() else 1) + ids, 0).flatten()
-        if not bool((key != 0).any()):
+        inside = ((ids != 0) & (seg != 0)).flatten()
+        if not bool(inside.any()):
             return torch.zeros_like(seg)
-        first = torch.full((int(key.max()) + 1,), key.numel(), dtype=torch.int64)
-        first.scatter_reduce_(0, key, torch.arange(key.numel()), "amin")
-        first[0] = -1  # "no block" sorts first: label 0
-        present = first < key.numel()
-        order = torch.argsort(torch.where(present, first, key.numel() + 1))
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.numel())
-        return rank[key].view_as(seg)
+        # one key per (document, block id), compacted: tables sized by the blocks met, never by the largest id
+        pairs = torch.stack([seg.flatten()[inside], ids.flatten()[inside]], 1)
+        _, key = torch.unique(pairs, dim=0, return_inverse=True)
+        first = torch.full((int(key.max()) + 1,), inside.numel(), dtype=torch.int64)
+        first.scatter_reduce_(0, key, inside.nonzero().flatten(), "amin")  # each block's first token
+        rank = torch.empty_like(first)
+        rank[torch.argsort(first)] = torch.arange(1, first.numel() + 1)  # labels 1, 2, ... in order of first token
+        out = torch.zeros(inside.numel(), dtype=torch.int64)
+        out[inside] = rank[key]
+        return out.view_as(seg)
 
     def __repr__(self) -> str:
         return f"DocLayout(B={self.batch_size}, S={self.seq_len}, seqlens={self.seqlens})"

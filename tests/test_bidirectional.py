@@ -14,12 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import blockdiag_dist.kernels.varlen as varlen
 from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
-from blockdiag_dist.bidirectional import bidirectional_ranges, plan_blocks
+from blockdiag_dist.bidirectional import exchange_plan, plan_blocks
 from blockdiag_dist.kernels.dense import dense_attention, plan_dense
 from blockdiag_dist.kernels.varlen import plan_varlen_pieces, varlen_attention
-from blockdiag_dist.plan import ExchangePlan, plan_step
+from blockdiag_dist.plan import plan_step
 from blockdiag_ref import DocLayout, reference_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,6 +31,8 @@ BLOCKS = torch.tensor([[0, 0, 4, 4, 4, 4, 4, 0, 0] + [4, 0, 3, 3, 3, 3, 0] + [0,
 TWO_ROWS = (torch.tensor([[1] * 6 + [2] * 5, [0, 0] + [3] * 9]),
             torch.tensor([[0, 1, 1, 1, 1, 0, 0, 0, 2, 2, 2], [0, 0, 0, 5, 5, 5, 5, 5, 5, 0, 0]]))
 CASES = [pytest.param(DOCS, BLOCKS, id="one-row"), pytest.param(*TWO_ROWS, id="two-rows")]
+# a block id met again later in its document (one block of two runs, text between them)
+SPLIT = (torch.ones(1, 20, dtype=torch.long), torch.tensor([[0, 0, 5, 5, 5, 5] + [0] * 6 + [5, 5, 5] + [0] * 5]))
 
 
 def _brute_mask(doc_ids, blocks, left):
@@ -61,6 +62,8 @@ def test_the_reference_mask_is_its_definition(doc_ids, blocks, left):
 def test_block_labels_split_by_document_and_validate():
     labels = DocLayout.from_doc_ids(DOCS).block_labels(BLOCKS)
     assert labels.tolist() == [[0, 0, 1, 1, 1, 1, 1, 0, 0, 2, 0, 3, 3, 3, 3, 0, 0, 0, 0, 0, 0, 4, 4, 0, 0]]
+    huge = torch.where(BLOCKS != 0, BLOCKS + 10**15, 0)  # tables sized by the blocks met, not by the largest id
+    assert torch.equal(DocLayout.from_doc_ids(DOCS).block_labels(huge), labels)
     with pytest.raises(ValueError, match=r"expected an integer or bool tensor \[B, S\] = \[1, 25\], got \(\(1, 3\)"):
         DocLayout.from_doc_ids(DOCS).block_labels(torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="expected block ids >= 0"):
@@ -78,15 +81,16 @@ def test_the_reference_equals_each_document_alone():
         assert torch.allclose(out[:, :, s:e], alone, rtol=0, atol=1e-14)
 
 
-@pytest.mark.parametrize("doc_ids, blocks", CASES)
+@pytest.mark.parametrize("doc_ids, blocks", [*CASES, pytest.param(*SPLIT, id="split-block")])
 @pytest.mark.parametrize("world, layout", [(2, "contiguous"), (3, "contiguous"), (4, "contiguous"), (3, "balanced"), (4, "auto")])
 @pytest.mark.parametrize("left", [-1, 1])
 def test_needed_sets_equal_brute_force(doc_ids, blocks, world, layout, left):
+    """Needed-only: exactly the keys the reference mask lets the rank's queries see (a split block's own runs,
+    not the text between them)."""
     plan = plan_step(doc_ids, world, layout)
     sp = plan.shards.padded_len
     bp = plan_blocks(plan.layout, plan.shards, plan.documents, blocks)
-    causal = plan.exchange(left)
-    x = ExchangePlan(plan.shards, doc_ids.shape[0], left, bidirectional_ranges(plan.documents, causal.ranges, bp))
+    x = exchange_plan(plan, left, bp)
     padded = torch.nn.functional.pad(doc_ids, (0, sp - doc_ids.shape[1]))
     mask = _brute_mask(padded, torch.nn.functional.pad(blocks, (0, sp - doc_ids.shape[1])), left)
     later = False
@@ -103,7 +107,7 @@ def test_needed_sets_equal_brute_force(doc_ids, blocks, world, layout, left):
         assert later, "a block crosses the rank edge: keys after the rank's rows are needed"
 
 
-def _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant, monkeypatch):
+def _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant):
     g = torch.Generator().manual_seed(7)
     plan = plan_step(doc_ids, world, layout)
     B, sp, D, hq, hkv = doc_ids.shape[0], plan.shards.padded_len, 4, 4, 2
@@ -113,7 +117,8 @@ def _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant, monkeyp
     q, k, v = (torch.randn(B, h, sp, D, generator=g, dtype=F64) * s for h, s in ((hq, 2), (hkv, 2), (hkv, 1)))
     sinks = torch.randn(hq, generator=g, dtype=F64) if variant == "sinks" else None
     softcap = 5.0 if variant == "softcap" else None
-    local, key_flat = plan.local_flat_ids(rank), plan.allgather_flat_ids()
+    local = plan.local_flat_ids(rank)  # the key buffer: the rank's rows and the keys its plan fetches, nothing else
+    key_flat = torch.cat([local, exchange_plan(plan, left, bp).needed[rank]])
     grad = torch.randn(local.numel(), hq, D, generator=g, dtype=F64)
     qi, ki, vi = (t.detach().clone().requires_grad_() for t in (q, k, v))
     q_tok = qi.permute(0, 2, 1, 3).reshape(B * sp, hq, D)[local]
@@ -127,7 +132,6 @@ def _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant, monkeyp
         docs = plan.documents
         meta = plan_varlen_pieces(docs.kernel_pieces(rank), local.numel(), lut, sp, left,
                                   key_end=bp.piece_key_end[docs.rank_pieces(rank)], labels=bp.labels)
-        monkeypatch.setattr(varlen, "_MergedBlocks", None)  # the maskless blocks are causal: never with blocks
         out = varlen_attention(q_tok, kv_tok, meta, **opts)
     out.backward(grad)
     qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -142,13 +146,13 @@ def _rel(a, b) -> float:
     return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-3))
 
 
-@pytest.mark.parametrize("doc_ids, blocks", CASES)
+@pytest.mark.parametrize("doc_ids, blocks", [*CASES, pytest.param(*SPLIT, id="split-block")])
 @pytest.mark.parametrize("world, layout, left", [(2, "contiguous", -1), (4, "contiguous", 2), (3, "balanced", -1)])
 @pytest.mark.parametrize("path, variant", [("varlen", None), ("dense", None), ("varlen", "sinks"), ("varlen", "softcap"),
                                            ("dense", "softcap")])
-def test_kernels_rank_by_rank(doc_ids, blocks, world, layout, left, path, variant, monkeypatch):
+def test_kernels_rank_by_rank(doc_ids, blocks, world, layout, left, path, variant):
     for rank in range(world):
-        out, ref, grads, ref_grads = _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant, monkeypatch)
+        out, ref, grads, ref_grads = _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant)
         assert _rel(out, ref) < 1e-10, f"rank {rank}: output"
         for name, a, b in zip("qkv", grads, ref_grads):
             assert _rel(a, b) < 1e-10, f"rank {rank}: d{name}"
@@ -199,6 +203,9 @@ def test_a_step_without_blocks_and_chunks_with_blocks_raise():
     ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(1, S, 1)})
     with pytest.raises(ValueError, match="expected the step's blocks, got a step without any"), ctx():
         cp_blockdiag_sdpa(q, q, q, is_causal=True, bidirectional_blocks=True)
+    with pytest.raises(ValueError, match=r"bidirectional_blocks: expected is_causal=True \(or a window_size\).* got "
+                                         r"is_causal=False without a window"):
+        cp_blockdiag_sdpa(q, q, q, is_causal=False, bidirectional_blocks=BLOCKS)
     with pytest.raises(ValueError, match="bidirectional_blocks expected without chunk_size, got chunk_size=3"):
         cp_blockdiag_sdpa(q, q, q, is_causal=True, chunk_size=3, bidirectional_blocks=BLOCKS)
     with pytest.raises(ValueError, match=r"expected block ids of the full rows \[B, S\] = \[1, 25\]"):
@@ -207,3 +214,41 @@ def test_a_step_without_blocks_and_chunks_with_blocks_raise():
     with pytest.raises(ValueError, match="expected one set of blocks per step, got a second, different one"):
         ctx.state.set_bidirectional_blocks(BLOCKS.clamp(max=1))
     ctx.state.set_bidirectional_blocks(BLOCKS.clone())  # the same blocks again: fine
+
+
+@pytest.mark.parametrize("world, layout", [(1, "contiguous"), (2, "contiguous"), (3, "balanced")])
+def test_pieces_without_blocks_run_as_without_blocks(world, layout):
+    """One image in the step: the pieces none of whose queries lies in a block give, bit for bit, what the same
+    call without blocks gives (they keep the maskless paths); a rank with no block query plans no labels."""
+    one = torch.zeros_like(BLOCKS)
+    one[0, 21:23] = 7  # an image in the last document only
+    plan = plan_step(DOCS, world, layout)
+    B, sp, D, hq, hkv = 1, plan.shards.padded_len, 4, 4, 2
+    bp = plan_blocks(plan.layout, plan.shards, plan.documents, one)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, h, sp, D, generator=g, dtype=F64) for h in (hq, hkv, hkv))
+    kv_all = torch.cat([k.permute(0, 2, 1, 3).reshape(B * sp, -1), v.permute(0, 2, 1, 3).reshape(B * sp, -1)], 1)
+    seen_plain = False
+    for rank in range(world):
+        docs, local = plan.documents, plan.local_flat_ids(rank)
+        key_flat = torch.cat([local, exchange_plan(plan, -1, bp).needed[rank]])
+        lut = torch.full((B * sp,), -1, dtype=torch.int64)
+        lut[key_flat] = torch.arange(key_flat.numel())
+        q_tok = q.permute(0, 2, 1, 3).reshape(B * sp, hq, D)[local]
+        opts = dict(heads_kv=hkv, dim_v=D, dropout_p=0.0, scale=None)
+        pieces = docs.kernel_pieces(rank)
+        with_blocks = plan_varlen_pieces(pieces, local.numel(), lut, sp, -1,
+                                         key_end=bp.piece_key_end[docs.rank_pieces(rank)], labels=bp.labels)
+        without = plan_varlen_pieces(pieces, local.numel(), lut, sp, -1)
+        got, want = (varlen_attention(q_tok, kv_all[key_flat], m, **opts) for m in (with_blocks, without))
+        in_block = bp.labels[local] != 0
+        if not bool(in_block.any()):
+            assert with_blocks.labels is None, f"rank {rank}: no block query, yet labels planned"
+        free = ~in_block
+        for p_start, p_len in pieces[:, :2].tolist():
+            rows = torch.arange(p_start, p_start + p_len)
+            if bool(in_block[rows].any()):
+                free[rows] = False
+        seen_plain |= with_blocks.plain is not None
+        assert torch.equal(got[free], want[free]), f"rank {rank}: a piece without blocks changed"
+    assert seen_plain, "no rank mixes pieces with and without blocks: the case does not test the split"

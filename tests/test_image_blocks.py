@@ -18,7 +18,7 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (the 'hf' extra: pip install -e '.[hf]')"
 )
 
-from blockdiag_dist import make_cp_blockdiag_batch_and_ctx  # noqa: E402
+from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx  # noqa: E402
 from blockdiag_dist.guard import UnsupportedLayerError  # noqa: E402
 from blockdiag_dist.integrations import vlm  # noqa: E402
 from verify.model import image_blocks as ib  # noqa: E402
@@ -102,3 +102,56 @@ def test_what_stays_refused_names_the_layer():
 
     assert KNOWN_MIXERS["Gemma4UnifiedModel"] == "image_bidirectional" and "beyond the window" in MIXER_KINDS["image_bidirectional"]
     assert "Gemma3Model" not in KNOWN_MIXERS and "PaliGemmaModel" not in KNOWN_MIXERS
+
+
+def test_outside_a_step_after_one_stays_refused():
+    """After a step has hooked the models, a call outside any step is refused, not run causally: PaliGemma's
+    layers (is_causal=False) the same as before any step, Gemma 3 with image tokens in token_type_ids at its
+    model's entry; Gemma 3 without image tokens runs (plain causal text is what the stock model computes)."""
+    from blockdiag_dist.integrations.hf import UnsupportedAttentionError
+
+    for family, error in (("paligemma", UnsupportedAttentionError), ("gemma3", UnsupportedLayerError)):
+        model = ib.build(family)
+        batch = ib.packed_batch(family, ib.documents(family))
+        full = {k: batch[k] for k in ("input_ids", "token_type_ids", "position_ids", "pixel_values")}
+        if family == "paligemma":
+            with pytest.raises(error, match=r"got is_causal=False in not an encoder's layer"):
+                model(**full, use_cache=False)
+        ctx, local = make_cp_blockdiag_batch_and_ctx(None, None, dict(batch), shard_primary=False)
+        with ctx():
+            model(**{k: local[k] for k in full}, use_cache=False)
+        match = (r"got is_causal=False in a layer of the language model" if family == "paligemma" else
+                 r"layer Gemma3Model is not computed outside a CP step with image tokens: expected token_type_ids "
+                 r"without image tokens \(all 0\) outside a step, .* got \d+ image tokens")
+        with pytest.raises(error, match=match):
+            model(**full, use_cache=False)
+    text = dict(full, token_type_ids=torch.zeros_like(full["token_type_ids"]))
+    text.pop("pixel_values")
+    text["input_ids"] = torch.where(text["input_ids"] == ib.IMAGE_TOKEN, ib.BOS, text["input_ids"])
+    assert torch.isfinite(model(**text, use_cache=False).logits).all()
+
+
+def test_paligemma_prefix_beyond_the_sliding_window_is_refused():
+    """PaliGemma's sliding layers OR its prefix with the window: a prefix spanning more than the window (first to
+    last token, suffix tokens between them counted) is refused; one within it is given to the step."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from blockdiag_dist.state import current_state
+
+    class PaliGemmaModel(nn.Module):  # the rule is found by class name; only the text config's window is read
+        config = SimpleNamespace(text_config=SimpleNamespace(sliding_window=8))
+
+    batch = {"input_ids": torch.ones(1, 12, dtype=torch.long), "_packed_seq_ids": torch.ones(1, 12, dtype=torch.long)}
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch, shard_primary=False)
+    split = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1]])  # 6 prefix tokens spanning 11 positions
+    with ctx():
+        with pytest.raises(ValueError, match=r"PaliGemmaModel: expected every bidirectional prefix within the text "
+                                             r"model's sliding window \(8 tokens: .*got a prefix spanning 11 tokens"):
+            vlm._step_blocks(PaliGemmaModel(), split, current_state())
+        vlm._step_blocks(PaliGemmaModel(), torch.tensor([[0] * 8 + [1] * 4]), current_state())
+        assert current_state().blocks is not None
+        current_state().decoder_entries += 1  # no model runs here: the step's exit check counts decoder entries
+        q = torch.randn(1, 1, 12, 2, dtype=torch.float64)
+        assert torch.isfinite(cp_blockdiag_sdpa(q, q, q, is_causal=True, bidirectional_blocks=True)).all()

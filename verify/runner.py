@@ -114,12 +114,10 @@ def applicable(info, case: Case) -> bool:
         plan = plan_step(torch.tensor(case.doc_ids()), case.cp, case.layout or "contiguous")
         xplan = plan.exchange(case.window)
         if case.bidirectional:  # a block crossing a rank edge needs keys from the right: no halo then
-            from blockdiag_dist.bidirectional import bidirectional_ranges, plan_blocks
-            from blockdiag_dist.plan import ExchangePlan
+            from blockdiag_dist.bidirectional import exchange_plan, plan_blocks
 
             blocks = plan_blocks(plan.layout, plan.shards, plan.documents, torch.tensor(case.blocks()))
-            xplan = ExchangePlan(plan.shards, plan.layout.batch_size, case.window,
-                                 bidirectional_ranges(plan.documents, xplan.ranges, blocks))
+            xplan = exchange_plan(plan, case.window, blocks)
         return xplan.halo_ok
     return True
 

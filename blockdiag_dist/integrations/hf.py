@@ -189,8 +189,8 @@ def blockdiag_attention_forward(
     chunk = _check_layer(module, kwargs, softcap)
     temperature = _nope_temperature(module)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    if not causal and causal_with_prefix(module):  # PaliGemma: causal plus its prefix block, as its model's mask
-        causal = True
+    if not causal and causal_with_prefix(module) and current_state() is not None:
+        causal = True  # PaliGemma under a step: causal plus its prefix block (the step's blocks), as its model's mask
     if not causal:
         if temperature is not None:
             raise _refuse(module, "NoPE temperature tuning on a causal layer", "a bidirectional layer with it")

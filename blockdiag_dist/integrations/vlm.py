@@ -227,6 +227,8 @@ def _check_model_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) 
     ``image_grid_thw`` gives, each image within one document."""
     state = current_state()
     pixels = kwargs.get("pixel_values")
+    if state is None and _bidirectional_rule(module) is _gemma3_blocks and kwargs.get("token_type_ids") is not None:
+        _refuse_blocks_outside_a_step(module, kwargs["token_type_ids"])
     if state is not None and _bidirectional_rule(module) is not None:
         state.block_entries += 1
         if kwargs.get("token_type_ids") is not None:
@@ -284,6 +286,33 @@ def _check_model_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) 
     return None
 
 
+def _uses_blockdiag_attention(module: nn.Module) -> bool:
+    """True when the language model of ``module`` dispatches its attention to blockdiag's registered function."""
+    from transformers import AttentionInterface
+
+    from .hf import blockdiag_attention_forward
+
+    config = getattr(module, "config", None)
+    impl = getattr(getattr(config, "text_config", config), "_attn_implementation", None)
+    return isinstance(impl, str) and AttentionInterface._global_mapping.get(impl) is blockdiag_attention_forward
+
+
+def _refuse_blocks_outside_a_step(module: nn.Module, token_type_ids: Tensor) -> None:
+    """Gemma 3 called outside a step with image tokens in ``token_type_ids`` while its attention is blockdiag's:
+    the registered attention gets no blocks there (only a step carries them) and would attend causally."""
+    if not bool((token_type_ids != 0).any()) or not _uses_blockdiag_attention(module):
+        return
+    from ..guard import UnsupportedLayerError
+
+    raise UnsupportedLayerError(
+        f"blockdiag_dist: layer {type(module).__name__} is not computed outside a CP step with image tokens: expected "
+        "token_type_ids without image tokens (all 0) outside a step, or the call under a step (a CP-1 step evaluates "
+        f"one process), got {int((token_type_ids != 0).sum())} image tokens, whose bidirectional blocks only a step "
+        "gives blockdiag's attention (it would attend causally). Or set the model's stock attention "
+        "(model.set_attn_implementation('sdpa')) for calls outside a step."
+    )
+
+
 def _step_blocks(module: nn.Module, token_type_ids: Tensor, state) -> None:
     """A model of :data:`BIDIRECTIONAL_MODELS` entered under a step: its blocks, from ``token_type_ids`` of the full
     rows, become the step's (the same on every rank: the rows are replicated)."""
@@ -297,14 +326,21 @@ def _step_blocks(module: nn.Module, token_type_ids: Tensor, state) -> None:
     blocks = bidirectional_blocks_of(module, token_type_ids)
     window = getattr(getattr(getattr(module, "config", None), "text_config", None), "sliding_window", None)
     if _bidirectional_rule(module) is _paligemma_blocks and window is not None and bool((blocks != 0).any()):
-        # PaliGemma's sliding layers OR the block with the window: equal to ours while no block is longer than it
-        labels = state.plan.layout.block_labels(blocks)
-        longest = int(torch.bincount(labels.flatten())[1:].max()) if bool((labels != 0).any()) else 0
+        # PaliGemma's sliding layers OR the block with the window: equal to ours while no block spans more than it
+        # (from its first token to its last: a prefix interrupted by suffix tokens spans more than it counts)
+        # (its rule gives one id, 1, so a block is a document's prefix: spans per segment, no labelling needed)
+        seg = state.plan.layout.segment_ids
+        inside = (blocks != 0) & (seg != 0)
+        pos = torch.arange(seg.shape[1]).expand_as(seg)[inside]
+        n = int(seg.max()) + 1
+        first = torch.full((n,), seg.shape[1], dtype=torch.int64).scatter_reduce_(0, seg[inside], pos, "amin")
+        last = torch.full((n,), -1, dtype=torch.int64).scatter_reduce_(0, seg[inside], pos, "amax")
+        longest = int((last - first + 1).max())
         if longest > window:
             raise ValueError(
                 f"{name}: expected every bidirectional prefix within the text model's sliding window ({window} tokens: "
                 f"its sliding layers let a prefix token see its whole prefix beyond the window, which blockdiag computes "
-                f"only inside it), got a prefix of {longest} tokens"
+                f"only inside it), got a prefix spanning {longest} tokens (first to last)"
             )
     if bool((blocks != 0).any()):
         state.set_bidirectional_blocks(blocks)

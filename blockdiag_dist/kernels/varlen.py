@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -138,9 +139,12 @@ class VarlenMeta:
     num_queries: int = 0
     padded_len: int = 1
     window_left: int = -1
-    # int64 [B * Sp] (host): bidirectional block of each flat id (0 = none), or None; with blocks every piece runs
-    # the masked plan, whose masks let a query see the later keys of its block (blockdiag_dist.bidirectional)
+    # int64 [B * Sp] (host): bidirectional block of each flat id (0 = none), or None; with blocks the pieces of this
+    # meta run the masked plan, whose masks let a query see the later keys of its block (blockdiag_dist.bidirectional)
     labels: Tensor | None = field(default=None, repr=False)
+    # with labels: the pieces none of whose queries lies in a block, planned without labels (every path open to
+    # them), or None when every piece holds a block; this meta then holds only the pieces with blocks
+    plain: VarlenMeta | None = field(default=None, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device) -> VarlenMeta:
@@ -155,6 +159,7 @@ class VarlenMeta:
             padded_len=self.padded_len,
             window_left=self.window_left,
             labels=self.labels,
+            plain=None if self.plain is None else self.plain.to(device),
         )
 
     def masked(self, device: torch.device) -> BucketPlan:
@@ -170,8 +175,8 @@ class VarlenMeta:
         """(local rows of the real queries, key-buffer row of each one's own token), built once per device."""
         cached = self._cache.get(("self", device))
         if cached is None:
-            rows = _ranges(self.piece_q[:, 0], self.piece_q[:, 1])
-            keys = self.key_lut[_ranges(self.piece_flat, self.piece_q[:, 1])]
+            rows = interval_ranges(self.piece_q[:, 0], self.piece_q[:, 1])
+            keys = self.key_lut[interval_ranges(self.piece_flat, self.piece_q[:, 1])]
             cached = self._cache.setdefault(("self", device), (rows.to(device), keys.to(device)))
         return cached
 
@@ -180,8 +185,8 @@ class VarlenMeta:
         cached = self._cache.get(("flash", device))
         if cached is None:
             lens_q, lens_k = self.piece_q[:, 1], self.piece_k[:, 1]
-            q_rows = _ranges(self.piece_q[:, 0], lens_q)
-            k_rows = self.key_lut[_ranges(self.piece_k[:, 0], lens_k)]
+            q_rows = interval_ranges(self.piece_q[:, 0], lens_q)
+            k_rows = self.key_lut[interval_ranges(self.piece_k[:, 0], lens_k)]
             out_index = torch.full((self.num_queries,), q_rows.numel(), dtype=torch.int64)
             out_index[q_rows] = torch.arange(q_rows.numel())
             cu_q = torch.nn.functional.pad(torch.cumsum(lens_q, 0), (1, 0)).to(torch.int32)
@@ -198,11 +203,6 @@ def _rows_of(key_lut, flat: Tensor) -> Tensor:
     """``key_lut[flat]`` for ``flat [n, m]``; by block rather than by key for a
     :class:`~blockdiag_dist.shard_plan.FlatIndex` (:meth:`~blockdiag_dist.shard_plan.FlatIndex.rows_of`)."""
     return key_lut.rows_of(flat) if hasattr(key_lut, "rows_of") else key_lut[flat]
-
-
-def _ranges(starts: Tensor, lens: Tensor) -> Tensor:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n) (:func:`blockdiag_dist.balance.interval_ranges`)."""
-    return interval_ranges(starts, lens)
 
 
 def plan_varlen(
@@ -237,14 +237,29 @@ def plan_varlen_pieces(
     of the first query, its document's start position)`` in local order, and ``key_lut``: the key-buffer row of
     flat ids (a ``[B * Sp]`` tensor, -1 = absent, or any object indexed the same way, e.g.
     :class:`blockdiag_dist.shard_plan.FlatIndex`). Bidirectional blocks: ``key_end`` int64 ``[P]`` (one past the
-    last key of each piece, global position) and ``labels`` int64 ``[B * Sp]`` (the block of each flat id)."""
+    last key of each piece, global position) and ``labels`` int64 ``[B * Sp]`` (the block of each flat id):
+    only the pieces one of whose queries lies in a block run masked by label; the others are planned as without
+    blocks (``VarlenMeta.plain``), and without any such piece the meta has no labels at all."""
     Tq = num_queries
+    if labels is not None:
+        p_len = pieces[:, 1]
+        q_lab = labels[interval_ranges(pieces[:, 2], p_len)]
+        piece_of = torch.repeat_interleave(torch.arange(p_len.numel()), p_len)
+        blocked = torch.zeros(p_len.numel(), dtype=torch.int64).scatter_reduce_(0, piece_of, (q_lab != 0).long(), "amax")
+        blocked = blocked.bool() | (key_end > pieces[:, 2] % padded_len + p_len)
+        if not bool(blocked.any()):  # no query of this rank in a block: exactly the plan without blocks
+            return plan_varlen_pieces(pieces, Tq, key_lut, padded_len, window_left, band_min=band_min)
+        if not bool(blocked.all()):
+            plain = plan_varlen_pieces(pieces[~blocked], Tq, key_lut, padded_len, window_left, band_min=band_min)
+            meta = plan_varlen_pieces(pieces[blocked], Tq, key_lut, padded_len, window_left, band_min=band_min,
+                                      key_end=key_end[blocked], labels=labels)
+            return dataclasses.replace(meta, plain=plain, _cache={})
     p_start, p_len, p_flat0, p_dstart = pieces.unbind(1)
     p_qfirst = p_flat0 % padded_len
     p_kfirst = p_dstart if window_left < 0 else torch.maximum(p_dstart, p_qfirst - window_left)
     p_klen = (p_qfirst + p_len if key_end is None else key_end) - p_kfirst
     real = torch.zeros(Tq, dtype=torch.bool)
-    real[_ranges(p_start, p_len)] = True
+    real[interval_ranges(p_start, p_len)] = True
     blocks = _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq, window_left, band_min)
     rows = blocks.out_rows[blocks.out_rows < Tq]
     covered = torch.zeros(Tq, dtype=torch.bool)
@@ -298,7 +313,7 @@ def _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, 
         k_lo = (p_qfirst[cut] - p_dstart[cut]) // c
         n_chunks = (p_last[cut] - p_dstart[cut]) // c - k_lo + 1
         piece = torch.repeat_interleave(cut, n_chunks)
-        k = torch.repeat_interleave(k_lo, n_chunks) + _ranges(torch.zeros_like(n_chunks), n_chunks)
+        k = torch.repeat_interleave(k_lo, n_chunks) + interval_ranges(torch.zeros_like(n_chunks), n_chunks)
         s = p_dstart[piece] + k * c
         qlo, qhi = torch.maximum(s, p_qfirst[piece]), torch.minimum(s + c - 1, p_last[piece])
         cls = size_class(torch.full_like(s, c))
@@ -393,6 +408,8 @@ def _masked_plan(meta: VarlenMeta) -> BucketPlan:
         qlen, klen = p_len[idx, None], p_klen[idx, None]
         q_index = p_start[idx, None] + torch.minimum(a, qlen - 1)
         k_index = _rows_of(meta.key_lut, p_kflat0[idx, None] + torch.minimum(c, klen - 1))
+        if meta.labels is not None:  # text between a block's runs after the piece is not fetched (-1): masked below
+            k_index = k_index.clamp(min=0)
         mask = None
         if is_masked:
             qpos = (p_qfirst[idx, None] + a)[:, :, None]
@@ -783,6 +800,16 @@ def varlen_attention(
     ``variants``), and the masked plan runs explicit scores whenever a variant is given. flash-attn takes the
     soft-cap itself; it has no sinks (``use_flash`` is never set with sinks).
     """
+    Hq, D = q_tok.shape[1], q_tok.shape[2]
+    if meta.plain is not None:  # pieces without blocks on their own paths, those with blocks masked; rows disjoint
+        rest = _attention(q_tok, kv_buf, meta.plain, heads_kv, dim_v, dropout_p, scale, use_flash, sinks, softcap)
+        return rest + _attention(q_tok, kv_buf, meta, heads_kv, dim_v, dropout_p, scale, False, sinks, softcap)
+    return _attention(q_tok, kv_buf, meta, heads_kv, dim_v, dropout_p, scale, use_flash, sinks, softcap)
+
+
+def _attention(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: int, dim_v: int, dropout_p: float,
+               scale: float | None, use_flash: bool, sinks: Tensor | None, softcap: float | None) -> Tensor:
+    """:func:`varlen_attention` over the pieces of ``meta`` itself (not ``meta.plain``'s); other rows 0."""
     Hq, D = q_tok.shape[1], q_tok.shape[2]
     if not meta.blocks.buckets:  # this rank holds only padding: zeros that still reach q and the key buffer
         return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v, sinks)  # (flash-attn refuses 0 sequences)
