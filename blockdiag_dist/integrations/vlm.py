@@ -290,11 +290,11 @@ def _uses_blockdiag_attention(module: nn.Module) -> bool:
     """True when the language model of ``module`` dispatches its attention to blockdiag's registered function."""
     from transformers import AttentionInterface
 
-    from .hf import blockdiag_attention_forward
-
     config = getattr(module, "config", None)
     impl = getattr(getattr(config, "text_config", config), "_attn_implementation", None)
-    return isinstance(impl, str) and AttentionInterface._global_mapping.get(impl) is blockdiag_attention_forward
+    fn = AttentionInterface._global_mapping.get(impl) if isinstance(impl, str) else None
+    # named, not imported: .hf imports this module
+    return getattr(fn, "__module__", None) == f"{__package__}.hf" and fn.__name__ == "blockdiag_attention_forward"
 
 
 def _refuse_blocks_outside_a_step(module: nn.Module, token_type_ids: Tensor) -> None:
