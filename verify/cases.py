@@ -446,6 +446,12 @@ def _draw(rows: Rows, cp: int, name: str, slot: tuple, dtype: str, k: int, rot: 
         start = _OFFSET[dim](k) % len(values)
         order = values[start:] + values[:start]
         chosen[dim] = next((v for v in order if _value_name(dim, v) in need[dim]), order[0])
+    if chosen["bidirectional"] and chosen["variant"][2] > 0 and "bidirectional" in need["bidirectional"] \
+            and _value_name("variant", chosen["variant"]) not in need["variant"]:
+        # chunked attention has no bidirectional blocks: a chunk this group has met already gives way to the blocks
+        start = _OFFSET["variant"](k) % len(rot["variant"])
+        order = rot["variant"][start:] + rot["variant"][:start]
+        chosen["variant"] = next((v for v in order if v[2] <= 0), chosen["variant"])
     if plain:
         chosen["window"], chosen["variant"], chosen["temperature"], chosen["bidirectional"] = -1, NO_VARIANT, -1, False
     kernel, exchange, layout = slot
