@@ -8,10 +8,10 @@ row, other documents' included)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ._spec import VOCAB, MixerSpec
+from .mamba2 import scan_block, scan_impl_mix, scan_received, scan_reference_mix
 
 __all__ = ["SPEC"]
 
@@ -23,40 +23,6 @@ def _weights(case, w, n):
     A_log = torch.log(torch.arange(1, N + 1, dtype=torch.float64)).expand(I, N) + 0.2 * w(I, N, fan=1)
     return {"wx": w(n["E"], I), "wdt": w(n["E"], I), "dt_bias": 0.3 * w(I, fan=1) - 1.5, "A_log": A_log,
             "wb": w(n["E"], n["G"] * N), "wc": w(n["E"], n["G"] * N), "D": w(I, fan=1), "wo": w(I, VOCAB)}
-
-
-def _block(case, x, ws, mix, n):
-    B, L, _ = x.shape
-    res = {"xs": x @ ws["wx"], "dt": F.softplus(x @ ws["wdt"] + ws["dt_bias"]),
-           "Bm": (x @ ws["wb"]).view(B, L, n["G"], n["N"]), "Cm": (x @ ws["wc"]).view(B, L, n["G"], n["N"])}
-    for t in res.values():
-        t.retain_grad()
-    out = mix(res["xs"], res["dt"], -torch.exp(ws["A_log"]), res["Bm"], res["Cm"], ws["D"])
-    return res, out, out.to(x.dtype)
-
-
-def _reference_mix(reference, ids, dtype, **_):
-    def mix(xs, dt, A, Bm, Cm, D):
-        return reference(xs, dt, A, Bm, Cm, ids, D=D, dtype=dtype)
-
-    return mix
-
-
-def _impl_mix(fn, **_):
-    def mix(xs, dt, A, Bm, Cm, D):
-        return fn(xs, dt, A, Bm, Cm, D)
-
-    return mix
-
-
-def _received(case, state, rank, n):
-    from blockdiag_dist.mixers import plan_recurrence
-
-    plan = plan_recurrence(state.plan.documents, rank)
-    if not plan.any_traffic or state.world == 1:
-        return None
-    IN = n["H"] * n["Dh"] * n["N"]
-    return sum(plan.recv_splits(IN, IN))  # state and transition [I, N]
 
 
 def _mutant(bug: str):
@@ -108,7 +74,8 @@ def _mutant(bug: str):
 
 SPEC = MixerSpec(
     layer="mamba1", inputs=("xs", "dt", "Bm", "Cm"), weight_names=("wx", "wdt", "dt_bias", "A_log", "wb", "wc", "D", "wo"),
-    weights=_weights, block=_block, reference_mix=_reference_mix, impl_mix=_impl_mix, received=_received,
+    weights=_weights, block=scan_block(lambda n: (n["H"] * n["Dh"],)), reference_mix=scan_reference_mix,
+    impl_mix=scan_impl_mix, received=scan_received(lambda n: n["H"] * n["Dh"] * n["N"]),  # state, transition [I, N]
     label=lambda case: f"scan {case.hq * case.dim}:{case.hkv}x{case.dim + 1}",
     mutants={bug: _mutant(bug) for bug in ("state_leak", "reset_late", "summary_bf16", "scan_decay_per_rank")},
     layouts_per_cp=4,  # run_recurrence's plan and folds: judged on every layout x CP by gated_delta and mamba2

@@ -5,13 +5,15 @@ gated delta rule, and the fold dropping the transitions (a state crossing a piec
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ._spec import VOCAB, MixerSpec
 
-__all__ = ["SPEC"]
+__all__ = ["SPEC", "scan_block", "scan_impl_mix", "scan_received", "scan_reference_mix"]
 
 
 def _weights(case, w, n):
@@ -23,37 +25,50 @@ def _weights(case, w, n):
             "wo": w(n["H"] * n["Dh"], VOCAB)}
 
 
-def _block(case, x, ws, mix, n):
-    B, L, _ = x.shape
-    res = {"xs": (x @ ws["wx"]).view(B, L, n["H"], n["Dh"]), "dt": F.softplus(x @ ws["wdt"] + ws["dt_bias"]),
-           "Bm": (x @ ws["wb"]).view(B, L, n["G"], n["N"]), "Cm": (x @ ws["wc"]).view(B, L, n["G"], n["N"])}
-    for t in res.values():
-        t.retain_grad()
-    out = mix(res["xs"], res["dt"], -torch.exp(ws["A_log"]), res["Bm"], res["Cm"], ws["D"])
-    return res, out, out.reshape(B, L, -1).to(x.dtype)
+def scan_block(channels: Callable[[dict], tuple[int, ...]]) -> Callable:
+    """The block of the diagonal-transition scans (Mamba2's SSD, Mamba1's selective scan): ``xs = x Wx`` shaped
+    ``[B, L, *channels(n)]`` (Mamba2: heads x head dim; Mamba1: channels), ``dt``, ``B``, ``C``, ``A = -exp(A_log)``
+    and ``D`` into ``mix``; its output flattened back to ``[B, L, -1]``."""
+
+    def block(case, x, ws, mix, n):
+        B, L, _ = x.shape
+        res = {"xs": (x @ ws["wx"]).view(B, L, *channels(n)), "dt": F.softplus(x @ ws["wdt"] + ws["dt_bias"]),
+               "Bm": (x @ ws["wb"]).view(B, L, n["G"], n["N"]), "Cm": (x @ ws["wc"]).view(B, L, n["G"], n["N"])}
+        for t in res.values():
+            t.retain_grad()
+        out = mix(res["xs"], res["dt"], -torch.exp(ws["A_log"]), res["Bm"], res["Cm"], ws["D"])
+        return res, out, out.reshape(B, L, -1).to(x.dtype)
+
+    return block
 
 
-def _reference_mix(reference, ids, dtype, **_):
+def scan_reference_mix(reference, ids, dtype, **_):
     def mix(xs, dt, A, Bm, Cm, D):
         return reference(xs, dt, A, Bm, Cm, ids, D=D, dtype=dtype)
 
     return mix
 
 
-def _impl_mix(fn, **_):
+def scan_impl_mix(fn, **_):
     def mix(xs, dt, A, Bm, Cm, D):
         return fn(xs, dt, A, Bm, Cm, D)
 
     return mix
 
 
-def _received(case, state, rank, n):
-    from blockdiag_dist.mixers import plan_recurrence
+def scan_received(transition: Callable[[dict], int]) -> Callable:
+    """The summary bytes a rank receives: a state ``[H * Dh, N]`` per continuing piece and a transition of
+    ``transition(n)`` elements (Mamba2: one per head; Mamba1: one per channel and state)."""
 
-    plan = plan_recurrence(state.plan.documents, rank)
-    if not plan.any_traffic or state.world == 1:
-        return None
-    return sum(plan.recv_splits(n["H"] * n["Dh"] * n["N"], n["H"]))  # state [H, Dh, N], transition [H]
+    def received(case, state, rank, n):
+        from blockdiag_dist.mixers import plan_recurrence
+
+        plan = plan_recurrence(state.plan.documents, rank)
+        if not plan.any_traffic or state.world == 1:
+            return None
+        return sum(plan.recv_splits(n["H"] * n["Dh"] * n["N"], transition(n)))
+
+    return received
 
 
 def _mutant(bug: str):
@@ -92,7 +107,8 @@ def _mutant(bug: str):
 
 SPEC = MixerSpec(
     layer="mamba2", inputs=("xs", "dt", "Bm", "Cm"), weight_names=("wx", "wdt", "dt_bias", "A_log", "wb", "wc", "D", "wo"),
-    weights=_weights, block=_block, reference_mix=_reference_mix, impl_mix=_impl_mix, received=_received,
+    weights=_weights, block=scan_block(lambda n: (n["H"], n["Dh"])), reference_mix=scan_reference_mix,
+    impl_mix=scan_impl_mix, received=scan_received(lambda n: n["H"]),  # state [H, Dh, N], transition [H]
     label=lambda case: f"ssd {case.hq}:{case.hkv}x{case.dim}",
     mutants={bug: _mutant(bug) for bug in ("state_leak", "reset_late", "summary_bf16", "ssd_no_decay")},
 )
