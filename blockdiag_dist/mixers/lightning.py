@@ -42,9 +42,7 @@ class Lightning(SSD):
 
     def summarize(self, inputs, meta):
         """``M = exp(-slope * n)`` per piece of ``n`` tokens and head; ``C`` the leaving state of a scan from zero."""
-        from ..kernels.ssd import chunk_ssd
-
-        _, final = chunk_ssd(*inputs, meta.chunks, None, want_final=True)
+        _, final = self.kernel(*inputs, meta.chunks, None, want_final=True)
         n = torch.bincount(meta.piece, minlength=meta.chunks.num_pieces).to(self.slope.dtype)
         return torch.exp(-n[:, None] * self.slope[None, :]), final
 

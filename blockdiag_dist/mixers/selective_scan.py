@@ -20,58 +20,30 @@ Shape legend: B rows, L rows of a rank, T = B * L, I channels, G groups, N state
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from ..kernels.chunks import ChunkMeta, plan_chunks
 from ..kernels.selective_scan import SCAN_CHUNK, chunk_selective_scan
-from .recurrence import STATE_DTYPES, Recurrence, run_recurrence
+from .recurrence import STATE_DTYPES, run_recurrence
+from .ssd import DecayScan
 
 __all__ = ["SelectiveScan", "prepare_selective_scan", "selective_scan"]
 
 
-@dataclass(frozen=True, eq=False)
-class ScanMeta:
-    """The chunk layout of a pass and the piece of each packed token (for the transitions' sums)."""
-
-    chunks: ChunkMeta
-    piece: Tensor  # int64 [T']
-
-
-class SelectiveScan(Recurrence):
-    """Mamba1's selective scan as a :class:`~blockdiag_dist.mixers.recurrence.Recurrence`: inputs ``(la, b, C)``
+class SelectiveScan(DecayScan):
+    """Mamba1's selective scan as a :class:`~blockdiag_dist.mixers.ssd.DecayScan`: inputs ``(la, b, C)``
     token-major, ``la = dt A [T, I, N]`` the log decay, ``b = dt x B [T, I, N]``, ``C [T, G, N]``; state and
     transition ``[I, N]``, the transition acting elementwise."""
 
     transition = "diagonal"
     name = "selective_scan"
-
-    def __init__(self, chunk: int = SCAN_CHUNK) -> None:
-        self.chunk = chunk
-
-    def meta_key(self) -> tuple:
-        return ("selective_scan", self.chunk)
-
-    def prepare(self, cu, device):
-        lens = torch.as_tensor(list(cu), dtype=torch.int64).diff()
-        piece = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-        return ScanMeta(plan_chunks(cu, self.chunk, device), piece.to(device))
+    kernel = staticmethod(chunk_selective_scan)
+    default_chunk = SCAN_CHUNK
+    decay_input = 0
 
     def shapes(self, inputs):
         la = inputs[0]
         return (la.shape[1], la.shape[2]), (la.shape[1], la.shape[2])
-
-    def scan(self, inputs, meta, initial, want_final):
-        return chunk_selective_scan(*inputs, meta.chunks, initial, want_final=want_final)
-
-    def summarize(self, inputs, meta):
-        """``M = exp(sum of la)`` per piece, channel and state entry; ``C`` the leaving state of a scan from zero."""
-        _, final = chunk_selective_scan(*inputs, meta.chunks, None, want_final=True)
-        la = inputs[0]
-        total = la.new_zeros(meta.chunks.num_pieces, *la.shape[1:]).index_add(0, meta.piece, la)
-        return total.exp(), final
 
 
 def _check(x, dt, A, B, C, D, state, state_dtype) -> None:

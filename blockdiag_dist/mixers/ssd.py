@@ -26,49 +26,60 @@ from ..kernels.chunks import ChunkMeta, plan_chunks
 from ..kernels.ssd import SSD_CHUNK, chunk_ssd
 from .recurrence import STATE_DTYPES, Recurrence, run_recurrence
 
-__all__ = ["SSD", "SSDMeta", "prepare_ssd", "ssd"]
+__all__ = ["SSD", "DecayScan", "DecayScanMeta", "prepare_ssd", "ssd"]
 
 
 @dataclass(frozen=True, eq=False)
-class SSDMeta:
+class DecayScanMeta:
     """The chunk layout of a pass and the piece of each packed token (for the transitions' sums)."""
 
     chunks: ChunkMeta
     piece: Tensor  # int64 [T']
 
 
-class SSD(Recurrence):
-    """Mamba2's SSD as a :class:`~blockdiag_dist.mixers.recurrence.Recurrence`: inputs ``(x, a, B, C)`` token-major,
-    ``x [T, H, Dh]`` already times ``dt``, ``a = dt A [T, H]`` the log decay, ``B, C [T, H, N]`` expanded to the
-    heads; state ``[H, Dh, N]``; transition ``[H]``, one factor per head."""
+class DecayScan(Recurrence):
+    """A :class:`~blockdiag_dist.mixers.recurrence.Recurrence` whose chunked kernel (class attribute ``kernel``,
+    called ``kernel(*inputs, chunks, initial, want_final=)``) scans packed pieces and whose transition over a piece
+    is ``exp`` of the sum of its log decays (input number ``decay_input``): Mamba2's SSD, one factor per head, and
+    Mamba1's selective scan, one per channel and state entry."""
 
-    transition = "scalar"
-    name = "ssd"
+    kernel = staticmethod(chunk_ssd)
+    default_chunk = SSD_CHUNK
+    decay_input = 1
 
-    def __init__(self, chunk: int = SSD_CHUNK) -> None:
-        self.chunk = chunk
+    def __init__(self, chunk: int | None = None) -> None:
+        self.chunk = self.default_chunk if chunk is None else chunk
 
     def meta_key(self) -> tuple:
-        return ("ssd", self.chunk)
+        return ("decay_scan", self.chunk)  # the meta depends on the pieces and the chunk size only
 
     def prepare(self, cu, device):
         lens = torch.as_tensor(list(cu), dtype=torch.int64).diff()
         piece = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-        return SSDMeta(plan_chunks(cu, self.chunk, device), piece.to(device))
+        return DecayScanMeta(plan_chunks(cu, self.chunk, device), piece.to(device))
+
+    def scan(self, inputs, meta, initial, want_final):
+        return self.kernel(*inputs, meta.chunks, initial, want_final=want_final)
+
+    def summarize(self, inputs, meta):
+        """``M = exp(sum of the log decays)`` per piece; ``C`` the leaving state of a scan from zero."""
+        _, final = self.kernel(*inputs, meta.chunks, None, want_final=True)
+        la = inputs[self.decay_input]
+        total = la.new_zeros(meta.chunks.num_pieces, *la.shape[1:]).index_add(0, meta.piece, la)
+        return total.exp(), final
+
+
+class SSD(DecayScan):
+    """Mamba2's SSD as a :class:`DecayScan`: inputs ``(x, a, B, C)`` token-major, ``x [T, H, Dh]`` already times
+    ``dt``, ``a = dt A [T, H]`` the log decay, ``B, C [T, H, N]`` expanded to the heads; state ``[H, Dh, N]``;
+    transition ``[H]``, one factor per head."""
+
+    transition = "scalar"
+    name = "ssd"
 
     def shapes(self, inputs):
         x, _, B, _ = inputs
         return (x.shape[1], x.shape[2], B.shape[2]), (x.shape[1],)
-
-    def scan(self, inputs, meta, initial, want_final):
-        return chunk_ssd(*inputs, meta.chunks, initial, want_final=want_final)
-
-    def summarize(self, inputs, meta):
-        """``M = exp(sum of a)`` per piece and head; ``C`` the leaving state of a scan from zero."""
-        _, final = chunk_ssd(*inputs, meta.chunks, None, want_final=True)
-        a = inputs[1]
-        total = a.new_zeros(meta.chunks.num_pieces, a.shape[1]).index_add(0, meta.piece, a)
-        return total.exp(), final
 
 
 def _check(x, dt, A, B, C, D, state, state_dtype) -> None:
