@@ -73,7 +73,8 @@ def _l2norm(x: Tensor) -> Tensor:
 
 def prepare_gated_delta(q, k, v, g, beta, *, scale: float | None, use_qk_l2norm: bool, dtype: torch.dtype):
     """Token-major, ``dtype`` inputs of :class:`GatedDeltaRule` from ``[B, L, ...]`` ones (as transformers
-    prepares them: q/k heads repeated to the value heads, l2-normalised, q scaled)."""
+    prepares them: q/k heads repeated to the value heads, l2-normalised, q scaled); ``g`` keeps its key-channel
+    axis where it has one (Kimi Delta Attention's ``[B, L, Hv, K]``)."""
     B, L, Hk, K = q.shape
     Hv = v.shape[2]
     q, k = (t.to(dtype).repeat_interleave(Hv // Hk, dim=2) for t in (q, k))
@@ -81,30 +82,57 @@ def prepare_gated_delta(q, k, v, g, beta, *, scale: float | None, use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * (K ** -0.5 if scale is None else scale)
     T = B * L
-    return (q.reshape(T, Hv, K), k.reshape(T, Hv, K), v.to(dtype).reshape(T, Hv, -1), g.to(dtype).reshape(T, Hv),
-            beta.to(dtype).reshape(T, Hv))
+    return (q.reshape(T, Hv, K), k.reshape(T, Hv, K), v.to(dtype).reshape(T, Hv, -1),
+            g.to(dtype).reshape(T, Hv, *g.shape[3:]), beta.to(dtype).reshape(T, Hv))
 
 
-def _check(q, k, v, g, beta, state, state_dtype) -> None:
+def _check(q, k, v, g, beta, state, state_dtype, what: str = "gated_delta_rule", per_key_channel: bool = False
+           ) -> None:
+    """The delta rules' input checks (``per_key_channel``: Kimi Delta Attention's decay ``g [B, L, Hv, K]``)."""
     from ._common import check_shard
 
-    for name, t, nd in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
-        check_shard("gated_delta_rule", name, t, state, nd)
+    for name, t, nd in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4 if per_key_channel else 3), ("beta", beta, 3)):
+        check_shard(what, name, t, state, nd)
         if not t.is_floating_point():
-            raise ValueError(f"gated_delta_rule: {name} expected a floating dtype, got {t.dtype}")
+            raise ValueError(f"{what}: {name} expected a floating dtype, got {t.dtype}")
     if k.shape != q.shape:
-        raise ValueError(f"gated_delta_rule: expected k shaped like q {tuple(q.shape)}, got {tuple(k.shape)}")
-    Hk, Hv = q.shape[2], v.shape[2]
+        raise ValueError(f"{what}: expected k shaped like q {tuple(q.shape)}, got {tuple(k.shape)}")
+    Hk, K, Hv = q.shape[2], q.shape[3], v.shape[2]
     if Hv % Hk:
-        raise ValueError(f"gated_delta_rule: expected the value heads a multiple of the key heads, got Hv={Hv}, Hk={Hk}")
-    for name, t in (("g", g), ("beta", beta)):
+        raise ValueError(f"{what}: expected the value heads a multiple of the key heads, got Hv={Hv}, Hk={Hk}")
+    if per_key_channel and tuple(g.shape[2:]) != (Hv, K):
+        raise ValueError(f"{what}: g expected [B, L, Hv, K] (a log decay per key channel) with Hv={Hv}, K={K}, got "
+                         f"{tuple(g.shape)}")
+    for name, t in (() if per_key_channel else (("g", g),)) + (("beta", beta),):
         if t.shape[2] != Hv:
-            raise ValueError(f"gated_delta_rule: {name} expected [B, L, Hv] with Hv={Hv}, got {tuple(t.shape)}")
+            raise ValueError(f"{what}: {name} expected [B, L, Hv] with Hv={Hv}, got {tuple(t.shape)}")
     if state_dtype is not None and state_dtype not in STATE_DTYPES:
         raise ValueError(
-            f"gated_delta_rule: state_dtype expected one of {[str(d) for d in STATE_DTYPES]} (states are exchanged "
-            f"and merged in float32 or better), got {state_dtype}"
+            f"{what}: state_dtype expected one of {[str(d) for d in STATE_DTYPES]} (states are exchanged and merged in "
+            f"float32 or better), got {state_dtype}"
         )
+
+
+def delta_rule_step(rec: GatedDeltaRule, what: str, q, k, v, g, beta, *, scale, use_qk_l2norm, state_dtype, state,
+                    per_key_channel: bool = False) -> Tensor:
+    """:func:`gated_delta_rule` and :func:`~blockdiag_dist.mixers.kda.kimi_delta_attention` (``rec`` their
+    recurrence, ``what`` their name): checks, consensus, the float32-or-better inputs, the exchange."""
+    from ._common import active_state, bind
+
+    state = active_state(state, q, what)
+    _check(q, k, v, g, beta, state, state_dtype, what, per_key_channel)
+    compute = torch.float32
+    for t in (q, k, v, g, beta):
+        compute = torch.promote_types(compute, t.dtype)
+    sdt = compute if state_dtype is None else torch.promote_types(compute, state_dtype)
+    state.agree_mixer(f"{what} q{tuple(q.shape[2:])} v{tuple(v.shape[2:])} {compute} state {sdt} chunk {rec.chunk}")
+    with torch.autocast(q.device.type, enabled=False):
+        inputs = prepare_gated_delta(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, dtype=compute)
+    out = run_recurrence(rec, inputs, state, state_dtype=sdt)
+    B, L, Hv, V = v.shape
+    out = out.view(B, L, Hv, V).to(q.dtype)
+    bind(out, (q, k, v, g, beta), state)
+    return out
 
 
 def gated_delta_rule(
@@ -128,19 +156,5 @@ def gated_delta_rule(
     shard, non-floating inputs, heads that do not divide, a ``state_dtype`` below float32, and (with the
     consensus check) ranks that call it with different sizes (``PlanMismatchError``).
     """
-    from ._common import active_state, bind
-
-    state = active_state(state, q, "gated_delta_rule")
-    _check(q, k, v, g, beta, state, state_dtype)
-    compute = torch.float32
-    for t in (q, k, v, g, beta):
-        compute = torch.promote_types(compute, t.dtype)
-    sdt = compute if state_dtype is None else torch.promote_types(compute, state_dtype)
-    state.agree_mixer(f"gated_delta_rule q{tuple(q.shape[2:])} v{tuple(v.shape[2:])} {compute} state {sdt} chunk {chunk}")
-    with torch.autocast(q.device.type, enabled=False):
-        inputs = prepare_gated_delta(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, dtype=compute)
-    out = run_recurrence(GatedDeltaRule(chunk), inputs, state, state_dtype=sdt)
-    B, L, Hv, V = v.shape
-    out = out.view(B, L, Hv, V).to(q.dtype)
-    bind(out, (q, k, v, g, beta), state)
-    return out
+    return delta_rule_step(GatedDeltaRule(chunk), "gated_delta_rule", q, k, v, g, beta, scale=scale,
+                           use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype, state=state)
