@@ -36,35 +36,52 @@ FLA_DEVICE_TYPES = ("cuda",)  # where flash-linear-attention's kernels run (an e
 FLA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # its Triton kernels' (not float64)
 
 
-def _torch_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, meta: ChunkMeta,
-                   initial: Tensor | None, want_final: bool) -> tuple[Tensor, Tensor | None]:
-    P, C = meta.num_pieces, meta.chunk
-    H, K, V = q.shape[1], q.shape[2], v.shape[2]
-    if meta.num_chunks == 0:
-        final = None if not want_final else (q.new_zeros(P, H, K, V) if initial is None else initial)
-        return v.new_zeros(0, H, V), final
-    qc, kc, vc = (to_chunks(t, meta) for t in (q, k, v))  # [NC, H, C, D]
-    gc, bc = (to_chunks(t, meta) for t in (g, beta))  # [NC, H, C]
-    v_beta, k_beta = vc * bc[..., None], kc * bc[..., None]
-    cum = gc.cumsum(-1)
-    upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
-    pairwise = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    ut = (k_beta @ kc.transpose(-1, -2)) * pairwise
-    intra = (qc @ kc.transpose(-1, -2)) * pairwise
+def no_chunks(q: Tensor, v: Tensor, meta: ChunkMeta, initial: Tensor | None,
+              want_final: bool) -> tuple[Tensor, Tensor | None] | None:
+    """The result of a delta rule over no tokens (``initial`` passes through), or None when there are chunks."""
+    if meta.num_chunks:
+        return None
+    P, H, K, V = meta.num_pieces, q.shape[1], q.shape[2], v.shape[2]
+    return v.new_zeros(0, H, V), (None if not want_final else (q.new_zeros(P, H, K, V) if initial is None else initial))
+
+
+def carry_delta(meta: ChunkMeta, ut: Tensor, intra: Tensor, v_beta: Tensor, k_beta_decayed: Tensor, q_dec: Tensor,
+                k_dec: Tensor, chunk_decay: Tensor, initial: Tensor | None,
+                want_final: bool) -> tuple[Tensor, Tensor | None]:
+    """A chunked delta rule's solve and carry, from its chunk products (``[NC, H, C, C]`` ``ut`` and ``intra``, the
+    rest ``[NC, H, C, D]``; ``chunk_decay`` broadcasts against the state ``[H, K, V]``): the unit lower-triangular
+    solves condense each chunk's updates, then the state runs across the chunks of each piece. Shared by the gated
+    delta rule (a scalar decay per token) and KDA (:mod:`.kda`, a decay per key channel)."""
     new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    q_dec = qc * cum.exp()[..., None]
-    k_dec = kc * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [NC, H, 1, 1]
+    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta_decayed, upper=False, unitriangular=True)
 
     def step(sl: slice, S_run: Tensor) -> tuple[Tensor, Tensor]:
         v_new = new_values[sl] - k_cumdecay[sl] @ S_run
         return q_dec[sl] @ S_run + intra[sl] @ v_new, S_run * chunk_decay[sl] + k_dec[sl].transpose(-1, -2) @ v_new
 
-    S0 = q.new_zeros(P, H, K, V) if initial is None else initial.index_select(0, meta.order)
+    P, H, K, V = meta.num_pieces, q_dec.shape[1], q_dec.shape[-1], v_beta.shape[-1]
+    S0 = q_dec.new_zeros(P, H, K, V) if initial is None else initial.index_select(0, meta.order)
     outs, S = carry_chunks(meta, S0, step)
-    out = outs.transpose(1, 2).reshape(meta.num_chunks * C, H, V).index_select(0, meta.dest)
+    out = outs.transpose(1, 2).reshape(meta.num_chunks * meta.chunk, H, V).index_select(0, meta.dest)
     return out, (S.index_select(0, meta.inverse) if want_final else None)
+
+
+def _torch_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, meta: ChunkMeta,
+                   initial: Tensor | None, want_final: bool) -> tuple[Tensor, Tensor | None]:
+    if (empty := no_chunks(q, v, meta, initial, want_final)) is not None:
+        return empty
+    qc, kc, vc = (to_chunks(t, meta) for t in (q, k, v))  # [NC, H, C, D]
+    gc, bc = (to_chunks(t, meta) for t in (g, beta))  # [NC, H, C]
+    v_beta, k_beta = vc * bc[..., None], kc * bc[..., None]
+    cum = gc.cumsum(-1)
+    C = meta.chunk
+    upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
+    pairwise = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ kc.transpose(-1, -2)) * pairwise
+    intra = (qc @ kc.transpose(-1, -2)) * pairwise
+    return carry_delta(meta, ut, intra, v_beta, k_beta * cum.exp()[..., None], qc * cum.exp()[..., None],
+                       kc * (cum[..., -1:] - cum).exp()[..., None], cum[..., -1].exp()[..., None, None],  # [NC, H, 1, 1]
+                       initial, want_final)
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .chunks import ChunkMeta, carry_chunks, to_chunks
+from .chunks import ChunkMeta, to_chunks
+from .gated_delta import carry_delta, no_chunks
 
 __all__ = ["KDA_CHUNK", "chunk_kda"]
 
@@ -34,31 +35,18 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, meta: Ch
     decays), ``beta [T, H]``, ``initial [P, H, K, V]`` (None: zero) -> ``(out [T, H, V], final [P, H, K, V] |
     None)``. Every tensor in one dtype, the one computed in (float32 or float64; the caller casts).
     Differentiable in every input, ``initial`` included."""
-    P, C = meta.num_pieces, meta.chunk
-    H, K, V = q.shape[1], q.shape[2], v.shape[2]
-    if meta.num_chunks == 0:
-        final = None if not want_final else (q.new_zeros(P, H, K, V) if initial is None else initial)
-        return v.new_zeros(0, H, V), final
+    if (empty := no_chunks(q, v, meta, initial, want_final)) is not None:
+        return empty
     qc, kc, vc, gc = (to_chunks(t, meta) for t in (q, k, v, g))  # [NC, H, C, D]
     bc = to_chunks(beta, meta)  # [NC, H, C]
     cum = gc.cumsum(-2)  # [NC, H, C, K]
+    C = meta.chunk
     upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     # pairwise[i, j] = exp(G_i - G_j) per channel for j <= i, 0 above the diagonal: [NC, H, C, C, K]
     pairwise = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
     k_beta, v_beta = kc * bc[..., None], vc * bc[..., None]
     ut = torch.einsum("nhik,nhjk,nhijk->nhij", k_beta, kc, pairwise)
     intra = torch.einsum("nhik,nhjk,nhijk->nhij", qc, kc, pairwise)
-    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp(), upper=False, unitriangular=True)
-    q_dec = qc * cum.exp()
-    k_dec = kc * (cum[..., -1:, :] - cum).exp()
-    chunk_decay = cum[..., -1, :].exp()[..., None]  # [NC, H, K, 1]
-
-    def step(sl: slice, S_run: Tensor) -> tuple[Tensor, Tensor]:
-        v_new = new_values[sl] - k_cumdecay[sl] @ S_run
-        return q_dec[sl] @ S_run + intra[sl] @ v_new, S_run * chunk_decay[sl] + k_dec[sl].transpose(-1, -2) @ v_new
-
-    S0 = q.new_zeros(P, H, K, V) if initial is None else initial.index_select(0, meta.order)
-    outs, S = carry_chunks(meta, S0, step)
-    out = outs.transpose(1, 2).reshape(meta.num_chunks * C, H, V).index_select(0, meta.dest)
-    return out, (S.index_select(0, meta.inverse) if want_final else None)
+    return carry_delta(meta, ut, intra, v_beta, k_beta * cum.exp(), qc * cum.exp(), kc * (cum[..., -1:, :] - cum).exp(),
+                       cum[..., -1, :].exp()[..., None],  # [NC, H, K, 1]
+                       initial, want_final)
