@@ -176,12 +176,19 @@ def _act(name: str):
     return ACT2FN[name]
 
 
+def _adapter(table, cls: type, installer: str):
+    """The entry of ``table`` (a dict, or a tuple of names: then the name) for ``cls`` or the nearest class of its
+    MRO that ``table`` names; ``installer`` raises ``ValueError`` naming the classes it installs on otherwise."""
+    name = next((c.__name__ for c in cls.__mro__ if c.__name__ in table), None)
+    if name is None:
+        raise ValueError(f"{installer}: expected one of {sorted(table)}, got {cls.__name__}")
+    return table[name] if isinstance(table, dict) else name
+
+
 def install_gated_delta_net(cls: type) -> str:
     """Give ``cls`` (a Gated DeltaNet class of :data:`GATED_DELTA_NET_CLASSES`, or a subclass) a forward that is
     per document under a CP step and the class's own outside one; returns how (for the guard's notes)."""
-    project = next((GATED_DELTA_NET_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in GATED_DELTA_NET_CLASSES), None)
-    if project is None:
-        raise ValueError(f"install_gated_delta_net: expected one of {sorted(GATED_DELTA_NET_CLASSES)}, got {cls.__name__}")
+    project = _adapter(GATED_DELTA_NET_CLASSES, cls, "install_gated_delta_net")
     how = ("convolution with the history of documents continuing from other ranks and the gated delta rule with "
            "their states (blockdiag_dist.mixers: causal_conv, gated_delta_rule)")
     return _install(cls, functools.partial(_per_document_forward, project=project), how)
@@ -266,14 +273,13 @@ MAMBA2_CLASSES = {
 
 
 def _mamba2_adapter(cls: type):
-    return next((MAMBA2_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in MAMBA2_CLASSES), None)
+    return _adapter(MAMBA2_CLASSES, cls, "install_mamba2")
 
 
 def install_mamba2(cls: type) -> str:
     """Give ``cls`` (a Mamba2 class of :data:`MAMBA2_CLASSES`, or a subclass) a forward that is per document under
     a CP step and the class's own outside one; returns how (for the guard's notes)."""
-    if _mamba2_adapter(cls) is None:
-        raise ValueError(f"install_mamba2: expected one of {sorted(MAMBA2_CLASSES)}, got {cls.__name__}")
+    _mamba2_adapter(cls)
     how = ("convolution with the history of documents continuing from other ranks and Mamba2's SSD with their "
            "states (blockdiag_dist.mixers: causal_conv, ssd)")
     return _install(cls, _mamba2_forward, how)
@@ -333,9 +339,7 @@ def _kda_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, atte
 def install_kda(cls: type) -> str:
     """Give ``cls`` (a KDA class of :data:`KDA_CLASSES`, or a subclass) a forward that is per document under a CP
     step and the class's own outside one; returns how (for the guard's notes)."""
-    gates = next((KDA_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in KDA_CLASSES), None)
-    if gates is None:
-        raise ValueError(f"install_kda: expected one of {sorted(KDA_CLASSES)}, got {cls.__name__}")
+    gates = _adapter(KDA_CLASSES, cls, "install_kda")
     how = ("convolution with the history of documents continuing from other ranks and Kimi Delta Attention with "
            "their states (blockdiag_dist.mixers: causal_conv, kimi_delta_attention)")
     return _install(cls, functools.partial(_kda_forward, gates=gates), how)
@@ -393,7 +397,7 @@ MAMBA1_CLASSES = {
 
 
 def _mamba1_adapter(cls: type):
-    return next((MAMBA1_CLASSES[c.__name__] for c in cls.__mro__ if c.__name__ in MAMBA1_CLASSES), None)
+    return _adapter(MAMBA1_CLASSES, cls, "install_mamba1")
 
 
 def _mamba1_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, attention_mask: Any) -> Tensor:
@@ -422,8 +426,7 @@ def _mamba1_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any, a
 def install_mamba1(cls: type) -> str:
     """Give ``cls`` (a Mamba1 class of :data:`MAMBA1_CLASSES`, or a subclass) a forward that is per document under
     a CP step and the class's own outside one; returns how (for the guard's notes)."""
-    if _mamba1_adapter(cls) is None:
-        raise ValueError(f"install_mamba1: expected one of {sorted(MAMBA1_CLASSES)}, got {cls.__name__}")
+    _mamba1_adapter(cls)
     how = ("convolution with the history of documents continuing from other ranks and Mamba1's selective scan with "
            "their states (blockdiag_dist.mixers: causal_conv, selective_scan)")
     return _install(cls, _mamba1_forward, how)
@@ -451,8 +454,7 @@ def _lightning_forward(self: nn.Module, state, hidden_states: Tensor, cache: Any
 def install_lightning(cls: type) -> str:
     """Give ``cls`` (``MiniMaxLightningAttention``, or a subclass) a forward that is per document under a CP step and
     the class's own outside one; returns how (for the guard's notes)."""
-    if not any(c.__name__ in LIGHTNING_CLASSES for c in cls.__mro__):
-        raise ValueError(f"install_lightning: expected one of {sorted(LIGHTNING_CLASSES)}, got {cls.__name__}")
+    _adapter(LIGHTNING_CLASSES, cls, "install_lightning")
     return _install(cls, _lightning_forward, "lightning attention with the states of documents continuing from other "
                     "ranks (blockdiag_dist.mixers.lightning_attention)")
 
@@ -470,8 +472,7 @@ def _short_conv_forward(self: nn.Module, state, hidden_states: Tensor, cache: An
 def install_short_conv(cls: type) -> str:
     """Give ``cls`` (a class of :data:`SHORT_CONV_CLASSES`, or a subclass) a forward that is per document under a
     CP step and the class's own outside one; returns how (for the guard's notes)."""
-    if not any(c.__name__ in SHORT_CONV_CLASSES for c in cls.__mro__):
-        raise ValueError(f"install_short_conv: expected one of {sorted(SHORT_CONV_CLASSES)}, got {cls.__name__}")
+    _adapter(SHORT_CONV_CLASSES, cls, "install_short_conv")
     return _install(cls, _short_conv_forward, "the gated short convolution with the history of documents continuing "
                     "from other ranks (blockdiag_dist.mixers.causal_conv)")
 
