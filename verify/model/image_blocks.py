@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from blockdiag_dist.integrations import IGNORE_INDEX, causal_lm_loss, register_transformers_attention
 
 from .harness import StepResult, cp_step, param_grads
+from .multimodal import redraw_zero_init
 
 __all__ = ["FAMILIES", "IMAGE_TOKEN", "SEQ_LEN", "build", "document_reference", "documents", "float64_norms", "forward", "judge",
            "packed_batch", "run_case", "tiny_config"]
@@ -59,13 +60,15 @@ def tiny_config(family: str):
 def build(family: str, *, dtype: torch.dtype = torch.float64, attn_implementation: str | None = None,
           seed: int = 0) -> nn.Module:
     """``Gemma3ForConditionalGeneration`` / ``PaliGemmaForConditionalGeneration`` from :func:`tiny_config`, in
-    ``dtype``, initialised from ``seed``; attention ``attn_implementation`` (default blockdiag's, registered here;
+    ``dtype``, initialised from ``seed`` (Gemma 3's image projection, which its init leaves at zero, drawn too:
+    :func:`~verify.model.multimodal.redraw_zero_init`); attention ``attn_implementation`` (default blockdiag's, registered here;
     ``"sdpa"`` for the stock model)."""
     from transformers import Gemma3ForConditionalGeneration, PaliGemmaForConditionalGeneration
 
     cls = {"gemma3": Gemma3ForConditionalGeneration, "paligemma": PaliGemmaForConditionalGeneration}[family]
     torch.manual_seed(seed)
     model = cls._from_config(tiny_config(family), attn_implementation=attn_implementation or register_transformers_attention())
+    redraw_zero_init(model, seed)  # Gemma 3's image projection starts at zero: no image would reach the text
     return model.to(dtype).train()
 
 
