@@ -217,6 +217,25 @@ def test_image_block_presets_cross_a_rank_edge_and_pass(msession, prepared):
         assert r.cls == "pass", (r.case.label(), r.why, r.message, r.details[-2000:])
 
 
+def test_image_block_presets_fail_without_the_blocks(msession, prepared, monkeypatch):
+    """The same batches and truths are sharp: a step (CP 1, in process) whose attention gets no bidirectional
+    blocks (causal text attention) differs from the truth far beyond any limit, in the attention's gradients."""
+    from blockdiag_dist.integrations import register_transformers_attention, vlm
+    from verify.model.harness import compare, cp_step
+    from verify.model.layouts import model_rows
+    from verify.model.multimodal import make_multimodal, multimodal_forward
+    from verify.model.zoo import build
+
+    monkeypatch.setattr(vlm, "_step_blocks", lambda *a: None)
+    rows = model_rows("reused-ids", 2)
+    for name in ("gemma3_vl", "paligemma"):
+        ref = msession.reference(prepared(name))
+        model = build(prepared(name), torch.float64, register_transformers_attention())
+        got = cp_step(model, make_multimodal(model, rows, 128).batch, None, multimodal_forward, shard_primary=False)
+        c = compare(ref.truth(rows).step, got, model, 1e-6)
+        assert not c.ok and c.per_kind["attention"][0] > 1e-4, (name, c.summary())
+
+
 def test_a_gate_gradient_that_moves_with_the_chunking_is_judged_against_it(msession, prepared):
     """Qwen3.5-MoE's tiny vision-language model: in float64, every op included, its gates' gradients (A_log,
     dt_bias, in_proj_a) move by ~1e-9 when the stock chunked delta rule cuts its chunks elsewhere, as a rank
