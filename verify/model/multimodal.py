@@ -130,10 +130,6 @@ def _splice(doc: Tensor, at: int, tokens: Sequence[int]) -> None:
     doc[at : at + len(tokens)] = torch.tensor(tokens, dtype=doc.dtype)
 
 
-def _image_token(config) -> int | None:
-    return getattr(config, "image_token_id", None)
-
-
 # ---- Qwen-VL: patches with image_grid_thw, mRoPE from get_rope_index ----------------------------------------
 _QWEN_TOKENS = ("vision_start_token_id", "image_token_id", "vision_end_token_id")
 _QWEN_VISION = ("spatial_merge_size", "temporal_patch_size", "patch_size", "in_channels")
