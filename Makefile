@@ -56,7 +56,7 @@ MODELS_MD    ?= results/MODELS.md
 CATALOGUE_MD ?= results/models.md
 
 # Whole models: every preset (tiny Llama, Qwen3, Mistral, Gemma 3, Qwen3-MoE, DeepSeek-V3, Qwen3-Next, Nemotron-H,
-# Qwen2.5-VL, Qwen3-VL, gpt-oss, Llama 4, Gemma 2, BLOOM, DeepSeek-V3.2, GLM-5, Jamba, Falcon-Mamba, Mamba, Kimi Linear, Ling, MiniMax) at CP 1 and 2, four layouts, float64 and float32, against
+# Qwen2.5-VL, Qwen3-VL, Gemma 3 with images, PaliGemma, gpt-oss, Llama 4, Gemma 2, BLOOM, DeepSeek-V3.2, GLM-5, Jamba, Falcon-Mamba, Mamba, Kimi Linear, Ling, MiniMax) at CP 1 and 2, four layouts, float64 and float32, against
 # each document run alone (docs/verify-model.md): $(MODELS_MD) and results/models.json. A refusal is reported, not failed.
 verify-models: $(STAMP)
 	$(PY) -m verify model --presets --cp 1,2 --allow-unsupported --md $(MODELS_MD) --json results/models.json $(ARGS)

@@ -192,6 +192,50 @@ def test_jamba_passes_and_a_stock_mamba_layer_is_named(msession, prepared):
     assert r.cls == "bug" and first["module"] == "model.layers.0.mamba", r.why
 
 
+def test_image_block_presets_cross_a_rank_edge_and_pass(msession, prepared):
+    """gemma3_vl (each image's tokens a bidirectional block) and paligemma (the prefix of image and prompt): their
+    batches hold images (pixel_values, token_type_ids) and at CP 2 on reused-ids an image's tokens lie on both
+    ranks; the step passes against each document alone with the blocks given to the step's attention."""
+    from blockdiag_dist.plan import plan_step
+
+    results = []
+    for name, family in (("gemma3_vl", "Gemma 3"), ("paligemma", "PaliGemma")):
+        (r,) = run(msession, prepared, name, cps=(2,), layouts=("reused-ids",))
+        results.append(r)
+        assert prepared(name).multimodal and prepared(name).text_only is None
+        p = msession.reference(prepared(name)).packed(r.case.rows)
+        assert {"pixel_values", "token_type_ids"} <= set(p.batch), (name, sorted(p.batch))
+        model, _ = msession.reference(prepared(name)).model("float64")
+        image = p.batch["input_ids"][0] == model.config.image_token_id
+        rank = torch.full_like(image, -1, dtype=torch.int64)
+        for k, pos in enumerate(plan_step(p.batch["_packed_seq_ids"], 2).shards.positions.tolist()):
+            rank[[q for q in pos if q < rank.numel()]] = k
+        runs = torch.cumsum((image & ~torch.nn.functional.pad(image, (1, 0))[:-1]).to(torch.int64), 0) * image
+        assert any(len(set(rank[runs == i].tolist())) == 2 for i in range(1, int(runs.max()) + 1)), (name, p.batch["input_ids"])
+        assert any("bidirectional blocks from token_type_ids" in n for n in r.notes), (name, r.notes)
+    for r in results:
+        assert r.cls == "pass", (r.case.label(), r.why, r.message, r.details[-2000:])
+
+
+def test_image_block_presets_fail_without_the_blocks(msession, prepared, monkeypatch):
+    """The same batches and truths are sharp: a step (CP 1, in process) whose attention gets no bidirectional
+    blocks (causal text attention) differs from the truth far beyond any limit, in the attention's gradients."""
+    from blockdiag_dist.integrations import register_transformers_attention, vlm
+    from verify.model.harness import compare, cp_step
+    from verify.model.layouts import model_rows
+    from verify.model.multimodal import make_multimodal, multimodal_forward
+    from verify.model.zoo import build
+
+    monkeypatch.setattr(vlm, "_step_blocks", lambda *a: None)
+    rows = model_rows("reused-ids", 2)
+    for name in ("gemma3_vl", "paligemma"):
+        ref = msession.reference(prepared(name))
+        model = build(prepared(name), torch.float64, register_transformers_attention())
+        got = cp_step(model, make_multimodal(model, rows, 128).batch, None, multimodal_forward, shard_primary=False)
+        c = compare(ref.truth(rows).step, got, model, 1e-6)
+        assert not c.ok and c.per_kind["attention"][0] > 1e-4, (name, c.summary())
+
+
 def test_a_gate_gradient_that_moves_with_the_chunking_is_judged_against_it(msession, prepared):
     """Qwen3.5-MoE's tiny vision-language model: in float64, every op included, its gates' gradients (A_log,
     dt_bias, in_proj_a) move by ~1e-9 when the stock chunked delta rule cuts its chunks elsewhere, as a rank

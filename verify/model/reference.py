@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .harness import _VISION, StepResult, compare, document_reference, packed_reference, padded_batch_step, text_forward
+from .harness import _VISION, ZERO_GRADIENT, StepResult, compare, document_reference, packed_reference, padded_batch_step, text_forward
 from .judge import Baseline, Truth, compare_all, module_errors
 from .layouts import Packed, make_packed, model_rows
-from .multimodal import make_multimodal, multimodal_batched, multimodal_forward, multimodal_reference
+from .multimodal import image_inputs, make_multimodal, multimodal_batched, multimodal_forward, multimodal_reference
 from .precision import LowPrecisionUse, Promote, float32_ops, float64_eager_attention, float64_modules
 from .record import Key, ModuleRecorder, Records, packed as packed_records
 from .zoo import Prepared, build
@@ -31,7 +31,7 @@ from .zoo import Prepared, build
 __all__ = ["FLOAT32_BACKENDS", "Baseline", "Reference", "Truth", "checksum", "layer_masks", "recorder_of"]
 
 FLOAT32_BACKENDS = ("math", "flash_attention")  # CPU SDPA backends the float32 baseline runs on
-ROUNDING = 1e-12  # a gradient norm at most this fraction of the largest is rounding (zero in exact arithmetic)
+ROUNDING = ZERO_GRADIENT  # a gradient norm at most this fraction of the largest is rounding (zero in exact arithmetic)
 RECHUNK = 4  # the chunk length of the truth's second chunking (see Reference.chunking_cost)
 
 
@@ -149,11 +149,8 @@ class Reference:
         return (multimodal_forward if self.prepared.multimodal else text_forward)(model, batch)
 
     def _masked_forward(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-        kwargs = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if batch.get(k) is not None}
-        if "pixel_values" in kwargs:
-            kwargs["pixel_values"] = kwargs["pixel_values"].to(next(model.parameters()).dtype)
         return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"],
-                     use_cache=False, **kwargs).logits
+                     use_cache=False, **image_inputs(model, batch)).logits
 
     # -- the truth --
     def truth(self, rows, variant: str = "stock") -> Truth:
@@ -184,8 +181,9 @@ class Reference:
     def rounding_params(self, rows, variant: str = "stock") -> set[str]:
         """Parameters whose true gradient is zero in exact arithmetic and only rounding in float64 (a key bias: a
         softmax is unchanged when every logit of a query moves alike), found as a gradient norm at most
-        :data:`ROUNDING` of the largest: their relative error is rounding over rounding, judged against the float64
-        baseline like every rounding (a real error there is many orders of magnitude above it)."""
+        :data:`ROUNDING` of the largest: :func:`~verify.model.harness.compare` measures their error against the
+        largest gradient's norm (against their own it would be rounding over rounding), and the float64 limit is
+        the baseline's like every rounding's (a real error there is many orders of magnitude above it)."""
         grads = self.truth(rows, variant).step.grads
         norms = {n: float(np.linalg.norm(g)) for n, g in grads.items()}
         top = max(norms.values(), default=0.0)
@@ -313,7 +311,7 @@ class Reference:
                     for d, (b, s0) in zip(p.docs, p.places):
                         doc_pos[b, s0 : s0 + d.numel()] = torch.arange(d.numel())
                     whole["attention_mask"] = layer_masks(text, p.batch["_packed_seq_ids"], doc_pos,
-                                                          next(model.parameters()).dtype)
+                                                          next(model.parameters()).dtype, _blocks(model, p.batch))
                     forward = self._masked_forward
                 step = packed_reference(model, whole, forward, recorder=rec)
         except Exception as exc:  # noqa: BLE001 - the model refuses packed rows: reported, not judged
@@ -328,16 +326,22 @@ class Reference:
         return self._packed[rows]
 
 
-def layer_masks(text_config: Any, seq_ids: Tensor, doc_pos: Tensor, dtype: torch.dtype) -> Tensor | dict[str, Tensor]:
+def layer_masks(text_config: Any, seq_ids: Tensor, doc_pos: Tensor, dtype: torch.dtype,
+                blocks: Tensor | None = None) -> Tensor | dict[str, Tensor]:
     """Additive ``[B, 1, S, S]`` per-document masks (0 where query i may see key j: same document, j <= i, within
-    the layer's window or chunk; a padding row sees itself; the dtype's lowest value elsewhere), one per layer
-    type of ``text_config`` (transformers takes such a dict instead of building masks), else one mask."""
+    the layer's window or chunk, or in the same bidirectional block of ``blocks [B, S]`` (0 = none) within the
+    document; a padding row sees itself; the dtype's lowest value elsewhere), one per layer type of ``text_config``
+    (transformers takes such a dict instead of building masks), else one mask."""
     B, S = seq_ids.shape
     i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
-    base = (seq_ids[:, :, None] == seq_ids[:, None, :]) & (seq_ids[:, :, None] != 0) & (j <= i)
+    same = (seq_ids[:, :, None] == seq_ids[:, None, :]) & (seq_ids[:, :, None] != 0)
+    base = same & (j <= i)
+    block = torch.zeros_like(base)
+    if blocks is not None:
+        block = same & (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] != 0)
 
     def additive(allowed: Tensor) -> Tensor:
-        allowed = allowed | torch.eye(S, dtype=torch.bool)
+        allowed = allowed | block | torch.eye(S, dtype=torch.bool)
         return torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(~allowed[:, None], torch.finfo(dtype).min)
 
     window = getattr(text_config, "sliding_window", None)
@@ -350,6 +354,15 @@ def layer_masks(text_config: Any, seq_ids: Tensor, doc_pos: Tensor, dtype: torch
     if not types:
         return additive(kinds["sliding_attention"] if window else base)
     return {t: additive(kinds.get(t, base)) for t in set(types)}
+
+
+def _blocks(model: nn.Module, batch: dict[str, Tensor]) -> Tensor | None:
+    """The bidirectional blocks ``[B, S]`` the model reads from the batch's ``token_type_ids`` (Gemma 3's images,
+    PaliGemma's prefix: the model's own rule, as the integration tables it), or None."""
+    from blockdiag_dist.integrations.vlm import bidirectional_blocks_of
+
+    types = batch.get("token_type_ids")
+    return None if types is None else bidirectional_blocks_of(getattr(model, "model", model), types)
 
 
 def _first_line(exc: BaseException) -> str:

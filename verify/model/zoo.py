@@ -57,6 +57,13 @@ PRESETS: dict[str, Preset] = {
     "minimax": Preset("minimax", "lightning attention (a fixed decay per head) + softmax attention, MoE"),
     "qwen2_5_vl": Preset("qwen2_5_vl", "vision-language: vision tower (windowed and full blocks), mRoPE"),
     "qwen3_vl": Preset("qwen3_vl", "vision-language: vision tower with deepstack levels, mRoPE"),
+    # images of 8 x 8 pixels, 4 image tokens (Gemma 3: 4 x 4 patches pooled to 2 x 2; PaliGemma: 4 x 4-pixel patches)
+    "gemma3_vl": Preset("gemma3", "vision-language: each image's tokens attend bidirectionally within the image "
+                        "(token_type_ids), sliding and global layers",
+                        (("vision_config.image_size", 8), ("vision_config.patch_size", 2), ("mm_tokens_per_image", 4))),
+    "paligemma": Preset("paligemma", "vision-language: a bidirectional prefix of image and prompt (token_type_ids)",
+                        (("vision_config.image_size", 8), ("vision_config.patch_size", 4),
+                         ("text_config.num_image_tokens", 4))),
     "gpt_oss": Preset("gpt_oss", "attention sinks, sliding and full layers, MoE"),
     "llama4": Preset("llama4_text", "as released: chunked attention, NoPE layers with temperature tuning, MoE",
                      (("attn_temperature_tuning", True),)),
@@ -241,8 +248,9 @@ def resolve(model: str, *, tiny: bool = False) -> Prepared:
 
 
 def build(prepared: Prepared, dtype: torch.dtype, attn_implementation: str, seed: int = SEED) -> nn.Module:
-    """The model with weights drawn from ``seed`` (in float32, then cast: every dtype holds the same weights), in
-    training mode, every dropout off; in float64, the constants it makes at init in float32 remade in float64
+    """The model with weights drawn from ``seed`` (in float32, then cast: every dtype holds the same weights; a
+    vision-language model's image projection its init leaves at zero drawn too, :func:`~verify.model.multimodal.
+    redraw_zero_init`), in training mode, every dropout off; in float64, the constants it makes at init in float32 remade in float64
     (:func:`~verify.model.precision.float64_decay_tables`)."""
     import copy
 
@@ -261,6 +269,10 @@ def build(prepared: Prepared, dtype: torch.dtype, attn_implementation: str, seed
                              f"{type(exc).__name__}: {_first_line(exc)}") from exc
     finally:
         torch.set_num_threads(threads)
+    if prepared.multimodal:  # images must reach the text: no image projection the init left at zero
+        from .multimodal import redraw_zero_init
+
+        redraw_zero_init(model, seed)
     model = model.to(dtype)
     from .precision import float64_decay_tables
 
