@@ -165,3 +165,29 @@ def test_prefixes_and_images_beyond_the_sliding_window(monkeypatch):
     monkeypatch.setitem(vlm.BIDIRECTIONAL_MODELS, "PaliGemmaModel", dataclasses.replace(rule, whole=False))
     model, ref = truth("paligemma2")
     assert ib.judge(ref, ib.run_case("paligemma2"), model), "paligemma2: prefixes within the window passed"
+
+
+def test_block_rules_equal_the_models_own():
+    """The rules read the same blocks as the models' own ``get_block_sequence_ids_for_mask`` (ids shifted by one, 0
+    for none where the model has -1): Gemma 3 from ``token_type_ids``, Gemma 4 from ``mm_token_type_ids`` (images 1
+    and video frames 2 in one run, audio 3 outside any block); and Gemma 4 reads none when its text config builds
+    none (``use_bidirectional_attention`` other than ``"vision"``)."""
+    from transformers.models.gemma3 import modeling_gemma3
+    from transformers.models.gemma4_unified import modeling_gemma4_unified
+
+    types = torch.randint(0, 4, (3, 40), generator=torch.Generator().manual_seed(0))
+    types[0, :6] = torch.tensor([1, 2, 2, 0, 3, 1])
+    g3 = vlm.BIDIRECTIONAL_MODELS["Gemma3Model"].blocks(types)
+    assert torch.equal(g3, modeling_gemma3.get_block_sequence_ids_for_mask(types) + 1)
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    class Gemma4UnifiedModel(nn.Module):  # the rule is found by class name; only the text config's setting is read
+        config = SimpleNamespace(use_bidirectional_attention="vision")
+
+    g4 = Gemma4UnifiedModel()
+    assert torch.equal(vlm.bidirectional_blocks_of(g4, types),
+                       modeling_gemma4_unified.get_block_sequence_ids_for_mask(types, types.device) + 1)
+    g4.config = SimpleNamespace(use_bidirectional_attention=None)
+    assert vlm.bidirectional_blocks_of(g4, types) is None
