@@ -1,11 +1,14 @@
-"""Bidirectional blocks per document (Gemma 3's image tokens, PaliGemma's prefix): the step's plan.
+"""Bidirectional blocks per document (Gemma 3's and Gemma 4's image tokens, PaliGemma's prefix): the step's plan.
 
 A *block* is the set of tokens of one document that share a block id (:meth:`blockdiag_ref.DocLayout.block_labels`).
-A query in a block also sees every later key of its block; everywhere else attention stays causal per document,
-and a window bounds only the keys before a query. A block that crosses a rank edge therefore makes a rank need
-keys *after* its pieces, held by later ranks: the needed set of a piece grows by the tokens after the piece's end
-of every block one of its queries lies in (a block whose id recurs later in its document is several runs: only
-its own runs are fetched, not the text between them). The
+A query in a block also sees every later key of its block; everywhere else attention stays causal per document.
+How a window meets a block is the model's: a window bounds the keys before a query, those of its block included
+(Gemma 3: the window AND (causal OR block)), or, with *whole blocks*, a query sees its whole block beyond the window
+(Gemma 4, PaliGemma: (the window AND causal) OR the block). A block that crosses a rank edge therefore makes a rank
+need keys *after* its pieces, held by later ranks, and with whole blocks the block's keys before the window, held by
+earlier ranks: the needed set of a piece grows by the runs of every block one of its queries lies in, after the
+piece's end (and, with whole blocks, before it; a block whose id recurs later in its document is several runs:
+only its own runs are fetched, not the text between them). The
 exchanges carry those keys like any other needed key, and their gradients flow back to their owners through the
 exchange's backward; the kernels mask by block label (the masked plan of the varlen kernel, the dense kernel).
 
@@ -39,11 +42,15 @@ class BlockPlan:
     - ``labels`` int64 ``[B * Sp]``: the block of each token (1, 2, ...; 0 outside any block, on padding and on
       CP padding), unique across documents and rows;
     - ``piece_key_end`` int64 ``[P]``: one past the last key each piece's queries may see (the piece's end, or
-      the end of the block its queries reach furthest into).
+      the end of the block its queries reach furthest into);
+    - ``piece_block_start`` int64 ``[P]``: the first token of the block each piece's queries reach furthest back
+      into (the piece's start when none does): with whole blocks, the first key they may see is the earlier of it
+      and the window's start.
     """
 
     labels: Tensor
     piece_key_end: Tensor
+    piece_block_start: Tensor
     digest: bytes
 
 
@@ -53,8 +60,8 @@ def plan_blocks(layout: DocLayout, shards: ShardPlan, docs: DocPlan, bidirection
     >>> from blockdiag_dist.plan import plan_step
     >>> plan = plan_step(torch.tensor([[1, 1, 1, 1, 1, 2, 2, 2]]), 2)   # rank 0: 0..3, rank 1: 4..7
     >>> bp = plan_blocks(plan.layout, plan.shards, plan.documents, torch.tensor([[0, 0, 7, 7, 7, 0, 0, 0]]))
-    >>> bp.labels.tolist(), bp.piece_key_end.tolist()   # the image 2..4 crosses the rank edge
-    ([0, 0, 1, 1, 1, 0, 0, 0], [5, 5, 8])
+    >>> bp.labels.tolist(), bp.piece_key_end.tolist(), bp.piece_block_start.tolist()  # the image 2..4 crosses the edge
+    ([0, 0, 1, 1, 1, 0, 0, 0], [5, 5, 8], [0, 2, 5])
     """
     labels = layout.block_labels(bidirectional_blocks)  # [B, S], validated
     sp, B = shards.padded_len, layout.batch_size
@@ -62,19 +69,24 @@ def plan_blocks(layout: DocLayout, shards: ShardPlan, docs: DocPlan, bidirection
     n = int(flat.max()) + 1 if flat.numel() else 1
     pos = torch.arange(sp).repeat(B)
     last = torch.full((n,), -1, dtype=torch.int64).scatter_reduce_(0, flat, pos, "amax")
+    first = torch.full((n,), sp, dtype=torch.int64).scatter_reduce_(0, flat, pos, "amin")
     ends = torch.where(flat != 0, last[flat] + 1, 0)
+    starts = torch.where(flat != 0, first[flat], sp)
     t = docs.table
     q_flat = interval_ranges(t["row"] * sp + t["start"], t["length"])
     piece = torch.repeat_interleave(torch.arange(t["length"].numel()), t["length"])
     reach = torch.zeros(t["length"].numel(), dtype=torch.int64).scatter_reduce_(0, piece, ends[q_flat], "amax")
     key_end = torch.maximum(t["start"] + t["length"], reach)
+    back = torch.full((t["length"].numel(),), sp, dtype=torch.int64).scatter_reduce_(0, piece, starts[q_flat], "amin")
+    block_start = torch.minimum(t["start"], back)
     digest = hashlib.sha256(flat.numpy().tobytes()).digest()
-    return BlockPlan(labels=flat, piece_key_end=key_end, digest=digest)
+    return BlockPlan(labels=flat, piece_key_end=key_end, piece_block_start=block_start, digest=digest)
 
 
-def _later_block_ranges(docs: DocPlan, labels: Tensor) -> Tensor:
+def _block_ranges(docs: DocPlan, labels: Tensor, whole: bool = False) -> Tensor:
     """``[K, 4]`` ``(dest, row, lo, hi)``: for every piece, the runs of each block one of its queries lies in,
-    clipped to after the piece's end (a block's tokens are contiguous runs; a recurring id makes several)."""
+    clipped to after the piece's end, or whole with ``whole`` (a block's tokens are contiguous runs; a recurring id
+    makes several; a destination's own positions in them are dropped by the exchange plan)."""
     t, sp = docs.table, docs.shards.padded_len
     n = labels.numel()
     change = torch.ones(n, dtype=torch.bool)
@@ -98,19 +110,19 @@ def _later_block_ranges(docs: DocPlan, labels: Tensor) -> Tensor:
     which = interval_ranges(first_run[lab], per)  # every run of each pair's block
     p = torch.repeat_interleave(p, per)
     end_flat = t["row"][p] * sp + t["start"][p] + t["length"][p]
-    lo, hi = torch.maximum(run_lo[which], end_flat), run_hi[which]
+    lo, hi = (run_lo[which] if whole else torch.maximum(run_lo[which], end_flat)), run_hi[which]
     later = hi > lo
     p, lo, hi = p[later], lo[later], hi[later]
     row = t["row"][p]
     return torch.stack([t["rank"][p], row, lo - row * sp, hi - row * sp], 1)
 
 
-def bidirectional_ranges(docs: DocPlan, causal_ranges: Tensor, blocks: BlockPlan) -> Tensor:
+def bidirectional_ranges(docs: DocPlan, causal_ranges: Tensor, blocks: BlockPlan, whole: bool = False) -> Tensor:
     """The needed ranges ``[K, 4]`` (``(dest, row, lo, hi)``, see :class:`~blockdiag_dist.plan.ExchangePlan`) of
-    causal attention (``causal_ranges``) joined with the later keys of the blocks: every run, after the piece's
-    end, of each block a query of the piece lies in. Merged per destination and row, ordered by destination then
-    flat id, disjoint."""
-    extra = _later_block_ranges(docs, blocks.labels)
+    causal attention (``causal_ranges``) joined with the keys of the blocks: every run, after the piece's end (all
+    of it with ``whole``: whole blocks), of each block a query of the piece lies in. Merged per destination and
+    row, ordered by destination then flat id, disjoint."""
+    extra = _block_ranges(docs, blocks.labels, whole)
     ranges = torch.cat([causal_ranges, extra])
     if ranges.shape[0] == 0:
         return ranges
@@ -127,16 +139,19 @@ def bidirectional_ranges(docs: DocPlan, causal_ranges: Tensor, blocks: BlockPlan
     return torch.stack([ranges[first, 0], ranges[first, 1], ranges[first, 2], hi], 1)
 
 
-def exchange_plan(plan: StepPlan, window_left: int, blocks: BlockPlan) -> ExchangePlan:
+def exchange_plan(plan: StepPlan, window_left: int, blocks: BlockPlan, whole: bool = False) -> ExchangePlan:
     """The step's :class:`~blockdiag_dist.plan.ExchangePlan` for attention with ``blocks``: the causal (and
-    windowed) needed ranges of ``plan`` joined with the later keys of the blocks (:func:`bidirectional_ranges`).
+    windowed) needed ranges of ``plan`` joined with the later keys of the blocks, or with ``whole`` (whole blocks)
+    every key of them (:func:`bidirectional_ranges`).
 
     >>> from blockdiag_dist.plan import plan_step
     >>> plan = plan_step(torch.tensor([[1] * 8]), 2)   # rank 0: 0..3, rank 1: 4..7
     >>> bp = plan_blocks(plan.layout, plan.shards, plan.documents, torch.tensor([[0, 0, 7, 7, 7, 0, 0, 0]]))
     >>> [sorted(n.tolist()) for n in exchange_plan(plan, -1, bp).needed]   # rank 0 fetches the image's key 4
     [[4], [0, 1, 2, 3]]
+    >>> [sorted(n.tolist()) for n in exchange_plan(plan, 0, bp, whole=True).needed]  # window 0: the image only
+    [[4], [2, 3]]
     """
     causal = plan.exchange(window_left)
     return ExchangePlan(shards=causal.shards, batch_size=causal.batch_size, window_left=window_left,
-                        ranges=bidirectional_ranges(plan.documents, causal.ranges, blocks))
+                        ranges=bidirectional_ranges(plan.documents, causal.ranges, blocks, whole))

@@ -71,10 +71,6 @@ MIXER_KINDS: dict[str, str] = {
     "sparse_attention": "sparse attention over keys an indexer selects from the sequence",
     "compressed_attention": "attention over compressed blocks of the sequence (a compressor or indexer over "
                             "neighbouring tokens)",
-    "image_bidirectional": "a vision-language model whose sliding-window text layers let each image's tokens see "
-                           "their whole image beyond the window (the window OR the image block, a mask transformers "
-                           "builds only for its own attention names; blockdiag computes image blocks within the window, "
-                           "as Gemma 3 and PaliGemma do: blockdiag_dist.integrations.vlm.BIDIRECTIONAL_MODELS)",
     "row_positions": "a positional embedding computed from the row's length (torch.arange over the rows), not from "
                      "position_ids: wrong for every document but the row's first once packed, and on every rank "
                      "but the first under CP",
@@ -109,9 +105,6 @@ KNOWN_MIXERS: dict[str, str] = {
     "HYV4VLIndexer": "sparse_attention", "MiniMaxM3VLIndexer": "sparse_attention",
     "MistralLarge4TextIndexer": "sparse_attention", "Qwen4ExpTextQSAIndexer": "sparse_attention",
     "BltPatcher": "byte_patching", "BltModel": "byte_patching",
-    # a vision-language model whose sliding layers let an image see its whole image beyond the window (Gemma 3's and
-    # PaliGemma's image blocks are computed per document: integrations.vlm.BIDIRECTIONAL_MODELS)
-    "Gemma4UnifiedModel": "image_bidirectional",
     # decoders that compute their positions from the row's length, whatever position_ids say
     "BartDecoder": "row_positions", "BigBirdPegasusDecoder": "row_positions", "BlenderbotDecoder": "row_positions",
     "BlenderbotSmallDecoder": "row_positions", "MarianDecoder": "row_positions", "MBartDecoder": "row_positions",

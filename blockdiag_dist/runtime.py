@@ -51,6 +51,7 @@ def cp_blockdiag_sdpa(
     chunk_size: int | None = None,
     temperature: Sequence[float] | None = None,
     bidirectional_blocks: Tensor | bool | None = None,
+    whole_blocks: bool = False,
 ) -> Tensor:
     """Scaled dot-product attention, per document and across CP ranks while a step context is active.
 
@@ -80,6 +81,10 @@ def cp_blockdiag_sdpa(
       ``train_ctx.state.set_bidirectional_blocks``; a block crossing a rank edge brings the later keys from the
       ranks that hold them, needed-only, and returns their gradients). Without a step: block ids ``[B, Lk]`` of
       the keys (0 = none), queries bottom-right aligned. Not combined with ``chunk_size``.
+    - ``whole_blocks``: with ``bidirectional_blocks``, a query in a block sees every key of its block, the earlier
+      ones beyond the window too: the causal window OR the block (Gemma 4's and PaliGemma's sliding layers; without
+      it the window bounds the keys of the block before the query, as Gemma 3's sliding layers do). Under a step
+      the block's keys before the window come from the ranks that hold them, needed-only.
 
     With an active context (``with train_ctx():``): ``query [B, Hq, L, D]``, ``key [B, Hkv, L, D]`` and
     ``value [B, Hkv, L, Dv]`` are this rank's rows; the result ``[B, Hq, L, Dv]`` is causal attention inside
@@ -106,6 +111,9 @@ def cp_blockdiag_sdpa(
     if variants:
         _check_variants(query, sinks, softcap)
     bidirectional = _check_blocks(bidirectional_blocks, state, key, chunk)
+    if not isinstance(whole_blocks, bool) or (whole_blocks and not bidirectional):
+        raise ValueError(f"cp_blockdiag_sdpa: whole_blocks expected a bool, True only with bidirectional_blocks, got "
+                         f"{whole_blocks!r} with bidirectional_blocks={'given' if bidirectional else None}")
     if state is None and bidirectional:
         if not is_causal and window_size is None:
             raise ValueError(
@@ -115,7 +123,7 @@ def cp_blockdiag_sdpa(
             )
         query = _with_temperature(query, key, temp, None)
         return _single_device_blocks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
-                                     sinks, softcap, bidirectional_blocks)
+                                     sinks, softcap, bidirectional_blocks, whole_blocks)
     if state is None:
         query = _with_temperature(query, key, temp, None)
         if variants:
@@ -143,7 +151,7 @@ def cp_blockdiag_sdpa(
     _check_inputs(state, query, key, value, enable_gqa, dropout_p)
     called_query = query  # what the call's autograd nodes start from (bind_output)
     query = _with_temperature(query, key, temp, state)
-    wp = state.agreed_window_plan(left, chunk, bidirectional)
+    wp = state.agreed_window_plan(left, chunk, bidirectional, whole_blocks)
     state.attention_kinds.add((left, chunk, sinks is not None, None if softcap is None else float(softcap)))
     B, Hq, L, D = query.shape
     Hkv, Dv = key.shape[1], value.shape[-1]
@@ -211,9 +219,10 @@ def _check_blocks(blocks: Tensor | bool | None, state: StepState | None, key: Te
 
 
 def _single_device_blocks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size, sinks,
-                          softcap, blocks: Tensor) -> Tensor:
+                          softcap, blocks: Tensor, whole: bool = False) -> Tensor:
     """Bidirectional blocks on the tensors as given (no step): the causal band (with the window) or a later key of
-    the query's block (ids ``[B, Lk]``, queries bottom-right aligned), and ``attn_mask`` if given."""
+    the query's block (with ``whole``: any key of it; ids ``[B, Lk]``, queries bottom-right aligned), and
+    ``attn_mask`` if given."""
     query, key, value = _autocast_like_sdpa(query, key, value)
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"cp_blockdiag_sdpa: Hq={query.shape[1]} != Hkv={key.shape[1]} needs enable_gqa=True (as in SDPA)")
@@ -224,7 +233,8 @@ def _single_device_blocks(query, key, value, attn_mask, dropout_p, is_causal, sc
     band = (j <= i) & ((j >= i - left) if left >= 0 else True)
     ids = blocks.to(query.device)
     lab_q, lab_k = ids[:, Lk - Lq:, None], ids[:, None, :]
-    allowed = (band[None] | ((lab_q == lab_k) & (lab_q != 0) & (j > i)[None]))[:, None]  # [B, 1, Lq, Lk]
+    same = (lab_q == lab_k) & (lab_q != 0)
+    allowed = (band[None] | (same if whole else same & (j > i)[None]))[:, None]  # [B, 1, Lq, Lk]
     if attn_mask is not None:
         allowed = allowed & attn_mask if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~allowed, float("-inf"))
     if sinks is not None or softcap is not None:

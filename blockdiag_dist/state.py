@@ -115,8 +115,9 @@ class StepState:
         self.mixer_traffic = TrafficLog()  # what the mixers' exchanges moved: convolution histories, state summaries
         self.mixer_widths: frozenset[int] | None = None  # convolution widths planned in the batch function (None: any)
         self.notes: list[str] = []  # fallbacks and substitutions that happened, with their reasons
-        self._windows: dict[tuple[int, int, bool], WindowPlan] = {}  # by (window left, chunk, bidirectional)
-        self._agreed: set[tuple[int, int, bool]] = set()  # windows whose plan the CP group compared (check_consensus)
+        # by (window left, chunk, bidirectional, whole blocks)
+        self._windows: dict[tuple[int, int, bool, bool], WindowPlan] = {}
+        self._agreed: set[tuple[int, int, bool, bool]] = set()  # windows whose plan the CP group compared (check_consensus)
         self.blocks: BlockPlan | None = None  # the step's bidirectional blocks (set_bidirectional_blocks)
         self.block_entries = 0  # entries of a model whose blocks come from its token_type_ids (integrations.vlm)
         self._mixer_plans: dict = {}  # plans of the sequence mixers (blockdiag_dist.mixers), built on first use
@@ -207,34 +208,40 @@ class StepState:
             self.blocks = blocks
 
     # ---- per-window plans -----------------------------------------------------------------------------
-    def window_plan(self, window_left: int, chunk: int = -1, bidirectional: bool = False) -> WindowPlan:
-        """The plan for a window (and chunk length of chunked local attention, ``-1`` = none; and whether the
-        step's bidirectional blocks apply), built on first use in the step (then cached; thread-safe). Never
-        communicates: every decision in it derives from the replicated doc ids, so one rank may call it alone
-        (reports)."""
-        key = (window_left, chunk, bidirectional)
+    def window_plan(self, window_left: int, chunk: int = -1, bidirectional: bool = False,
+                    whole_blocks: bool = False) -> WindowPlan:
+        """The plan for a window (and chunk length of chunked local attention, ``-1`` = none; whether the step's
+        bidirectional blocks apply, and whether a query sees its whole block beyond the window), built on first use
+        in the step (then cached; thread-safe). Never communicates: every decision in it derives from the replicated
+        doc ids, so one rank may call it alone (reports)."""
+        whole_blocks = bool(bidirectional and whole_blocks)
+        key = (window_left, chunk, bidirectional, whole_blocks)
         wp = self._windows.get(key)
         if wp is None:
             with self._lock:
                 wp = self._windows.get(key)
                 if wp is None:
-                    wp = self._build_window_plan(window_left, chunk, bidirectional)
+                    wp = self._build_window_plan(window_left, chunk, bidirectional, whole_blocks)
                     self._windows[key] = wp
         return wp
 
-    def agreed_window_plan(self, window_left: int, chunk: int = -1, bidirectional: bool = False) -> WindowPlan:
+    def agreed_window_plan(self, window_left: int, chunk: int = -1, bidirectional: bool = False,
+                           whole_blocks: bool = False) -> WindowPlan:
         """:meth:`window_plan`, compared across the CP group on the window's first use in the step when
         ``check_consensus`` (one all-gather of a fingerprint; every rank calls it at the same point)."""
-        wp = self.window_plan(window_left, chunk, bidirectional)
-        key = (window_left, chunk, bidirectional)
+        whole_blocks = bool(bidirectional and whole_blocks)
+        wp = self.window_plan(window_left, chunk, bidirectional, whole_blocks)
+        key = (window_left, chunk, bidirectional, whole_blocks)
         if self.check_consensus and key not in self._agreed:
             with self._lock:
                 if key not in self._agreed:
-                    self._check_consensus(window_left, wp.mode, chunk, self.blocks.digest.hex() if bidirectional else "")
+                    blocks = (self.blocks.digest.hex() + ("|whole" if whole_blocks else "")) if bidirectional else ""
+                    self._check_consensus(window_left, wp.mode, chunk, blocks)
                     self._agreed.add(key)
         return wp
 
-    def _build_window_plan(self, window_left: int, chunk: int = -1, bidirectional: bool = False) -> WindowPlan:
+    def _build_window_plan(self, window_left: int, chunk: int = -1, bidirectional: bool = False,
+                           whole_blocks: bool = False) -> WindowPlan:
         plan = self.plan.chunked(chunk)  # chunked attention: the chunks are the documents
         xplan = plan.exchange(window_left)
         blocks = self.blocks if bidirectional else None
@@ -244,7 +251,7 @@ class StepState:
                                  "or StepState.set_bidirectional_blocks), got none")
             if chunk > 0:
                 raise ValueError(f"bidirectional_blocks: expected no chunked attention with them, got chunk_size={chunk}")
-            xplan = exchange_plan(plan, window_left, blocks)
+            xplan = exchange_plan(plan, window_left, blocks, whole_blocks)
         mode, reason = choose_exchange(xplan, self.kv_exchange)
         local = self.plan.local_flat_ids(self.rank)
         send_rows, send_splits, recv_splits = None, [], []
@@ -276,11 +283,13 @@ class StepState:
             key_index = FlatIndex.from_runs(torch.cat(starts), torch.cat(lengths), space=B * sp)
         labels = None if blocks is None else blocks.labels
         if self.kernel == "dense":
-            meta = plan_dense(local, key_index.flat_ids(), plan.segments, sp, window_left, labels)
+            meta = plan_dense(local, key_index.flat_ids(), plan.segments, sp, window_left, labels, whole_blocks)
         else:  # this rank's pieces, from the step's piece table: no per-token tensor of the whole batch
-            key_end = None if blocks is None else blocks.piece_key_end[plan.documents.rank_pieces(self.rank)]
+            mine = plan.documents.rank_pieces(self.rank)
+            key_end = None if blocks is None else blocks.piece_key_end[mine]
+            block_start = blocks.piece_block_start[mine] if whole_blocks else None
             meta = plan_varlen_pieces(plan.documents.kernel_pieces(self.rank), local.numel(), key_index, sp, window_left,
-                                      key_end=key_end, labels=labels)
+                                      key_end=key_end, labels=labels, block_start=block_start)
         _log_once(f"kv_exchange={mode} (window left={window_left}{_chunk_text(chunk)}): {reason}")
         return WindowPlan(
             window_left=window_left,
@@ -368,12 +377,12 @@ class StepState:
 
     # ---- reports --------------------------------------------------------------------------------------
     def comm_report(self, window_left: int = -1, *, chunk: int = -1, bytes_per_token: int = 1,
-                    bidirectional: bool = False) -> dict:
+                    bidirectional: bool = False, whole_blocks: bool = False) -> dict:
         """Tokens (or bytes, with ``bytes_per_token = Hkv * (D + Dv) * element_size``) received and sent
         per rank by the chosen exchange and by the minimum (needed-only), for one window (and chunk length).
         Never communicates (a window not planned yet is planned here from the replicated doc ids), so one rank
         may log it alone."""
-        wp = self.window_plan(window_left, chunk, bidirectional)
+        wp = self.window_plan(window_left, chunk, bidirectional, whole_blocks)
         x = wp.exchange
         needed, sent = x.needed_tokens(), x.sent_tokens()
         ag = [x.allgather_tokens()] * self.world

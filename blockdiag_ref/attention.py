@@ -33,6 +33,7 @@ def reference_attention(
     chunk_size: int | None = None,
     temperature: Sequence[float] | None = None,
     bidirectional_blocks: Tensor | None = None,
+    whole_blocks: bool = False,
 ) -> Tensor:
     """Per-document causal attention, computed in float64 and returned in ``query``'s dtype.
 
@@ -54,7 +55,9 @@ def reference_attention(
         temperature: ``(floor_scale, attn_scale)``: Llama 4's NoPE query temperature. Each query is multiplied by
             :func:`temperature_scale` of its position inside its document before the scores.
         bidirectional_blocks: int ``[B, S]`` block ids (0 = none): a query in a block also sees the later keys
-            of its block in its document (Gemma 3's images, PaliGemma's prefix; :meth:`DocLayout.materialize_mask`).
+            of its block in its document (Gemma 3's images; :meth:`DocLayout.materialize_mask`).
+        whole_blocks: with ``bidirectional_blocks``, a query in a block sees every key of its block, the earlier
+            ones beyond the window too: the causal window OR the block (Gemma 4's and PaliGemma's sliding layers).
 
     Returns:
         ``[B, Hq, S, Dv]``. Rows at padding positions are exactly 0, and no gradient reaches keys or values
@@ -74,7 +77,8 @@ def reference_attention(
     _check_qkv(query, key, value, layout, enable_gqa)
     _check_variants(query, sinks, softcap)
     allowed = layout.materialize_mask(window_size=window_size, chunk_size=chunk_size,
-                                      bidirectional_blocks=bidirectional_blocks).to(query.device)  # [B, 1, S, S]
+                                      bidirectional_blocks=bidirectional_blocks,
+                                      whole_blocks=whole_blocks).to(query.device)  # [B, 1, S, S]
     D = query.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     group = query.shape[1] // key.shape[1]

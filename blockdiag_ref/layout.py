@@ -278,6 +278,7 @@ class DocLayout:
         window_size: Sequence[int] | None = None,
         chunk_size: int | None = None,
         bidirectional_blocks: Tensor | None = None,
+        whole_blocks: bool = False,
     ) -> Tensor:
         """Bool mask ``[B, 1, Lq, Lk]``: True where the query may see the key. Slow, for tests and references.
 
@@ -287,8 +288,10 @@ class DocLayout:
         (int64 ``[Lq]`` / ``[Lk]``, default all positions) select rows and columns, e.g. one rank's shard.
 
         ``bidirectional_blocks`` (int ``[B, S]``, 0 = no block): a query in a block also sees every later key of
-        the same block id in its document (Gemma 3's image tokens, PaliGemma's prefix): the window bounds only the
-        keys before the query (see :meth:`block_labels`).
+        the same block id in its document (Gemma 3's image tokens): the window bounds only the keys before the query
+        (see :meth:`block_labels`). With ``whole_blocks`` a query in a block sees every key of its block, before it
+        too, beyond the window: the causal window OR the block (Gemma 4's and PaliGemma's sliding layers); without a
+        window the two are the same mask.
 
         >>> lay = DocLayout.from_seqlens([3, 2])
         >>> lay.materialize_mask(bidirectional_blocks=torch.tensor([[1, 1, 0, 1, 1]]))[0, 0].int().tolist()
@@ -319,7 +322,8 @@ class DocLayout:
                 raise ValueError(f"bidirectional_blocks: expected no chunk_size with them, got chunk_size={chunk}")
             lab = self.block_labels(bidirectional_blocks)
             lab_q, lab_k = lab[:, qp][:, :, None], lab[:, kp][:, None, :]
-            allowed |= (lab_q == lab_k) & (lab_q != 0) & (kp[None, None, :] > qp[None, :, None])
+            same = (lab_q == lab_k) & (lab_q != 0)
+            allowed |= same if whole_blocks else same & (kp[None, None, :] > qp[None, :, None])
         return allowed[:, None]
 
     def block_labels(self, bidirectional_blocks: Tensor) -> Tensor:

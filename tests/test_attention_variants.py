@@ -327,7 +327,7 @@ def test_variant_validation(kwargs, match, in_step):
         else:
             cp_blockdiag_sdpa(q, q, q, is_causal=True, **kwargs)
     if in_step:
-        assert ctx.state.plan._chunked == {} and not ctx.state._windows.keys() - {(-1, -1, False)}, "validated before planning"
+        assert ctx.state.plan._chunked == {} and not ctx.state._windows.keys() - {(-1, -1, False, False)}, "validated before planning"
 
 
 # ---- flash-attn (emulated on the CPU, as in test_flash_path.py) ---------------------------------------------------

@@ -1,5 +1,6 @@
 """Bidirectional blocks per document (Gemma 3's image tokens, PaliGemma's prefix): a query in a block also sees the
-later keys of its block, documents stay isolated, causal (and windowed) elsewhere.
+later keys of its block, documents stay isolated, causal (and windowed) elsewhere; with whole blocks (Gemma 4,
+PaliGemma's sliding layers) a query sees its whole block beyond the window too: (the window AND causal) OR the block.
 
 - the float64 reference's mask against its definition, token by token, and block labels per document;
 - the plans' needed sets (later keys on later ranks included) against brute force from the reference mask;
@@ -35,7 +36,7 @@ CASES = [pytest.param(DOCS, BLOCKS, id="one-row"), pytest.param(*TWO_ROWS, id="t
 SPLIT = (torch.ones(1, 20, dtype=torch.long), torch.tensor([[0, 0, 5, 5, 5, 5] + [0] * 6 + [5, 5, 5] + [0] * 5]))
 
 
-def _brute_mask(doc_ids, blocks, left):
+def _brute_mask(doc_ids, blocks, left, whole=False):
     B, S = doc_ids.shape
     lay = DocLayout.from_doc_ids(doc_ids)
     seg = lay.segment_ids
@@ -46,17 +47,21 @@ def _brute_mask(doc_ids, blocks, left):
                 if seg[b, i] == 0 or seg[b, i] != seg[b, j]:
                     continue
                 causal = j <= i and (left < 0 or j >= i - left)
-                later = j > i and blocks[b, i] != 0 and blocks[b, i] == blocks[b, j]
-                m[b, i, j] = causal or later
+                same = blocks[b, i] != 0 and blocks[b, i] == blocks[b, j]
+                m[b, i, j] = causal or (same and (whole or j > i))
     return m
 
 
 @pytest.mark.parametrize("doc_ids, blocks", CASES)
 @pytest.mark.parametrize("left", [-1, 2])
-def test_the_reference_mask_is_its_definition(doc_ids, blocks, left):
+@pytest.mark.parametrize("whole", [False, True])
+def test_the_reference_mask_is_its_definition(doc_ids, blocks, left, whole):
     lay = DocLayout.from_doc_ids(doc_ids)
-    got = lay.materialize_mask(window_size=None if left < 0 else (left, 0), bidirectional_blocks=blocks)[:, 0]
-    assert torch.equal(got, _brute_mask(doc_ids, blocks, left))
+    got = lay.materialize_mask(window_size=None if left < 0 else (left, 0), bidirectional_blocks=blocks,
+                               whole_blocks=whole)[:, 0]
+    assert torch.equal(got, _brute_mask(doc_ids, blocks, left, whole))
+    if whole and left >= 0:  # an image longer than the window: its first key seen from its last only when whole
+        assert not torch.equal(got, _brute_mask(doc_ids, blocks, left))
 
 
 def test_block_labels_split_by_document_and_validate():
@@ -83,16 +88,16 @@ def test_the_reference_equals_each_document_alone():
 
 @pytest.mark.parametrize("doc_ids, blocks", [*CASES, pytest.param(*SPLIT, id="split-block")])
 @pytest.mark.parametrize("world, layout", [(2, "contiguous"), (3, "contiguous"), (4, "contiguous"), (3, "balanced"), (4, "auto")])
-@pytest.mark.parametrize("left", [-1, 1])
-def test_needed_sets_equal_brute_force(doc_ids, blocks, world, layout, left):
+@pytest.mark.parametrize("left, whole", [(-1, False), (1, False), (1, True)])
+def test_needed_sets_equal_brute_force(doc_ids, blocks, world, layout, left, whole):
     """Needed-only: exactly the keys the reference mask lets the rank's queries see (a split block's own runs,
-    not the text between them)."""
+    not the text between them; whole blocks: their keys before the window too)."""
     plan = plan_step(doc_ids, world, layout)
     sp = plan.shards.padded_len
     bp = plan_blocks(plan.layout, plan.shards, plan.documents, blocks)
-    x = exchange_plan(plan, left, bp)
+    x = exchange_plan(plan, left, bp, whole)
     padded = torch.nn.functional.pad(doc_ids, (0, sp - doc_ids.shape[1]))
-    mask = _brute_mask(padded, torch.nn.functional.pad(blocks, (0, sp - doc_ids.shape[1])), left)
+    mask = _brute_mask(padded, torch.nn.functional.pad(blocks, (0, sp - doc_ids.shape[1])), left, whole)
     later = False
     for rank in range(world):
         mine = set(plan.shards.positions[rank].tolist())
@@ -107,7 +112,7 @@ def test_needed_sets_equal_brute_force(doc_ids, blocks, world, layout, left):
         assert later, "a block crosses the rank edge: keys after the rank's rows are needed"
 
 
-def _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant):
+def _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant, whole=False):
     g = torch.Generator().manual_seed(7)
     plan = plan_step(doc_ids, world, layout)
     B, sp, D, hq, hkv = doc_ids.shape[0], plan.shards.padded_len, 4, 4, 2
@@ -118,25 +123,26 @@ def _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant):
     sinks = torch.randn(hq, generator=g, dtype=F64) if variant == "sinks" else None
     softcap = 5.0 if variant == "softcap" else None
     local = plan.local_flat_ids(rank)  # the key buffer: the rank's rows and the keys its plan fetches, nothing else
-    key_flat = torch.cat([local, exchange_plan(plan, left, bp).needed[rank]])
+    key_flat = torch.cat([local, exchange_plan(plan, left, bp, whole).needed[rank]])
     grad = torch.randn(local.numel(), hq, D, generator=g, dtype=F64)
     qi, ki, vi = (t.detach().clone().requires_grad_() for t in (q, k, v))
     q_tok = qi.permute(0, 2, 1, 3).reshape(B * sp, hq, D)[local]
     kv_tok = torch.cat([ki.permute(0, 2, 1, 3).reshape(B * sp, -1), vi.permute(0, 2, 1, 3).reshape(B * sp, -1)], 1)[key_flat]
     opts = dict(heads_kv=hkv, dim_v=D, dropout_p=0.0, scale=None, sinks=sinks, softcap=softcap)
     if path == "dense":
-        out = dense_attention(q_tok, kv_tok, plan_dense(local, key_flat, plan.segments, sp, left, bp.labels), **opts)
+        out = dense_attention(q_tok, kv_tok, plan_dense(local, key_flat, plan.segments, sp, left, bp.labels, whole), **opts)
     else:
         lut = torch.full((B * sp,), -1, dtype=torch.int64)
         lut[key_flat] = torch.arange(key_flat.numel())
         docs = plan.documents
-        meta = plan_varlen_pieces(docs.kernel_pieces(rank), local.numel(), lut, sp, left,
-                                  key_end=bp.piece_key_end[docs.rank_pieces(rank)], labels=bp.labels)
+        mine = docs.rank_pieces(rank)
+        meta = plan_varlen_pieces(docs.kernel_pieces(rank), local.numel(), lut, sp, left, key_end=bp.piece_key_end[mine],
+                                  labels=bp.labels, block_start=bp.piece_block_start[mine] if whole else None)
         out = varlen_attention(q_tok, kv_tok, meta, **opts)
     out.backward(grad)
     qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
     ref = reference_attention(qr, kr, vr, padded, enable_gqa=True, window_size=None if left < 0 else (left, 0),
-                              bidirectional_blocks=pblocks, sinks=sinks, softcap=softcap)
+                              bidirectional_blocks=pblocks, whole_blocks=whole, sinks=sinks, softcap=softcap)
     ref_tok = ref.permute(0, 2, 1, 3).reshape(B * sp, hq, D)[local]
     ref_tok.backward(grad)
     return out, ref_tok, (qi.grad, ki.grad, vi.grad), (qr.grad, kr.grad, vr.grad)
@@ -158,25 +164,44 @@ def test_kernels_rank_by_rank(doc_ids, blocks, world, layout, left, path, varian
             assert _rel(a, b) < 1e-10, f"rank {rank}: d{name}"
 
 
+@pytest.mark.parametrize("doc_ids, blocks", [*CASES, pytest.param(*SPLIT, id="split-block")])
+@pytest.mark.parametrize("world, layout, left, path, variant", [
+    (2, "contiguous", 1, "varlen", None), (4, "contiguous", 2, "dense", None), (3, "balanced", 0, "varlen", "softcap"),
+    (4, "auto", 1, "varlen", None)])
+def test_whole_blocks_kernels_rank_by_rank(doc_ids, blocks, world, layout, left, path, variant):
+    """Whole blocks (the window OR the block): a block's keys before the window, on earlier ranks, and after the
+    piece, on later ranks, fetched needed-only; outputs and q/k/v gradients equal the reference's."""
+    for rank in range(world):
+        out, ref, grads, ref_grads = _run_rank(doc_ids, blocks, world, layout, left, path, rank, variant, whole=True)
+        assert _rel(out, ref) < 1e-10, f"rank {rank}: output"
+        for name, a, b in zip("qkv", grads, ref_grads):
+            assert _rel(a, b) < 1e-10, f"rank {rank}: d{name}"
+
+
 @pytest.mark.parametrize("kernel", ["varlen", "dense"])
-@pytest.mark.parametrize("left", [-1, 3])
-def test_cp1_step_and_no_step_equal_the_reference(kernel, left):
+@pytest.mark.parametrize("left, whole", [(-1, False), (3, False), (1, True)])
+def test_cp1_step_and_no_step_equal_the_reference(kernel, left, whole):
     g = torch.Generator().manual_seed(3)
     S = DOCS.shape[1]
     q, k, v = (torch.randn(1, h, S, 4, generator=g, dtype=F64, requires_grad=True) for h in (4, 2, 2))
     ws = None if left < 0 else (left, 0)
-    ref = reference_attention(q, k, v, DOCS, enable_gqa=True, window_size=ws, bidirectional_blocks=BLOCKS)
+    ref = reference_attention(q, k, v, DOCS, enable_gqa=True, window_size=ws, bidirectional_blocks=BLOCKS,
+                              whole_blocks=whole)
     want = torch.autograd.grad(ref.square().sum(), (q, k, v))
     ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(1, S, 1), "_packed_seq_ids": DOCS},
                                              kernel=kernel, bidirectional_blocks=BLOCKS)
     with ctx():
-        out = cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True, window_size=ws, bidirectional_blocks=True)
+        out = cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True, window_size=ws, bidirectional_blocks=True,
+                                whole_blocks=whole)
         got = torch.autograd.grad(out.square().sum(), (q, k, v))
     assert _rel(out, ref) < 1e-12 and all(_rel(a, b) < 1e-12 for a, b in zip(got, want))
     s, e = 9, 16  # document 2 alone, without a step: block ids of its keys
     alone = cp_blockdiag_sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=True, window_size=ws,
-                              bidirectional_blocks=BLOCKS[:, s:e])
+                              bidirectional_blocks=BLOCKS[:, s:e], whole_blocks=whole)
     assert _rel(alone, ref[:, :, s:e]) < 1e-12
+    if whole:  # the union differs from the window bounding the block: the check can fail
+        narrow = reference_attention(q, k, v, DOCS, enable_gqa=True, window_size=ws, bidirectional_blocks=BLOCKS)
+        assert _rel(narrow, ref) > 1e-3
 
 
 @pytest.mark.parametrize("blocks, in_step, match", [
@@ -206,6 +231,9 @@ def test_a_step_without_blocks_and_chunks_with_blocks_raise():
     with pytest.raises(ValueError, match=r"bidirectional_blocks: expected is_causal=True \(or a window_size\).* got "
                                          r"is_causal=False without a window"):
         cp_blockdiag_sdpa(q, q, q, is_causal=False, bidirectional_blocks=BLOCKS)
+    with pytest.raises(ValueError, match=r"whole_blocks expected a bool, True only with bidirectional_blocks, got True "
+                                         r"with bidirectional_blocks=None"):
+        cp_blockdiag_sdpa(q, q, q, is_causal=True, whole_blocks=True)
     with pytest.raises(ValueError, match="bidirectional_blocks expected without chunk_size, got chunk_size=3"):
         cp_blockdiag_sdpa(q, q, q, is_causal=True, chunk_size=3, bidirectional_blocks=BLOCKS)
     with pytest.raises(ValueError, match=r"expected block ids of the full rows \[B, S\] = \[1, 25\]"):

@@ -208,6 +208,25 @@ def test_bidirectional_blocks_pass_and_a_block_cut_at_the_rank_edge_is_reported(
             assert r.ok, (r.case.label(), r.details)
 
 
+def test_whole_blocks_pass_and_replay(session):
+    """Whole bidirectional blocks (``--whole-blocks``: a query sees its whole block beyond the window, Gemma 4's and
+    PaliGemma's sliding layers): blockdiag_dist passes at CP 2 and 4 with windows shorter than the block crossing a
+    rank edge (its keys before the window come from the rank before; the exchange is checked against the needed
+    keys of the reference's whole-block mask); the case replays from its command; an implementation without
+    ``whole_blocks`` (the toy) is not offered it."""
+    from verify.runner import impl_info
+
+    cases = [Case(**{**BUGGY_CASE.__dict__, "cp": cp, "window": w, "kernel": k, "exchange": x, "dtype": d,
+                     "bidirectional": True, "whole_blocks": True})
+             for cp, w, k, x, d in ((2, 0, "varlen", "a2a", "float64"), (4, 1, "dense", "auto", "float32"))]
+    assert_pass(session.run(cases))
+    assert case_from_args(_parser().parse_args(["case", *cases[0].args()])) == cases[0]
+    assert "bidir-whole" in cases[0].label()
+    assert impl_info("blockdiag_dist").supports(cases[0]) and not impl_info("verify.mutants.toy").supports(cases[0])
+    with pytest.raises(ValueError, match="whole_blocks: expected bidirectional=True with it"):
+        Case(**{**BUGGY_CASE.__dict__, "whole_blocks": True})
+
+
 def test_variants_pass_on_every_kernel_and_exchange(session):
     """blockdiag_dist with sinks, soft-capping, chunks and the NoPE temperature, alone and together, at CP 1-4 on
     both kernels."""

@@ -94,6 +94,9 @@ class Case:
     chunk: int = -1  # chunked local attention: chunks of this many positions from each document's start; -1 = none
     temperature: int = -1  # NoPE query temperature (Llama 4): its floor_scale (attn_scale TEMPERATURE_ATTN_SCALE); -1 = none
     bidirectional: bool = False  # bidirectional blocks (Gemma 3's images): one per document of 3+ tokens (case_blocks)
+    # with bidirectional: a query sees its whole block beyond the window, (window AND causal) OR block (Gemma 4's and
+    # PaliGemma's sliding layers; cp_blockdiag_sdpa(whole_blocks=True)); replayed with --whole-blocks, not rotated
+    whole_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.layer not in LAYERS:
@@ -116,6 +119,9 @@ class Case:
             raise ValueError(f"chunk: expected >= 1 (or -1 = none), got {self.chunk}")
         if self.temperature == 0 or self.temperature < -1:
             raise ValueError(f"temperature: expected a floor_scale >= 1 (or -1 = none), got {self.temperature}")
+        if self.whole_blocks and not self.bidirectional:
+            raise ValueError("whole_blocks: expected bidirectional=True with it (whole blocks widen the blocks), got "
+                             "bidirectional=False")
         if self.checkpoint not in CHECKPOINTS:
             raise ValueError(f"checkpoint: expected one of {CHECKPOINTS}, got {self.checkpoint!r}")
         if self.backend is not None:
@@ -156,7 +162,7 @@ class Case:
             return f"{kind} {self.name} cp{self.cp} {self.layout or ''} {self.dtype}{ckpt}".replace("  ", " ")
         var = ("" if not self.sinks else " sinks") + (f" cap{self.softcap:g}" if self.softcap > 0 else "") + (
             f" chunk{self.chunk}" if self.chunk > 0 else "") + (f" temp{self.temperature}" if self.temperature > 0 else "") + (
-            " bidir" if self.bidirectional else "")
+            (" bidir-whole" if self.whole_blocks else " bidir") if self.bidirectional else "")
         return f"{self.name} cp{self.cp} {self.hq}:{self.hkv}x{self.dim}{win}{var} {opts} {self.dtype} {self.source}{ckpt}{sdpa}{gain}".replace("  ", " ")
 
     def args(self) -> list[str]:
@@ -182,6 +188,8 @@ class Case:
             a += ["--temperature", str(self.temperature)]
         if self.bidirectional:
             a += ["--bidirectional"]
+        if self.whole_blocks:
+            a += ["--whole-blocks"]
         if self.layer != "attention":
             a += ["--layer", self.layer] + SPECS[self.layer].args(self)
         for flag, value in (("--kernel", self.kernel), ("--exchange", self.exchange), ("--layout", self.layout)):
@@ -227,6 +235,8 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
                    help="NoPE query temperature (Llama 4) with this floor_scale, from each query's position in its document")
     p.add_argument("--bidirectional", action="store_true",
                    help="bidirectional blocks (Gemma 3's images): the middle half of each document of 3+ tokens is one block")
+    p.add_argument("--whole-blocks", action="store_true",
+                   help="with --bidirectional: a query sees its whole block beyond the window (Gemma 4, PaliGemma 2)")
 
 
 def case_from_args(ns: argparse.Namespace) -> Case:
@@ -237,6 +247,7 @@ def case_from_args(ns: argparse.Namespace) -> Case:
         source=ns.source, hidden=ns.hidden, checkpoint=ns.checkpoint, backend=ns.sdpa_backend, gain=ns.gain,
         layer=ns.layer, width=ns.width,
         sinks=ns.sinks, softcap=ns.softcap, chunk=ns.chunk, temperature=ns.temperature, bidirectional=ns.bidirectional,
+        whole_blocks=ns.whole_blocks,
     )
 
 

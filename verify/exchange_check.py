@@ -25,15 +25,16 @@ __all__ = ["exchange_metrics", "needed_from_reference"]
 
 
 def needed_from_reference(doc_ids: Tensor, owner: Tensor, world: int, window: int = -1, chunk: int = -1,
-                          bidirectional: bool = False) -> Tensor:
+                          bidirectional: bool = False, whole_blocks: bool = False) -> Tensor:
     """int64 ``[W (source), W (destination)]``: keys each rank needs from each other rank.
 
     ``doc_ids [B, S]``; ``owner [B, S]``: the rank holding each real position (-1 for padding positions);
     ``chunk``: chunked local attention's chunk length (-1 = none); ``bidirectional``: with the blocks of
-    :func:`verify.cases.case_blocks` (later keys of a query's block). A pure function of its arguments, computed
+    :func:`verify.cases.case_blocks` (later keys of a query's block; with ``whole_blocks`` every key of it, beyond the
+    window too). A pure function of its arguments, computed
     once per distinct value (many cases of a matrix share their layout and sharding).
     """
-    key = (_key(doc_ids), _key(owner), int(world), int(window), int(chunk), bool(bidirectional))
+    key = (_key(doc_ids), _key(owner), int(world), int(window), int(chunk), bool(bidirectional), bool(whole_blocks))
     return _needed(*key).clone()
 
 
@@ -42,13 +43,14 @@ def _key(t: Tensor) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _needed(ids_key: tuple, owner_key: tuple, world: int, window: int, chunk: int, bidirectional: bool = False) -> Tensor:
+def _needed(ids_key: tuple, owner_key: tuple, world: int, window: int, chunk: int, bidirectional: bool = False,
+            whole_blocks: bool = False) -> Tensor:
     ids = torch.tensor(ids_key[2], dtype=getattr(torch, ids_key[0].removeprefix("torch."))).view(ids_key[1])
     owner = torch.tensor(owner_key[2], dtype=torch.int64).view(owner_key[1])
     blocks = torch.tensor(case_blocks(ids.tolist()), dtype=torch.int64) if bidirectional else None
     mask = DocLayout.from_doc_ids(ids).materialize_mask(
         window_size=(window, 0) if window >= 0 else None, chunk_size=chunk if chunk > 0 else None,
-        bidirectional_blocks=blocks)[:, 0]
+        bidirectional_blocks=blocks, whole_blocks=whole_blocks)[:, 0]
     held = (owner[None] == torch.arange(world)[:, None, None]).double()  # [W, B, S]: rank r holds (b, s)
     seen = torch.einsum("rbq,bqk->rbk", held, mask.double()) > 0  # [W, B, S] keys some real query of r may see
     counts = torch.einsum("rbk,sbk->sr", seen.double(), held).round().to(torch.int64)  # [source, destination]
@@ -68,7 +70,8 @@ def exchange_metrics(case: Case, per_rank: Sequence[dict[str, Any]]) -> dict[str
         rows = torch.tensor(info["real_positions"], dtype=torch.int64).view(-1, 2)
         owner[rows[:, 0], rows[:, 1]] = r
     needed = needed_from_reference(ids, owner, world, per_rank[0].get("window", case.window), case.chunk,
-                                   case.bidirectional and case.layer == "attention")  # a convolution's window: W - 1
+                                   case.bidirectional and case.layer == "attention",  # a convolution's window: W - 1
+                                   case.whole_blocks and case.layer == "attention")
     bad, worst = [], 0
     for r, info in enumerate(per_rank):
         mode = info.get("mode")

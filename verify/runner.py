@@ -77,6 +77,7 @@ class ImplInfo:
         # bidirectional blocks are the step's: the batch function takes them too
         self.variants = {v for v, kw in VARIANT_KWARGS.items()
                          if kw in sdpa_params and (v != "bidirectional" or kw in self.make_params)}
+        self.whole_blocks = "bidirectional" in self.variants and "whole_blocks" in sdpa_params  # a modifier of them
         self.sources = tuple(self.conventions.sources)  # the doc-id sources it declares (all, unless it says)
         from .families import SPECS
 
@@ -89,6 +90,8 @@ class ImplInfo:
         if any(v is not None and k not in self.options for k, v in wanted.items()):
             return False
         if not set(case.variants) <= self.variants or case.source not in self.sources:
+            return False
+        if case.whole_blocks and not self.whole_blocks:
             return False
         return case.window < 0 or self.windows
 
@@ -117,7 +120,7 @@ def applicable(info, case: Case) -> bool:
             from blockdiag_dist.bidirectional import exchange_plan, plan_blocks
 
             blocks = plan_blocks(plan.layout, plan.shards, plan.documents, torch.tensor(case.blocks()))
-            xplan = exchange_plan(plan, case.window, blocks)
+            xplan = exchange_plan(plan, case.window, blocks, case.whole_blocks)
         return xplan.halo_ok
     return True
 
@@ -171,6 +174,8 @@ def _variant_kwargs(case: Case, ws: dict[str, Tensor]) -> dict[str, Any]:
         out["temperature"] = (case.temperature, TEMPERATURE_ATTN_SCALE)
     if case.bidirectional:  # the reference takes the block ids; under a step a call asks for the step's (True)
         out["bidirectional_blocks"] = torch.tensor(case.blocks(), dtype=torch.int64)
+    if case.whole_blocks:
+        out["whole_blocks"] = True
     return out
 
 
@@ -220,7 +225,7 @@ def _single_device(
         def attend(q, k, v):
             return reference_attention(q, k, v, layout, enable_gqa=True, window_size=window, **variants)
     else:
-        mask, pad = _dense_mask(inputs["doc_ids"], case.window, case.chunk, case.bidirectional)
+        mask, pad = _dense_mask(inputs["doc_ids"], case.window, case.chunk, case.bidirectional, case.whole_blocks)
         mask, pad = mask.to(device), pad.to(device)
         sinks, softcap = variants.get("sinks"), variants.get("softcap")
         if sinks is not None or softcap is not None:
@@ -250,22 +255,24 @@ def _single_device(
     }
 
 
-def _dense_mask(doc_ids: Tensor, window: int, chunk: int, bidirectional: bool = False) -> tuple[Tensor, Tensor]:
+def _dense_mask(doc_ids: Tensor, window: int, chunk: int, bidirectional: bool = False,
+                whole_blocks: bool = False) -> tuple[Tensor, Tensor]:
     """The baseline's dense per-document mask ``[B, 1, S, S]`` and padding rows ``[B, 1, S, 1]`` (bool, host),
     computed once per distinct (doc ids, window, chunk): every baseline backend and the many cases of a matrix
     that share a layout reuse them (read only)."""
     ids = doc_ids.detach().cpu()
-    return _dense_mask_of(str(ids.dtype), tuple(ids.shape), tuple(ids.flatten().tolist()), window, chunk, bidirectional)
+    return _dense_mask_of(str(ids.dtype), tuple(ids.shape), tuple(ids.flatten().tolist()), window, chunk, bidirectional,
+                          whole_blocks)
 
 
 @functools.lru_cache(maxsize=128)
 def _dense_mask_of(dtype: str, shape: tuple, flat: tuple, window: int, chunk: int,
-                   bidirectional: bool = False) -> tuple[Tensor, Tensor]:
+                   bidirectional: bool = False, whole_blocks: bool = False) -> tuple[Tensor, Tensor]:
     ids = torch.tensor(flat, dtype=getattr(torch, dtype.removeprefix("torch."))).view(shape)
     layout = DocLayout.from_doc_ids(ids)
     blocks = torch.tensor(case_blocks(ids.tolist()), dtype=torch.int64) if bidirectional else None
     mask = layout.materialize_mask(window_size=(window, 0) if window >= 0 else None, chunk_size=chunk if chunk > 0 else None,
-                                   bidirectional_blocks=blocks)
+                                   bidirectional_blocks=blocks, whole_blocks=whole_blocks)
     return mask, layout.padding_mask[:, None, :, None]
 
 
@@ -494,6 +501,8 @@ def check_case(
         chunk = {"chunk": case.chunk} if case.chunk > 0 else {}
         if case.bidirectional:
             chunk["bidirectional"] = True
+        if case.whole_blocks:
+            chunk["whole_blocks"] = True
         report = state.comm_report(case.window, bytes_per_token=bytes_per_token, **chunk)
         fwd = state.traffic.totals("forward")  # one call per forward (two under checkpointing: the recompute)
         bwd = state.traffic.totals("backward")

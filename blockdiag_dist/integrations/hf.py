@@ -35,7 +35,8 @@ from torch import Tensor, nn
 from .._stock import stock_sdpa
 from ..runtime import cp_blockdiag_sdpa
 from ..state import current_state
-from .vlm import BIDIRECTIONAL_MODELS, causal_with_prefix, in_bidirectional_region, in_sharded_region, unsharded_reason
+from .vlm import (BIDIRECTIONAL_MODELS, causal_with_prefix, in_bidirectional_region, in_sharded_region, unsharded_reason,
+                  whole_blocks_of)
 
 __all__ = ["ATTENTION_NAME", "UnsupportedAttentionError", "blockdiag_attention_forward", "register_transformers_attention"]
 
@@ -199,16 +200,17 @@ def blockdiag_attention_forward(
     if temperature is not None:  # positions from the rows -> positions inside each document (cp_blockdiag_sdpa)
         query = _without_row_temperature(query, key, temperature)
     state = current_state()
-    # Gemma 3 / PaliGemma: the blocks the model's entry gave the step (blockdiag_dist.integrations.vlm)
+    # Gemma 3 / PaliGemma / Gemma 4: the blocks the model's entry gave the step (blockdiag_dist.integrations.vlm)
     bidirectional = None
     if state is not None and in_bidirectional_region(module):
         if state.block_entries == 0:
             raise _refuse(
-                module, "the bidirectional blocks its model reads from token_type_ids at its entry (a forward pre-hook "
-                "the step's first scan installs)", f"a layer of the language model of a {' / '.join(BIDIRECTIONAL_MODELS)} called "
+                module, "the bidirectional blocks its model reads from token_type_ids / mm_token_type_ids at its entry (a "
+                "forward pre-hook the step's first scan installs)", f"a layer of the language model of a {' / '.join(BIDIRECTIONAL_MODELS)} called "
                 "in a step whose model entry was not seen (the model itself was the step's first call: call its "
                 "...ForConditionalGeneration, or the same model again from the next step on); its image blocks are unknown")
         bidirectional = True if state.blocks is not None else None
+    whole = bidirectional is not None and whole_blocks_of(module)  # Gemma 4, PaliGemma: the window OR the block
     if attention_mask is not None and attention_mask.is_floating_point() and state is not None:
         raise _refuse(
             module, "no attention_mask, or a bool one (replaced by the per-document causal mask)",
@@ -231,6 +233,7 @@ def blockdiag_attention_forward(
         chunk_size=chunk,
         temperature=temperature,
         bidirectional_blocks=bidirectional,
+        whole_blocks=whole,
     )
     return out.transpose(1, 2).contiguous(), None
 

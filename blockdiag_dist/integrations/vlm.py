@@ -28,6 +28,8 @@ D / Dv head dims, T tokens of an encoder call, n_vis visual tokens of the batch.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,8 +39,8 @@ from ..guard import register_scan_visitor
 from ..sharding import check_visual_rows, shard_tensor, shard_visual_tokens
 from ..state import current_state
 
-__all__ = ["BIDIRECTIONAL_MODELS", "ENCODER_CONFIG_KEYS", "bidirectional_blocks_of", "causal_with_prefix", "in_bidirectional_region",
-           "in_sharded_region", "unsharded_reason"]
+__all__ = ["BIDIRECTIONAL_MODELS", "ENCODER_CONFIG_KEYS", "BlockRule", "bidirectional_blocks_of", "causal_with_prefix",
+           "in_bidirectional_region", "in_sharded_region", "unsharded_reason", "whole_blocks_of"]
 
 # ``base_config_key`` of the sub-configs whose modules run on tensors CP does not shard (images' patches, audio
 # frames): their attention layers are bidirectional over those tensors and run locally.
@@ -48,11 +50,20 @@ ENCODER_CONFIG_KEYS = ("vision_config", "audio_config")
 _sharded_region: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+def _runs(marked: Tensor) -> Tensor:
+    """Every run of marked tokens ``[B, S]`` is one block: ids 1, 2, ... along each row, 0 elsewhere."""
+    start = marked & ~torch.nn.functional.pad(marked, (1, 0), value=False)[:, :-1]
+    return torch.where(marked, torch.cumsum(start.to(torch.int64), 1), 0)
+
+
 def _gemma3_blocks(token_type_ids: Tensor) -> Tensor:
     """Gemma 3: every run of image tokens (``token_type_ids == 1``) is one block."""
-    image = token_type_ids == 1
-    start = image & ~torch.nn.functional.pad(image, (1, 0), value=False)[:, :-1]
-    return torch.where(image, torch.cumsum(start.to(torch.int64), 1), 0)
+    return _runs(token_type_ids == 1)
+
+
+def _gemma4_blocks(mm_token_type_ids: Tensor) -> Tensor:
+    """Gemma 4: every run of vision tokens (``mm_token_type_ids`` 1, image, or 2, video; 3 is audio) is one block."""
+    return _runs((mm_token_type_ids == 1) | (mm_token_type_ids == 2))
 
 
 def _paligemma_blocks(token_type_ids: Tensor) -> Tensor:
@@ -60,28 +71,61 @@ def _paligemma_blocks(token_type_ids: Tensor) -> Tensor:
     return (token_type_ids == 0).to(torch.int64)
 
 
-# Vision-language models whose language model attends bidirectionally within blocks its forward reads from
-# ``token_type_ids`` (transformers 5.24: Gemma 3's ``get_block_sequence_ids_for_mask``, PaliGemma's bidirectional
-# prefix): class name -> block ids [B, S] of the full rows (0 = none), per the model's own rule. Under a step the
-# model's entry hands them to the step (StepState.set_bidirectional_blocks) and every attention layer of its
-# language model attends with them. Gemma 4 (Gemma4UnifiedModel) stays refused by the guard: its sliding layers
-# let an image see its whole image beyond the window (OR of window and block), which this does not compute.
-BIDIRECTIONAL_MODELS = {"Gemma3Model": _gemma3_blocks, "PaliGemmaModel": _paligemma_blocks}
+@dataclass(frozen=True)
+class BlockRule:
+    """How a vision-language model's forward reads bidirectional blocks of its text attention (transformers 5.24).
+
+    - ``key``: its keyword of per-token types, ``[B, S]``;
+    - ``blocks``: types -> block ids ``[B, S]`` (0 = none), the model's own rule;
+    - ``whole``: its sliding layers let a query see its whole block beyond the window, ``(window AND causal) OR
+      block`` (``cp_blockdiag_sdpa(whole_blocks=True)``), rather than ``window AND (causal OR block)``;
+    - ``text``: the types of a row without blocks, in words;
+    - ``gate``: ``(attribute, value)`` of the text config under which the forward builds blocks at all (None: always).
+    """
+
+    key: str
+    blocks: Callable[[Tensor], Tensor]
+    whole: bool
+    text: str
+    gate: tuple[str, Any] | None = None
+
+
+# Vision-language models whose language model attends bidirectionally within blocks its forward reads from per-token
+# types (transformers 5.24): class name -> its rule. Gemma 3 (``get_block_sequence_ids_for_mask`` and
+# ``create_masks_for_vision_model``: its sliding layers AND the window with (causal OR block)); PaliGemma (its
+# bidirectional prefix, given to the mask functions as ``block_sequence_ids``: their sliding masks OR the block with
+# the causal window); Gemma 4 (``Gemma4UnifiedModel``: runs of image and video tokens of ``mm_token_type_ids``, as
+# ``block_sequence_ids`` too, when its text config says ``use_bidirectional_attention="vision"``). Under a step the
+# model's entry hands the blocks to the step (StepState.set_bidirectional_blocks) and every attention layer of its
+# language model attends with them.
+BIDIRECTIONAL_MODELS: dict[str, BlockRule] = {
+    "Gemma3Model": BlockRule("token_type_ids", _gemma3_blocks, whole=False, text="all 0"),
+    "PaliGemmaModel": BlockRule("token_type_ids", _paligemma_blocks, whole=True, text="all 1"),
+    "Gemma4UnifiedModel": BlockRule("mm_token_type_ids", _gemma4_blocks, whole=True, text="none 1 or 2",
+                                    gate=("use_bidirectional_attention", "vision")),
+}
 # module of such a language model -> its model's rule (PaliGemma's decoder layers say is_causal=False, from its
 # config's use_bidirectional_attention set for backward compatibility, while the model's own mask is causal plus
 # the prefix block: those layers attend causally with the blocks)
-_bidirectional_region: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+_bidirectional_region: weakref.WeakKeyDictionary[nn.Module, BlockRule] = weakref.WeakKeyDictionary()
 
 
-def _bidirectional_rule(module: nn.Module):
+def _bidirectional_rule(module: nn.Module) -> BlockRule | None:
     return next((BIDIRECTIONAL_MODELS[c.__name__] for c in type(module).__mro__ if c.__name__ in BIDIRECTIONAL_MODELS), None)
 
 
-def bidirectional_blocks_of(module: nn.Module, token_type_ids: Tensor) -> Tensor | None:
-    """The block ids ``[B, S]`` a model of :data:`BIDIRECTIONAL_MODELS` reads from ``token_type_ids`` (None for any
-    other model)."""
+def bidirectional_blocks_of(module: nn.Module, types: Tensor) -> Tensor | None:
+    """The block ids ``[B, S]`` a model of :data:`BIDIRECTIONAL_MODELS` reads from its per-token ``types`` (its
+    rule's ``key``); None for any other model, and for one whose config says its forward builds no blocks."""
     rule = _bidirectional_rule(module)
-    return None if rule is None else rule(token_type_ids.detach().cpu())
+    if rule is None:
+        return None
+    if rule.gate is not None:
+        config = getattr(module, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if getattr(text, rule.gate[0], None) != rule.gate[1]:
+            return None
+    return rule.blocks(types.detach().cpu())
 
 
 def in_bidirectional_region(module: nn.Module) -> bool:
@@ -89,10 +133,18 @@ def in_bidirectional_region(module: nn.Module) -> bool:
     return module in _bidirectional_region
 
 
+def whole_blocks_of(module: nn.Module) -> bool:
+    """True for a module of the language model of a model whose sliding layers let a query see its whole block
+    beyond the window (:attr:`BlockRule.whole`: Gemma 4, PaliGemma)."""
+    rule = _bidirectional_region.get(module)
+    return rule is not None and rule.whole
+
+
 def causal_with_prefix(module: nn.Module) -> bool:
     """True for an attention layer of PaliGemma's language model: it says ``is_causal=False`` while the mask its
     model builds is causal plus the bidirectional prefix (``PaliGemmaModel.forward``)."""
-    return _bidirectional_region.get(module) is _paligemma_blocks
+    rule = _bidirectional_region.get(module)
+    return rule is not None and rule.blocks is _paligemma_blocks
 
 
 def _is_encoder(module: nn.Module) -> bool:
@@ -120,12 +172,13 @@ _hooked: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 def _visit(module: nn.Module) -> None:
     """A step's scan met ``module``: if it is a vision-language model (a ``language_model`` child next to an
-    encoder child), hook its language model's entry, its own inputs and its encoders, and mark the language
-    model's modules as sharded."""
+    encoder child, or a model of :data:`BIDIRECTIONAL_MODELS`: Gemma 4 embeds its patches without an encoder), hook
+    its language model's entry, its own inputs and its encoders, and mark the language model's modules as sharded."""
     lm = module._modules.get("language_model")
     if lm is None or lm in _hooked:
         return
-    if not any(_is_encoder(child) for name, child in module.named_children() if name != "language_model"):
+    encoder = any(_is_encoder(child) for name, child in module.named_children() if name != "language_model")
+    if not encoder and _bidirectional_rule(module) is None:
         return
     from .vision_shard import gather_images, shard_images
 
@@ -227,13 +280,15 @@ def _check_model_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) 
     ``image_grid_thw`` gives, each image within one document."""
     state = current_state()
     pixels = kwargs.get("pixel_values")
-    if state is None and _bidirectional_rule(module) is _gemma3_blocks and kwargs.get("token_type_ids") is not None:
-        _refuse_blocks_outside_a_step(module, kwargs["token_type_ids"])
-    if state is not None and _bidirectional_rule(module) is not None:
+    rule = _bidirectional_rule(module)
+    # outside a step: PaliGemma's layers (is_causal=False) refuse themselves; Gemma 3's and 4's would run causally
+    if state is None and rule is not None and rule.blocks is not _paligemma_blocks and kwargs.get(rule.key) is not None:
+        _refuse_blocks_outside_a_step(module, rule, kwargs[rule.key])
+    if state is not None and rule is not None:
         state.block_entries += 1
-        if kwargs.get("token_type_ids") is not None:
-            _step_blocks(module, kwargs["token_type_ids"], state)
-        elif _bidirectional_rule(module) is _paligemma_blocks:
+        if kwargs.get(rule.key) is not None:
+            _step_blocks(module, rule, kwargs[rule.key], state)
+        elif rule.blocks is _paligemma_blocks:
             from ..guard import UnsupportedLayerError
 
             raise UnsupportedLayerError(
@@ -297,54 +352,39 @@ def _uses_blockdiag_attention(module: nn.Module) -> bool:
     return getattr(fn, "__module__", None) == f"{__package__}.hf" and fn.__name__ == "blockdiag_attention_forward"
 
 
-def _refuse_blocks_outside_a_step(module: nn.Module, token_type_ids: Tensor) -> None:
-    """Gemma 3 called outside a step with image tokens in ``token_type_ids`` while its attention is blockdiag's:
-    the registered attention gets no blocks there (only a step carries them) and would attend causally."""
-    if not bool((token_type_ids != 0).any()) or not _uses_blockdiag_attention(module):
+def _refuse_blocks_outside_a_step(module: nn.Module, rule: BlockRule, types: Tensor) -> None:
+    """Gemma 3 or 4 called outside a step with image tokens in its types while its attention is blockdiag's: the
+    registered attention gets no blocks there (only a step carries them) and would attend causally."""
+    blocks = bidirectional_blocks_of(module, types)
+    if blocks is None or not bool((blocks != 0).any()) or not _uses_blockdiag_attention(module):
         return
     from ..guard import UnsupportedLayerError
 
     raise UnsupportedLayerError(
         f"blockdiag_dist: layer {type(module).__name__} is not computed outside a CP step with image tokens: expected "
-        "token_type_ids without image tokens (all 0) outside a step, or the call under a step (a CP-1 step evaluates "
-        f"one process), got {int((token_type_ids != 0).sum())} image tokens, whose bidirectional blocks only a step "
+        f"{rule.key} without image tokens ({rule.text}) outside a step, or the call under a step (a CP-1 step evaluates "
+        f"one process), got {int((blocks != 0).sum())} image tokens, whose bidirectional blocks only a step "
         "gives blockdiag's attention (it would attend causally). Or set the model's stock attention "
         "(model.set_attn_implementation('sdpa')) for calls outside a step."
     )
 
 
-def _step_blocks(module: nn.Module, token_type_ids: Tensor, state) -> None:
-    """A model of :data:`BIDIRECTIONAL_MODELS` entered under a step: its blocks, from ``token_type_ids`` of the full
-    rows, become the step's (the same on every rank: the rows are replicated)."""
+def _step_blocks(module: nn.Module, rule: BlockRule, types: Tensor, state) -> None:
+    """A model of :data:`BIDIRECTIONAL_MODELS` entered under a step: its blocks, from its per-token types of the full
+    rows (``rule.key``), become the step's (the same on every rank: the rows are replicated). A model whose sliding
+    layers let a block see itself beyond the window (``rule.whole``) has its layers attend with whole blocks."""
     name, (B, S) = type(module).__name__, (state.batch_size, state.seq_len)
-    if tuple(token_type_ids.shape) != (B, S) or state.shard_primary:
+    if tuple(types.shape) != (B, S) or state.shard_primary:
         raise ValueError(
-            f"{name}: token_type_ids: expected the full rows [B, S] = [{B}, {S}] under a CP step built with "
+            f"{name}: {rule.key}: expected the full rows [B, S] = [{B}, {S}] under a CP step built with "
             f"shard_primary=False (its text attention is bidirectional within blocks read from them: every rank needs "
-            f"all of them), got shape {tuple(token_type_ids.shape)} with shard_primary={state.shard_primary}"
+            f"all of them), got shape {tuple(types.shape)} with shard_primary={state.shard_primary}"
         )
-    blocks = bidirectional_blocks_of(module, token_type_ids)
-    window = getattr(getattr(getattr(module, "config", None), "text_config", None), "sliding_window", None)
-    if _bidirectional_rule(module) is _paligemma_blocks and window is not None and bool((blocks != 0).any()):
-        # PaliGemma's sliding layers OR the block with the window: equal to ours while no block spans more than it
-        # (from its first token to its last: a prefix interrupted by suffix tokens spans more than it counts)
-        # (its rule gives one id, 1, so a block is a document's prefix: spans per segment, no labelling needed)
-        seg = state.plan.layout.segment_ids
-        inside = (blocks != 0) & (seg != 0)
-        pos = torch.arange(seg.shape[1]).expand_as(seg)[inside]
-        n = int(seg.max()) + 1
-        first = torch.full((n,), seg.shape[1], dtype=torch.int64).scatter_reduce_(0, seg[inside], pos, "amin")
-        last = torch.full((n,), -1, dtype=torch.int64).scatter_reduce_(0, seg[inside], pos, "amax")
-        longest = int((last - first + 1).max())
-        if longest > window:
-            raise ValueError(
-                f"{name}: expected every bidirectional prefix within the text model's sliding window ({window} tokens: "
-                f"its sliding layers let a prefix token see its whole prefix beyond the window, which blockdiag computes "
-                f"only inside it), got a prefix spanning {longest} tokens (first to last)"
-            )
-    if bool((blocks != 0).any()):
+    blocks = bidirectional_blocks_of(module, types)
+    if blocks is not None and bool((blocks != 0).any()):
         state.set_bidirectional_blocks(blocks)
-        state.note(f"{name}: bidirectional blocks from token_type_ids given to the step's attention")
+        state.note(f"{name}: bidirectional blocks from {rule.key} given to the step's attention"
+                   + (" (whole blocks: each sees its whole block beyond a sliding window)" if rule.whole else ""))
 
 
 def _tokens_per_document(mask: Tensor, doc_ids: Tensor) -> str:

@@ -45,10 +45,11 @@ class DenseMeta:
 
 
 def plan_dense(q_flat: Tensor, k_flat: Tensor, segments: Tensor, padded_len: int, window_left: int,
-               labels: Tensor | None = None) -> DenseMeta:
+               labels: Tensor | None = None, whole_blocks: bool = False) -> DenseMeta:
     """Per-row mask of local queries (flat ids ``[Tq]``, row after row) against the keys of their row in the
     key buffer (flat ids ``[Tk]``, in buffer order). ``labels`` (int64 ``[B * Sp]``, 0 = none): bidirectional
-    blocks, a query also sees the later keys of its block (:mod:`blockdiag_dist.bidirectional`)."""
+    blocks, a query also sees the later keys of its block, and with ``whole_blocks`` every key of it, beyond the
+    window too (:mod:`blockdiag_dist.bidirectional`)."""
     B = segments.numel() // padded_len
     L = q_flat.numel() // B
     q_row = (q_flat // padded_len).view(B, L)
@@ -71,7 +72,8 @@ def plan_dense(q_flat: Tensor, k_flat: Tensor, segments: Tensor, padded_len: int
         mask &= pos_k >= pos_q - window_left
     if labels is not None:
         lab_q, lab_k = labels[q_flat].view(B, L, 1), labels[kf].view(B, 1, Sk)
-        mask |= (lab_q == lab_k) & (lab_q != 0) & (pos_k > pos_q) & valid[:, None, :]
+        same = (lab_q == lab_k) & (lab_q != 0) & valid[:, None, :]
+        mask |= same if whole_blocks else same & (pos_k > pos_q)
     pad_q = (seg_q == 0)[:, None]
     sdpa_mask = mask[:, None] | (pad_q & (torch.arange(Sk) == 0))
     return DenseMeta(mask=mask[:, None], key_index=key_index.flatten(), pad_q=pad_q, sdpa_mask=sdpa_mask)

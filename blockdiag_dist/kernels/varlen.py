@@ -145,6 +145,8 @@ class VarlenMeta:
     # with labels: the pieces none of whose queries lies in a block, planned without labels (every path open to
     # them), or None when every piece holds a block; this meta then holds only the pieces with blocks
     plain: VarlenMeta | None = field(default=None, repr=False)
+    # with labels: a query sees every key of its block, the earlier ones beyond the window too (whole blocks)
+    whole_blocks: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device) -> VarlenMeta:
@@ -160,6 +162,7 @@ class VarlenMeta:
             window_left=self.window_left,
             labels=self.labels,
             plain=None if self.plain is None else self.plain.to(device),
+            whole_blocks=self.whole_blocks,
         )
 
     def masked(self, device: torch.device) -> BucketPlan:
@@ -231,7 +234,7 @@ def plan_varlen(
 
 def plan_varlen_pieces(
     pieces: Tensor, num_queries: int, key_lut, padded_len: int, window_left: int, *, band_min: int = BAND_MIN,
-    key_end: Tensor | None = None, labels: Tensor | None = None,
+    key_end: Tensor | None = None, labels: Tensor | None = None, block_start: Tensor | None = None,
 ) -> VarlenMeta:
     """:func:`plan_varlen` from the rank's pieces, int64 ``[P, 4]`` rows ``(first local query row, length, flat id
     of the first query, its document's start position)`` in local order, and ``key_lut``: the key-buffer row of
@@ -239,7 +242,9 @@ def plan_varlen_pieces(
     :class:`blockdiag_dist.shard_plan.FlatIndex`). Bidirectional blocks: ``key_end`` int64 ``[P]`` (one past the
     last key of each piece, global position) and ``labels`` int64 ``[B * Sp]`` (the block of each flat id):
     only the pieces one of whose queries lies in a block run masked by label; the others are planned as without
-    blocks (``VarlenMeta.plain``), and without any such piece the meta has no labels at all."""
+    blocks (``VarlenMeta.plain``), and without any such piece the meta has no labels at all. Whole blocks (a query
+    sees its whole block beyond the window): ``block_start`` int64 ``[P]``, the first token of the block each
+    piece's queries reach furthest back into (the piece's keys then start at it when the window starts later)."""
     Tq = num_queries
     if labels is not None:
         p_len = pieces[:, 1]
@@ -252,12 +257,15 @@ def plan_varlen_pieces(
         if not bool(blocked.all()):
             plain = plan_varlen_pieces(pieces[~blocked], Tq, key_lut, padded_len, window_left, band_min=band_min)
             meta = plan_varlen_pieces(pieces[blocked], Tq, key_lut, padded_len, window_left, band_min=band_min,
-                                      key_end=key_end[blocked], labels=labels)
+                                      key_end=key_end[blocked], labels=labels,
+                                      block_start=None if block_start is None else block_start[blocked])
             return dataclasses.replace(meta, plain=plain, _cache={})
     p_start, p_len, p_flat0, p_dstart = pieces.unbind(1)
     p_qfirst = p_flat0 % padded_len
     p_kfirst = p_dstart if window_left < 0 else torch.maximum(p_dstart, p_qfirst - window_left)
-    p_klen = (p_qfirst + p_len if key_end is None else key_end) - p_kfirst
+    # whole blocks: the keys start where the window or the furthest block does (the masked plan masks the rest)
+    k_first = p_kfirst if block_start is None or labels is None else torch.minimum(p_kfirst, block_start)
+    p_klen = (p_qfirst + p_len if key_end is None else key_end) - k_first
     real = torch.zeros(Tq, dtype=torch.bool)
     real[interval_ranges(p_start, p_len)] = True
     blocks = _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq, window_left, band_min)
@@ -269,13 +277,14 @@ def plan_varlen_pieces(
         blocks=blocks,
         pad_rows=(~real).nonzero().flatten(),
         piece_q=torch.stack([p_start, p_len], 1),
-        piece_k=torch.stack([p_flat0 - p_qfirst + p_kfirst, p_klen], 1),
+        piece_k=torch.stack([p_flat0 - p_qfirst + k_first, p_klen], 1),
         piece_flat=p_flat0,
         key_lut=key_lut,
         num_queries=Tq,
         padded_len=padded_len,
         window_left=window_left,
         labels=labels,
+        whole_blocks=block_start is not None and labels is not None,
     )
 
 
@@ -418,11 +427,12 @@ def _masked_plan(meta: VarlenMeta) -> BucketPlan:
             m = valid_q & (c < klen)[:, None, :] & (kpos <= qpos)
             if left >= 0:
                 m &= kpos >= qpos - left
-            if meta.labels is not None:  # the later keys of the query's block
+            if meta.labels is not None:  # the later keys of the query's block (whole blocks: every key of it)
                 base = (p_kflat0[idx] - p_kfirst[idx])[:, None]
                 lab_q = meta.labels[base + (p_qfirst[idx, None] + torch.minimum(a, qlen - 1))][:, :, None]
                 lab_k = meta.labels[base + (p_kfirst[idx, None] + torch.minimum(c, klen - 1))][:, None, :]
-                m |= valid_q & (c < klen)[:, None, :] & (lab_q == lab_k) & (lab_q != 0) & (kpos > qpos)
+                same = valid_q & (c < klen)[:, None, :] & (lab_q == lab_k) & (lab_q != 0)
+                m |= same if meta.whole_blocks else same & (kpos > qpos)
             m |= ~valid_q & (c == 0)[:, None, :]  # padded query slots see one real key: finite, then dropped
             mask = m[:, None]
         buckets.append(Bucket(q_index=q_index, k_index=k_index, mask=mask))
