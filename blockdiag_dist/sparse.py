@@ -210,10 +210,11 @@ def _dsa(query: Tensor, latent: Tensor, expand, topk: int, index: DsaIndex | Non
                 o = explicit_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale=scale, sinks=sinks,
                                        dropout_p=dropout_p)
             out[p.row, l0:l1] = o[0].transpose(0, 1)
-    # the exchange and the query stay in the graph on a rank whose rows use none of them (padding only): the
-    # exchange's backward collective runs on every rank, the query gets its (zero) gradient (an empty slice's sum:
-    # exactly 0, whatever the tensors hold)
-    out = out + (buf[:0].sum() + query.reshape(-1)[:0].sum()).to(out.dtype)
+    # the exchange, the query and the sinks stay in the graph on a rank whose rows use none of them (padding only):
+    # the exchange's backward collective runs on every rank, the query and the sinks get their (zero) gradients (an
+    # empty slice's sum: exactly 0, whatever the tensors hold)
+    unused = buf[:0].sum() + query.reshape(-1)[:0].sum() + (0 if sinks is None else sinks[:0].sum())
+    out = out + unused.to(out.dtype)
     bind(out, (query, latent) + (() if sinks is None else (sinks,)), state)
     return out.transpose(1, 2), sel_out
 

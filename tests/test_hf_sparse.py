@@ -73,8 +73,9 @@ def test_cp1_matches_each_document_alone_and_the_selection_matters():
 
 
 CP_RUNS = {  # CP size -> (family, layout, activation checkpointing); Mistral Large 4's KV sharing hands a latent
-    # from one layer to a later one through a dict, which reentrant checkpointing cuts off from the graph (stock
-    # transformers, with or without CP): it runs without checkpointing or with the non-reentrant one
+    # from one layer to a later one through a dict, which reentrant checkpointing does not carry: stock transformers
+    # fails on it in backward ("backward through the graph a second time"), and so does a CP step (loud, the same
+    # error); it runs without checkpointing or with the non-reentrant one
     2: [("deepseek_v32", "balanced", None), ("glm_moe_dsa", "contiguous", "non_reentrant"),
         ("axk2", "contiguous", "reentrant"), ("hy_v4", "balanced", "non_reentrant"), ("hy_v4_vl", "contiguous", None),
         ("mistral_large4", "balanced", None)],
