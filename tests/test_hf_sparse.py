@@ -79,16 +79,17 @@ CP_RUNS = {  # CP size -> (family, layout, activation checkpointing); Mistral La
     2: [("deepseek_v32", "balanced", None), ("glm_moe_dsa", "contiguous", "non_reentrant"),
         ("axk2", "contiguous", "reentrant"), ("hy_v4", "balanced", "non_reentrant"), ("hy_v4_vl", "contiguous", None),
         ("mistral_large4", "balanced", None)],
-    # CP 4: the classes whose exchange or graph differ (A.X-K2's queries and gate are per token, HY-V4-VL is HY-V4's
-    # row: both at CP 1 and 2 only, the test's time)
-    4: [("deepseek_v32", "contiguous", "reentrant"), ("glm_moe_dsa", "balanced", None),
-        ("hy_v4", "contiguous", "reentrant"), ("mistral_large4", "contiguous", "non_reentrant")],
+    4: [("deepseek_v32", "contiguous", "reentrant"), ("glm_moe_dsa", "balanced", None)],
+}
+# the newer classes at CP 4 (documents over 3 ranks, a padding-only rank's share of the exchange): over make test's
+# budget, run by make test-slow
+SLOW_CP_RUNS = {
+    4: [("axk2", "balanced", None), ("hy_v4", "contiguous", "reentrant"), ("hy_v4_vl", "balanced", "non_reentrant"),
+        ("mistral_large4", "contiguous", "non_reentrant")],
 }
 
 
-@pytest.mark.parametrize("cp", sorted(CP_RUNS))
-def test_cp_matches_each_document_alone(pools, cp):
-    runs = CP_RUNS[cp]
+def check_runs(pools, cp: int, runs) -> None:
     calls = [((family,), {"layout": layout, "checkpointing": ck}) for family, layout, ck in runs]
     names = [f"{family} cp{cp} {layout} ckpt={ck}" for family, layout, ck in runs]
     found = []
@@ -100,6 +101,17 @@ def test_cp_matches_each_document_alone(pools, cp):
     for _, layout, _ in runs:  # documents cross ranks: indexer keys and latents move
         assert sum(plan_step(ids, cp, layout).exchange(-1).needed_tokens()) > 0
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("cp", sorted(CP_RUNS))
+def test_cp_matches_each_document_alone(pools, cp):
+    check_runs(pools, cp, CP_RUNS[cp])
+
+
+@pytest.mark.slow(reason="A.X-K2, HY-V4, HY-V4-VL and Mistral Large 4 at CP 4: four runs of 4 processes, 75 s "
+                         "measured on 2 busy cores")
+def test_newer_classes_at_cp4_match_each_document_alone(pools):
+    check_runs(pools, 4, SLOW_CP_RUNS[4])
 
 
 def test_under_a_step_a_mask_or_a_cache_is_refused_and_other_indexers_stay_refused():
