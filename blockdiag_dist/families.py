@@ -168,7 +168,8 @@ for _family in (
     MixerFamily(
         name="dsa", kind="sparse_attention", layer="sparse",
         function="blockdiag_dist.sparse:dsa_attention", reference="blockdiag_ref:reference_dsa_attention",
-        classes=("DeepseekV32Attention", "GlmMoeDsaAttention"),
+        classes=("DeepseekV32Attention", "GlmMoeDsaAttention", "AXK2Attention", "HYV4Attention", "HYV4VLAttention",
+                 "MistralLarge4TextAttention"),
         installer="blockdiag_dist.integrations.hf_sparse:install_dsa",
         summary="the latent and indexer key of each earlier token of the same document held elsewhere (the "
                 "attention's needed-only exchange, no summary)",

@@ -97,9 +97,10 @@ KNOWN_MIXERS: dict[str, str] = {
     # attention over compressed blocks (DeepSeek-V4), byte patching (BLT)
     "DeepseekV4HCACompressor": "compressed_attention", "DeepseekV4CSACompressor": "compressed_attention",
     "DeepseekV4Indexer": "compressed_attention",
-    # sparse attention over indexer-selected keys (DeepSeek-V3.2 DSA and its descendants). DeepSeek-V3.2's and
-    # GLM-5's attention layers are computed per document (the dsa family of blockdiag_dist.families installs them:
-    # their indexers inside are then theirs); an indexer met in any other layer is refused
+    # sparse attention over indexer-selected keys (DeepSeek-V3.2 DSA and its descendants). The attention layers of
+    # DeepSeek-V3.2, GLM-5, A.X-K2, HY-V4 (and HY-V4-VL) and Mistral Large 4 are computed per document (the dsa
+    # family of blockdiag_dist.families installs them: their indexers inside are then theirs); an indexer met in
+    # any other layer is refused
     "DeepseekV32Indexer": "sparse_attention", "AXK2Indexer": "sparse_attention", "Dots3NoteTextIndexer": "sparse_attention",
     "Glm5NextTextIndexer": "sparse_attention", "GlmMoeDsaIndexer": "sparse_attention", "HYV4Indexer": "sparse_attention",
     "HYV4VLIndexer": "sparse_attention", "MiniMaxM3VLIndexer": "sparse_attention",

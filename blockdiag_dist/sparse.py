@@ -16,7 +16,9 @@ tensor; a chunk's scores are ``[c, Hi, n]`` for ``n`` keys of its document prefi
   keys at ``-inf``, ``torch.topk(min(topk, n_doc))``: the very call the model makes when the document runs alone,
   so its ties are broken as the model breaks them; a query with fewer than ``topk`` earlier keys keeps them all;
 - **attention** over the selected keys of the prefix: the latents expanded by the layer's own ``expand`` (MLA's
-  ``kv_b_proj``), stock SDPA with the selection as its mask.
+  ``kv_b_proj``), stock SDPA with the selection as its mask; with ``sinks`` (HY-V4's per-head sink logits, one
+  more term in each softmax denominator, with no value) the explicit-score kernel
+  (:func:`blockdiag_dist.kernels.explicit.explicit_attention`), which differentiates the sinks too.
 
 Selections are returned as positions inside the document (``[B, L, K]``, ``-1`` = none) so that a layer that
 reuses an earlier layer's top-k (GLM-5's ``"shared"`` layers) passes them back as ``selection``.
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .kernels.explicit import explicit_attention
 from .mixers._common import active_state, bind
 from .state import StepState
 
@@ -75,9 +78,15 @@ def _pieces(state: StepState, wp) -> tuple[_Piece, ...]:
     return tuple(out)
 
 
-def _check(query: Tensor, latent: Tensor, index: DsaIndex | None, selection: Tensor | None, topk: int, L: int) -> None:
+def _check(query: Tensor, latent: Tensor, index: DsaIndex | None, selection: Tensor | None, topk: int, L: int,
+           sinks: Tensor | None = None) -> None:
     if query.dim() != 4 or query.shape[2] != L:
         raise ValueError(f"dsa_attention: query expected [B, H, L, D] with L = {L} (this rank's rows), got {tuple(query.shape)}")
+    if sinks is not None and (not isinstance(sinks, Tensor) or sinks.dim() != 1 or sinks.shape[0] != query.shape[1]
+                              or not sinks.is_floating_point()):
+        got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise ValueError(f"dsa_attention: sinks expected a floating-point tensor [H] = [{query.shape[1]}] (one logit "
+                         f"per head), got {got}")
     B = query.shape[0]
     if latent.dim() != 3 or latent.shape[:2] != (B, L):
         raise ValueError(f"dsa_attention: latent expected [B, L, F] = [{B}, {L}, F], got {tuple(latent.shape)}")
@@ -121,6 +130,7 @@ def dsa_attention(
     selection: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    sinks: Tensor | None = None,
     state: StepState | None = None,
 ) -> tuple[Tensor, Tensor]:
     """DSA per document over this rank's rows: ``(out [B, H, L, Dv], selection int64 [B, L, K])``.
@@ -134,24 +144,27 @@ def dsa_attention(
         index: the indexer's inputs (:class:`DsaIndex`) to select with, or
         selection: ``[B, L, K]`` an earlier layer's selection (GLM-5's shared layers), positions in the document.
         scale: the attention's softmax scale. dropout_p: attention dropout (SDPA's).
+        sinks: ``[H]`` per-head sink logits joining each query's softmax denominator with no value
+            (``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sinks[h]))``, HY-V4's); differentiable.
         state: the step (default: the active one, :func:`blockdiag_dist.current_state`).
 
     Padding rows are exactly 0 and their selection ``-1``; latents at padding positions get no gradient.
     Raises ``ValueError`` (the same on every rank, before any collective) on inputs of the wrong shape.
     """
     state = active_state(state, query, "dsa_attention")
-    _check(query, latent, index, selection, topk, state.local_len)
-    return _dsa(query, latent, expand, topk, index, selection, scale, dropout_p, state, _pieces)
+    _check(query, latent, index, selection, topk, state.local_len, sinks)
+    return _dsa(query, latent, expand, topk, index, selection, scale, dropout_p, state, _pieces, sinks)
 
 
 def _dsa(query: Tensor, latent: Tensor, expand, topk: int, index: DsaIndex | None, selection: Tensor | None,
-         scale: float | None, dropout_p: float, state: StepState, plan_pieces) -> tuple[Tensor, Tensor]:
+         scale: float | None, dropout_p: float, state: StepState, plan_pieces,
+         sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """:func:`dsa_attention` with the candidates of each piece's queries from ``plan_pieces(state, wp)``."""
     B, H, L, _ = query.shape
     F_lat = latent.shape[-1]
     wp = state.agreed_window_plan(-1)
     state.attention_calls += 1
-    state.attention_kinds.add((-1, -1, False, None))
+    state.attention_kinds.add((-1, -1, sinks is not None, None))
     tok = latent.reshape(B * L, F_lat)
     if index is not None:  # one message: latents and (detached) indexer keys side by side
         tok = torch.cat([tok, index.key.detach().reshape(B * L, -1).to(tok.dtype)], dim=1)
@@ -190,14 +203,19 @@ def _dsa(query: Tensor, latent: Tensor, expand, topk: int, index: DsaIndex | Non
             mask = _selected_mask(chosen, ok, n)
             q = query[p.row, :, l0:l1]  # [H, c, D]
             k, v = k_piece[:, :n], v_piece[:, :n]  # [H, n, D], [H, n, Dv]
-            o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
-                                               dropout_p=dropout_p, scale=scale)
+            if sinks is None:
+                o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                                   dropout_p=dropout_p, scale=scale)
+            else:
+                o = explicit_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale=scale, sinks=sinks,
+                                       dropout_p=dropout_p)
             out[p.row, l0:l1] = o[0].transpose(0, 1)
-    # the exchange and the query stay in the graph on a rank whose rows use none of them (padding only): the
-    # exchange's backward collective runs on every rank, the query gets its (zero) gradient (an empty slice's sum:
-    # exactly 0, whatever the tensors hold)
-    out = out + (buf[:0].sum() + query.reshape(-1)[:0].sum()).to(out.dtype)
-    bind(out, (query, latent), state)
+    # the exchange, the query and the sinks stay in the graph on a rank whose rows use none of them (padding only):
+    # the exchange's backward collective runs on every rank, the query and the sinks get their (zero) gradients (an
+    # empty slice's sum: exactly 0, whatever the tensors hold)
+    unused = buf[:0].sum() + query.reshape(-1)[:0].sum() + (0 if sinks is None else sinks[:0].sum())
+    out = out + unused.to(out.dtype)
+    bind(out, (query, latent) + (() if sinks is None else (sinks,)), state)
     return out.transpose(1, 2), sel_out
 
 

@@ -105,6 +105,7 @@ def reference_sparse_attention(
     selection: Tensor,
     *,
     scale: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention of each query over its selected keys only, in float64, returned in ``query``'s dtype.
 
@@ -114,10 +115,16 @@ def reference_sparse_attention(
         selection: int64 ``[B, S, K]``: keys as positions inside the query's document (``-1`` = none), e.g.
             from :func:`reference_dsa_select`. Entries after the query or outside its document are not seen.
         scale: softmax scale, default ``1 / sqrt(D)``.
+        sinks: ``[H]`` per-head sink logits (HY-V4's): one more term ``exp(sinks[h])`` in every softmax
+            denominator, with no value: ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sinks[h]))``.
 
     Returns:
         ``[B, H, S, Dv]``; padding rows exactly 0, no gradient to keys or values at padding positions.
-        Differentiable in query, key and value.
+        Differentiable in query, key, value and sinks.
+
+    >>> q = k = v = torch.ones(1, 1, 2, 1, dtype=torch.float64); sel = torch.tensor([[[0, -1], [0, 1]]])
+    >>> reference_sparse_attention(q, k, v, torch.tensor([[1, 1]]), sel, scale=1.0, sinks=torch.ones(1))[0, 0, :, 0].tolist()
+    [0.5, 0.6666666666666666]
     """
     layout = _layout(doc_ids)
     B, S = layout.batch_size, layout.seq_len
@@ -126,6 +133,8 @@ def reference_sparse_attention(
             raise ValueError(f"{name}: expected [B, H, S, *] with B={B}, S={S}, got shape {tuple(t.shape)}")
     if selection.dim() != 3 or selection.shape[:2] != (B, S):
         raise ValueError(f"selection: expected [B, S, K] with B={B}, S={S}, got shape {tuple(selection.shape)}")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != query.shape[1]):
+        raise ValueError(f"sinks: expected [H] = [{query.shape[1]}], got shape {tuple(sinks.shape)}")
     allowed = torch.zeros(B, S, S, dtype=torch.bool)
     sel = selection.cpu()
     for b, s, e in layout.segments.tolist():
@@ -141,7 +150,12 @@ def reference_sparse_attention(
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale
         has_key = allowed.any(-1, keepdim=True)
         scores = scores.masked_fill(~allowed & has_key, float("-inf")).masked_fill(~has_key, 0.0)
-        probs = torch.where(has_key, torch.softmax(scores, dim=-1), 0.0)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # the sink as one more logit of each row, dropped after the softmax
+            sink = sinks.to(torch.float64).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        probs = torch.where(has_key, probs, 0.0)
         out = torch.matmul(probs, v)
     return out.to(query.dtype)
 
@@ -158,11 +172,13 @@ def reference_dsa_attention(
     *,
     index_scale: float,
     scale: float | None = None,
+    sinks: Tensor | None = None,
     score_dtype: torch.dtype = torch.float64,
 ) -> tuple[Tensor, Tensor]:
     """DSA per document: :func:`reference_dsa_select` then :func:`reference_sparse_attention`; returns
     ``(out [B, H, S, Dv], selection [B, S, K])``. The selection carries no gradient (the model's indexer runs
-    under ``no_grad``); the output is differentiable in query, key and value.
+    under ``no_grad``); the output is differentiable in query, key, value (and ``sinks``, HY-V4's per-head sink
+    logits, when given).
 
     >>> q = k = v = torch.ones(1, 1, 3, 2); iq = torch.ones(1, 3, 1, 2); iw = torch.ones(1, 3, 1); ik = torch.ones(1, 3, 2)
     >>> out, sel = reference_dsa_attention(q, k, v, iq, iw, ik, torch.tensor([[1, 1, 2]]), 1, index_scale=1.0)
@@ -171,4 +187,4 @@ def reference_dsa_attention(
     """
     layout = _layout(doc_ids)
     sel = reference_dsa_select(index_q, index_w, index_k, layout, topk, index_scale=index_scale, score_dtype=score_dtype)
-    return reference_sparse_attention(query, key, value, layout, sel, scale=scale), sel
+    return reference_sparse_attention(query, key, value, layout, sel, scale=scale, sinks=sinks), sel

@@ -6,7 +6,7 @@ every rank at CP 1 and CP 2 with a message naming the layer or variant, before a
 Families computed per document instead (Gated DeltaNet, sinks, chunked attention, softcap, Llama 4's NoPE
 temperature tuning, vision-language models; the Mamba2 layers of Nemotron-H, Bamba, Granite-4 hybrids, Zamba2,
 Falcon-H1 and Mamba2 itself; the Mamba1 layers of Mamba, Falcon-Mamba, Jamba and Zamba; LFM2's short convolutions;
-the KDA layers of Kimi Linear and Ling; MiniMax's lightning attention; DeepSeek-V3.2's and GLM-5's sparse attention) have parity tests of their
+the KDA layers of Kimi Linear and Ling; MiniMax's lightning attention; the sparse attention of DeepSeek-V3.2, GLM-5, A.X-K2, HY-V4 and Mistral Large 4) have parity tests of their
 own (test_hybrid*, test_hf_hybrid, test_hf_mamba2, test_hf_mamba1, test_hf_short_conv, test_hf_kda, test_hf_lightning,
 test_attention_variants*, test_vlm, test_hf_sparse)."""
 
@@ -50,11 +50,12 @@ FAMILIES = [
     pytest.param("bart", dict(vocab_size=128, d_model=64, encoder_ffn_dim=64, decoder_ffn_dim=64,
                               encoder_attention_heads=4, decoder_attention_heads=4, decoder_layers=2),
                  "UnsupportedLayerError", r"\(BartDecoder\).*positional embedding computed from the row", id="bart-row-positions"),
-    # DSA of A.X-K2 (DeepSeek-V3.2's and GLM-5's are computed per document: test_hf_sparse)
-    pytest.param("axk2", dict(_DECODER, num_key_value_heads=4, **_MLA, **_MOE, q_lora_rank=32, n_routed_experts=4,
-                              index_topk=4, index_head_dim=16, index_n_heads=2, num_hidden_layers=2, bos_token_id=1,
-                              eos_token_id=2),
-                 "UnsupportedLayerError", r"\(AXK2Indexer\).*sparse attention", id="axk2-sparse"),
+    # DSA of dots.3 (DeepSeek-V3.2's, GLM-5's, A.X-K2's, HY-V4's and Mistral Large 4's are computed per document:
+    # test_hf_sparse)
+    pytest.param("dots3_note_text", dict(_DECODER, num_key_value_heads=4, **_MLA, **_MOE, q_lora_rank=32,
+                                         n_routed_experts=4, index_topk=4, index_head_dim=16, index_n_heads=2,
+                                         num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+                 "UnsupportedLayerError", r"\(Dots3NoteTextIndexer\).*sparse attention", id="dots3-sparse"),
 ]
 
 

@@ -103,3 +103,36 @@ def test_cp1_dsa_attention_chunked_equals_the_reference(monkeypatch):
         assert torch.allclose(q.grad, q0.grad, rtol=0, atol=1e-12) and torch.allclose(lat.grad, lat0.grad, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match=r"dsa_attention: expected an active CP step"):
         dsa_attention(q, lat, expand, topk=3, index=index)
+
+
+def test_cp1_dsa_attention_with_sinks_equals_the_reference():
+    """Per-head sinks (HY-V4's): the output and the gradients of queries, latents and sinks equal the reference's;
+    the sinks change the output (a sink ignored would be caught); sinks of the wrong shape are refused."""
+    x = inputs(seed=5)
+    g = torch.Generator().manual_seed(6)
+    wk, wv = (torch.randn(D + 2, H * d, generator=g, dtype=torch.float64) for d in (D, D + 1))
+    latent = torch.randn(B, S, D + 2, generator=g, dtype=torch.float64)
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
+
+    def expand(rows):
+        return (rows @ wk).view(-1, H, D), (rows @ wv).view(-1, H, D + 1)
+
+    q0, lat0, s0 = x["q"].clone().requires_grad_(), latent.clone().requires_grad_(), sinks.clone().requires_grad_()
+    k, v = (t.view(B, S, H, -1).transpose(1, 2) for t in expand(lat0.reshape(B * S, -1)))
+    ref, _ = reference_dsa_attention(q0, k, v, x["iq"], x["iw"], x["ik"], IDS, 3, index_scale=0.7, sinks=s0,
+                                     score_dtype=torch.float32)
+    ref.pow(2).sum().backward()
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(B, S, dtype=torch.int64),
+                                                          "_packed_seq_ids": IDS})
+    q, lat, s = x["q"].clone().requires_grad_(), latent.clone().requires_grad_(), sinks.clone().requires_grad_()
+    index = DsaIndex(query=x["iq"], key=x["ik"], weights=x["iw"].float(), scale=0.7)
+    with ctx():
+        out, _ = dsa_attention(q, lat, expand, topk=3, index=index, sinks=s)
+        out.pow(2).sum().backward()
+        plain, _ = dsa_attention(q, lat, expand, topk=3, index=index)
+        with pytest.raises(ValueError, match=r"sinks expected a floating-point tensor \[H\] = \[2\] .*got torch.float64 \(3,\)"):
+            dsa_attention(q, lat, expand, topk=3, index=index, sinks=torch.zeros(3, dtype=torch.float64))
+    assert torch.allclose(out, ref, rtol=0, atol=1e-13) and (plain - out).abs().max() > 1e-2
+    for got, want in ((q.grad, q0.grad), (lat.grad, lat0.grad), (s.grad, s0.grad)):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+    assert bool((s.grad != 0).all())

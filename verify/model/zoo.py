@@ -73,6 +73,18 @@ PRESETS: dict[str, Preset] = {
                            "prefix, MLA over the selected keys"),
     "glm_moe_dsa": Preset("glm_moe_dsa", "GLM-5: DSA with a shared-indexer layer (reuses the previous layer's top-k)",
                           (("indexer_types", ["full", "shared"]),)),
+    "axk2": Preset("axk2", "A.X-K2: DSA with gated queries (one projection gives the queries and a sigmoid output "
+                   "gate), gated RMSNorms"),
+    "hy_v4": Preset("hy_v4", "HY-V4: DSA with per-head sinks, an output gate, a shared-indexer layer, hyper-connections "
+                    "(a float32 residual stream)"),
+    "hy_v4_vl": Preset("hy_v4_vl", "HY-V4-VL on text: HY-V4's DSA layers with mRoPE"),
+    "mistral_large4": Preset("mistral_large4", "Mistral Large 4 on text: DSA with position-scaled queries, a NoPE layer, "
+                             "a shared-indexer layer, KV sharing (a layer reuses an earlier layer's latent)",
+                             (("text_config.num_hidden_layers", 4),
+                              ("text_config.indexer_types", ["full", "shared", "full", "full"]),
+                              ("text_config.no_rope_layers", [1, 1, 0, 0]), ("text_config.kv_source_layers", [0, 1, 2, 2]),
+                              ("text_config.mlp_layer_types", ["dense", "sparse", "sparse", "sparse"]),
+                              ("text_config.layer_types", ["indexed_attention"] * 4))),
 }
 
 
