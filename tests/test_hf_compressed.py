@@ -3,8 +3,8 @@ CP with the same few lines as Llama: the loss and every parameter's gradient equ
 device (stock ``eager``), at CP 1, 2, 4, on contiguous and balanced layouts, with and without activation
 checkpointing, in float64. (Refused by the guard before: its compression windows start at the row's first token.)
 
-Both sides run every op in float64 (``exact``, verify.model.compressed): the model's float32 islands (its
-hyper-connections' weights, gate softmax, RMSNorms) would otherwise put float32 error into every gradient.
+Both sides run the model's hyper-connections and RMSNorms in float64 (``exact``, verify.model.compressed): their
+float32 matrix products and norms would otherwise put float32 error into every gradient.
 The primitive, :func:`blockdiag_dist.compressed_attention`, is also checked against its float64 reference."""
 
 from __future__ import annotations

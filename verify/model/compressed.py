@@ -12,9 +12,11 @@ config, the truth it is compared with, and the step every rank of a pool runs.
 
 What the model computes in float32 whatever its dtype: the compressors' gate softmax, the indexer's scores (hence
 its top-k), its RMSNorms and the hyper-connections' weights (``fn.float()``: every token's streams pass through
-float32 matrix products). Those carry float32 error into every gradient (measured up to 1.5e-4 on the final
-hyper-connection's scalar scale, 6e-8 on the attention's weights), so both sides run ``exact`` by default: every
-op in float64 (:class:`~verify.model.precision.Promote`), the float64 limit of 1e-10 then judging CP alone.
+float32 matrix products, whose results depend on the batch's shape). They carry float32 error into every gradient
+(measured up to 1.5e-4 on the final hyper-connection's scalar scale, 6e-8 on the attention's weights; under CP an
+entry's gate gradient is the sum of each rank's float32 softmax backward, once it is one float32 backward: 7.5e-8),
+so both sides run ``exact`` by default: those modules in float64 (:data:`FLOAT32_ISLANDS`,
+:func:`~verify.model.precision.float64_modules`), the float64 limit of 1e-10 then judging CP alone.
 """
 
 from __future__ import annotations
@@ -26,20 +28,15 @@ from torch import Tensor, nn
 
 from blockdiag_dist.integrations import pack_documents, register_transformers_attention
 from .harness import StepResult, cp_step, document_reference, text_forward
-from .precision import Promote
+from .precision import float64_modules
 
-__all__ = ["DOC_LENGTHS", "SEQ_LEN", "build_tiny_dsv4", "cp_parity_step", "dsv4_batch", "dsv4_docs", "float32_reduced",
+__all__ = ["DOC_LENGTHS", "FLOAT32_ISLANDS", "SEQ_LEN", "build_tiny_dsv4", "cp_parity_step", "dsv4_batch", "dsv4_docs",
            "truth"]
 
 SEQ_LEN = 64
 TOPK = 3
 # two rows of 64: documents over 3 ranks at CP 4 (37 tokens from 0; 40 from 11), short ones (below a window), padding
 DOC_LENGTHS = (37, 3, 19, 11, 40, 6)
-
-
-def float32_reduced(name: str) -> bool:
-    """Parameters whose gradient the model sums over tokens in float32 (RMSNorm weights, hyper-connections)."""
-    return name.endswith("norm.weight") or "_hc." in name or "hc_head" in name
 
 
 def tiny_dsv4_config(topk: int = TOPK):
@@ -88,16 +85,23 @@ def dsv4_batch(docs: list[Tensor]) -> dict[str, Tensor]:
     return pack_documents(docs, seq_len=SEQ_LEN)
 
 
-def _exactly(exact: bool):
-    return Promote() if exact else contextlib.nullcontext()
+FLOAT32_ISLANDS = ("DeepseekV4HyperConnection", "DeepseekV4HyperHead", "DeepseekV4RMSNorm", "DeepseekV4UnweightedRMSNorm",
+                   "DeepseekV4Attention")
+
+
+def _exactly(model: nn.Module, exact: bool):
+    """With ``exact``, the modules of :data:`FLOAT32_ISLANDS` run in float64 (:func:`float64_modules`)."""
+    if not exact:
+        return contextlib.nullcontext()
+    return float64_modules(model, lambda m: type(m).__name__ in FLOAT32_ISLANDS)
 
 
 def truth(docs: list[Tensor] | None = None, *, dtype: torch.dtype = torch.float64, seed: int = 0,
           topk: int = TOPK, exact: bool = True) -> StepResult:
-    """Each document alone through the stock tiny model (``eager``) on one device; ``exact``: every op in float64
-    (:class:`~verify.model.precision.Promote`: the model's float32 islands too)."""
+    """Each document alone through the stock tiny model (``eager``) on one device; ``exact``: the model's
+    hyper-connections and RMSNorms in float64 (:data:`FLOAT32_ISLANDS`)."""
     model = build_tiny_dsv4(dtype, seed=seed, stock=True, topk=topk)
-    with _exactly(exact):
+    with _exactly(model, exact):
         return document_reference(model, dsv4_docs() if docs is None else docs, text_forward)
 
 
@@ -109,5 +113,5 @@ def cp_parity_step(*, dtype: str = "float64", layout: str = "contiguous", seed: 
 
     env = worker_info()
     model = build_tiny_dsv4(getattr(torch, dtype), seed=seed, topk=topk, checkpointing=checkpointing)
-    with _exactly(exact):
+    with _exactly(model, exact):
         return cp_step(model, dsv4_batch(dsv4_docs(doc_seed)), env.get("cp_mesh"), text_forward, layout=layout)
