@@ -63,13 +63,15 @@ class Compression:
 class CompressedIndex:
     """The indexer over compressed entries (CSA): ``query [B, L, Hi, Di]`` (after its rotary embedding),
     ``weights [B, L, Hi]`` (float32, scaled as the model scales them), ``scale`` (applied after the ``relu``),
-    ``topk`` (entries kept per query) and ``keys``: its own :class:`Compression` (width ``Di`` or ``2 Di``)."""
+    ``topk`` (entries kept per query), ``keys``: its own :class:`Compression` (width ``Di`` or ``2 Di``), and
+    ``score_dtype``: the scores' dtype (float32 in DeepSeek-V4 whatever the model's)."""
 
     query: Tensor
     weights: Tensor
     scale: float
     topk: int
     keys: Compression
+    score_dtype: torch.dtype = torch.float32
 
 
 def pool_windows(kv: Tensor, gate: Tensor, comp: Compression) -> Tensor:
@@ -135,10 +137,11 @@ def _select(index: CompressedIndex, keys: Tensor, b: int, l0: int, l1: int, seen
     """bool ``[c, T]``: the entries the indexer keeps for queries ``l0 .. l1 - 1`` of row ``b`` (``seen [c, T]``:
     the complete ones), chosen on a row of the document's ``total`` entries as the model chooses them."""
     c, T = seen.shape
-    q = index.query[b, l0:l1].float().unsqueeze(0)  # [1, c, Hi, Di]
-    scores = torch.matmul(q, keys.transpose(-1, -2).float().unsqueeze(0).unsqueeze(1))  # [1, c, Hi, T]
+    dt = index.score_dtype
+    q = index.query[b, l0:l1].to(dt).unsqueeze(0)  # [1, c, Hi, Di]
+    scores = torch.matmul(q, keys.transpose(-1, -2).to(dt).unsqueeze(0).unsqueeze(1))  # [1, c, Hi, T]
     scores = F.relu(scores) * index.scale
-    scores = (scores * index.weights[b, l0:l1].float().unsqueeze(0).unsqueeze(-1)).sum(dim=2)[0]  # [c, T]
+    scores = (scores * index.weights[b, l0:l1].to(dt).unsqueeze(0).unsqueeze(-1)).sum(dim=2)[0]  # [c, T]
     row = scores.new_full((c, total), float("-inf"))
     row[:, :T] = scores.masked_fill(~seen, float("-inf"))
     chosen = row.topk(min(index.topk, total), dim=-1).indices  # [c, k]

@@ -12,7 +12,9 @@ Everything else is the stock code's math: the low-rank queries and their unweigh
 and its norm, the interleaved rotary embedding (and its inverse on the output), the compressors' projections,
 norms and rotary embeddings at the windows' first positions, the indexer's queries, weights and float32 scores,
 the sinks, and the grouped output projection. What changes is where the windows start (each document's first
-token, as when the document runs alone) and which entries a query sees (its own document's).
+token, as when the document runs alone) and which entries a query sees (its own document's). The stock layer takes
+its gate softmax and its indexer's scores in float32 whatever the model's dtype; here in float32 too, or in the
+model's dtype where it is wider (float64: exact, the truth a float64 check compares with).
 
 Under a step the layer takes no cache (``use_cache=False`` in training) and no ``attention_mask`` (build the
 model with ``attn_implementation=register_transformers_attention()``); either raises ``ValueError`` on every rank
@@ -48,10 +50,15 @@ def _finish(compressor: nn.Module, rotary) -> callable:
     return finish
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float32, or the model's dtype where wider: the stock layer's float32 softmax and scores, exact in float64."""
+    return torch.promote_types(torch.float32, dtype)
+
+
 def _compression(compressor: nn.Module, rotary, hidden: Tensor, width: int) -> Compression:
     return Compression(kv=compressor.kv_proj(hidden), gate=compressor.gate_proj(hidden), rate=compressor.compress_rate,
                        overlap=compressor.kv_proj.out_features == 2 * width, position_bias=compressor.position_bias,
-                       finish=_finish(compressor, rotary))
+                       finish=_finish(compressor, rotary), pool_dtype=_wide(hidden.dtype))
 
 
 def _index(indexer: nn.Module, rotary, hidden: Tensor, q_resid: Tensor, position_ids: Tensor) -> CompressedIndex:
@@ -64,7 +71,7 @@ def _index(indexer: nn.Module, rotary, hidden: Tensor, q_resid: Tensor, position
         weights = indexer.scorer.weights_proj(hidden).float() * indexer.scorer.weights_scaling
         keys = _compression(indexer, rotary, hidden, indexer.head_dim)
     return CompressedIndex(query=q, weights=weights, scale=indexer.scorer.softmax_scale, topk=indexer.index_topk,
-                           keys=keys)
+                           keys=keys, score_dtype=_wide(hidden.dtype))
 
 
 def _per_document_forward(self: nn.Module, state, hidden_states: Tensor, position_embeddings, position_ids: Tensor) -> Tensor:

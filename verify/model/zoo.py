@@ -66,6 +66,12 @@ PRESETS: dict[str, Preset] = {
                            "prefix, MLA over the selected keys"),
     "glm_moe_dsa": Preset("glm_moe_dsa", "GLM-5: DSA with a shared-indexer layer (reuses the previous layer's top-k)",
                           (("indexer_types", ["full", "shared"]),)),
+    "deepseek_v4": Preset("deepseek_v4", "DeepSeek-V4: compressed blocks (HCA windows of 8, CSA overlapping windows "
+                          "of 4 with an indexer's top-4), sliding window with sinks, hyper-connections, hash MoE",
+                          (("layer_types", ["heavily_compressed_attention", "compressed_sparse_attention",
+                                            "sliding_attention"]),
+                           ("compress_rates", {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
+                           ("num_attention_heads", 4), ("o_groups", 2), ("o_lora_rank", 16), ("hc_mult", 2))),
 }
 
 
