@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +40,7 @@ __all__ = ["COMPRESSED_CLASSES", "install_compressed"]
 COMPRESSED_CLASSES = ("DeepseekV4Attention",)
 
 
-def _finish(compressor: nn.Module, rotary) -> callable:
+def _finish(compressor: nn.Module, rotary) -> Callable[[Tensor, Tensor], Tensor]:
     """The compressor's norm and rotary embedding of pooled entries ``[1, T, D]`` at ``positions [1, T]``."""
 
     def finish(pooled: Tensor, positions: Tensor) -> Tensor:
