@@ -7,6 +7,7 @@ sequence mixer reads the step's documents from ``current_state().docs`` (:class:
 hybrid models computed per document are the entries of :data:`FAMILIES`.
 """
 
+from .compressed import CompressedIndex, Compression, compressed_attention
 from .batch import _cp_blockdiag_doc_ids, make_cp_blockdiag_batch_and_ctx
 from .docs import DocPlan, Piece, RankDocs, plan_documents
 from .families import FAMILIES, MixerFamily, register_family
@@ -21,6 +22,8 @@ from .state import AttentionNotRoutedError, PlanMismatchError, StepState, curren
 __all__ = [
     "AttentionNotRoutedError",
     "CPOptions",
+    "CompressedIndex",
+    "Compression",
     "DocPlan",
     "DsaIndex",
     "FAMILIES",
@@ -34,6 +37,7 @@ __all__ = [
     "StepState",
     "_cp_blockdiag_doc_ids",
     "choose_layout",
+    "compressed_attention",
     "dsa_attention",
     "configure_cp_varlen",
     "causal_conv",

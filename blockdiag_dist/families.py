@@ -175,6 +175,15 @@ for _family in (
                 "attention's needed-only exchange, no summary)",
     ),
     MixerFamily(
+        name="compressed", kind="compressed_attention", layer=None,
+        function="blockdiag_dist.compressed:compressed_attention",
+        reference="blockdiag_ref:reference_compressed_attention",
+        classes=("DeepseekV4Attention",),
+        installer="blockdiag_dist.integrations.hf_compressed:install_compressed",
+        summary="the projections (sliding key, compressor and indexer inputs) of each earlier token of the same "
+                "document held elsewhere (the attention's needed-only exchange, no summary)",
+    ),
+    MixerFamily(
         name="mamba1", kind="mamba", layer="mamba1",
         function="blockdiag_dist.mixers:selective_scan", reference="blockdiag_ref:reference_selective_scan",
         classes=("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"),

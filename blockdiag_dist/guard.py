@@ -94,7 +94,9 @@ KNOWN_MIXERS: dict[str, str] = {
     # attention computed by the layer itself, with ALiBi (Falcon's rotary variant is refused at build time by
     # register_transformers_attention, its attention does not call the interface either)
     "BloomAttention": "alibi_attention", "MptAttention": "alibi_attention", "FalconAttention": "alibi_attention",
-    # attention over compressed blocks (DeepSeek-V4), byte patching (BLT)
+    # attention over compressed blocks (DeepSeek-V4: its attention layers are computed per document, the compressed
+    # family of blockdiag_dist.families installs them; their compressors and indexers inside are then theirs; one
+    # met in any other layer is refused), byte patching (BLT)
     "DeepseekV4HCACompressor": "compressed_attention", "DeepseekV4CSACompressor": "compressed_attention",
     "DeepseekV4Indexer": "compressed_attention",
     # sparse attention over indexer-selected keys (DeepSeek-V3.2 DSA and its descendants). The attention layers of

@@ -13,7 +13,7 @@ from torch import nn
 import mixer_checks
 from blockdiag_dist import guard
 from blockdiag_dist.families import FAMILIES, MixerFamily, family_of_class, family_of_layer, register_family
-from blockdiag_dist.integrations import hf_mixers, hf_sparse
+from blockdiag_dist.integrations import hf_compressed, hf_mixers, hf_sparse
 from verify.families import SPECS
 from verify.mutants._mixers import MIXER_BUGS, mixer_module
 
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 INSTALLER_TABLES = {"gated_delta_net": hf_mixers.GATED_DELTA_NET_CLASSES, "mamba2": hf_mixers.MAMBA2_CLASSES,
                     "short_conv": hf_mixers.SHORT_CONV_CLASSES, "dsa": hf_sparse.DSA_CLASSES,
-                    "mamba1": hf_mixers.MAMBA1_CLASSES, "lightning": hf_mixers.LIGHTNING_CLASSES}
+                    "mamba1": hf_mixers.MAMBA1_CLASSES, "lightning": hf_mixers.LIGHTNING_CLASSES,
+                    "compressed": hf_compressed.COMPRESSED_CLASSES}
 
 
 def test_every_family_resolves_and_the_guard_knows_its_classes():

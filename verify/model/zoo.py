@@ -85,6 +85,15 @@ PRESETS: dict[str, Preset] = {
                               ("text_config.no_rope_layers", [1, 1, 0, 0]), ("text_config.kv_source_layers", [0, 1, 2, 2]),
                               ("text_config.mlp_layer_types", ["dense", "sparse", "sparse", "sparse"]),
                               ("text_config.layer_types", ["indexed_attention"] * 4))),
+    "deepseek_v4": Preset("deepseek_v4", "DeepSeek-V4: compressed blocks (HCA windows of 8, CSA overlapping windows "
+                          "of 4 with an indexer's top-4), sliding window with sinks, hyper-connections, MoE",
+                          (("layer_types", ["heavily_compressed_attention", "compressed_sparse_attention",
+                                            "sliding_attention"]),
+                           ("compress_rates", {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
+                           ("num_attention_heads", 4), ("o_groups", 2), ("o_lora_rank", 16), ("hc_mult", 2),
+                           # learned routing: the hash layers' table is zeros from the config (both slots expert 0),
+                           # which leaves their router a gradient of rounding only
+                           ("mlp_layer_types", ["moe", "moe", "moe"]))),
 }
 
 
