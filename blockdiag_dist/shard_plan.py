@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -209,14 +210,34 @@ class FlatIndex:
         >>> index.rows_of(torch.tensor([[7, 9, 8], [3, 4, 2]])).tolist()
         [[0, 2, 1], [4, -1, 3]]
         """
-        if self._table is not None or x.dim() != 2 or x.numel() == 0 or self.start.numel() == 0:
+        if x.dim() != 2:
             return self[x]
-        lo, hi = x.min(1).values, x.max(1).values
-        k = (torch.searchsorted(self.start, lo, right=True) - 1).clamp(min=0)
-        inside = (lo >= self.start[k]) & (hi < self.start[k] + self.length[k])
-        out = x + (self.row[k] - self.start[k])[:, None]
-        if not bool(inside.all()):
-            rest = (~inside).nonzero().flatten()
+        return self.rows_in_blocks(x.flatten(), torch.full((x.shape[0],), x.shape[1], dtype=torch.int64)).view(x.shape)
+
+    def rows_in_blocks(self, x: Tensor, lengths: Tensor) -> Tensor:
+        """``self[x]`` for ``x [N]`` the concatenation of blocks of ``lengths`` ids, each spanning few flat ids:
+        a block whose span ``[min, max]`` lies in one run of the buffer is that run's row offset plus ``x`` (one
+        search per block, not per id, in numpy over the blocks); the others are looked up id by id.
+
+        >>> index = FlatIndex(torch.tensor([7, 8, 9, 2, 3]))
+        >>> index.rows_in_blocks(torch.tensor([7, 9, 8, 3, 4, 2]), torch.tensor([3, 0, 3])).tolist()
+        [0, 2, 1, 4, -1, 3]
+        """
+        if self._table is not None or x.numel() == 0 or self.start.numel() == 0:
+            return self[x]
+        xn, n = x.numpy(), lengths.numpy()
+        nz = n > 0
+        at = (np.cumsum(n) - n)[nz]
+        lo, hi = np.minimum.reduceat(xn, at), np.maximum.reduceat(xn, at)
+        start, length, row = self.start.numpy(), self.length.numpy(), self.row.numpy()
+        k = np.maximum(np.searchsorted(start, lo, side="right") - 1, 0)
+        inside = np.ones(n.size, dtype=bool)
+        inside[nz] = (lo >= start[k]) & (hi < start[k] + length[k])
+        offset = np.zeros(n.size, dtype=np.int64)
+        offset[nz] = row[k] - start[k]
+        out = torch.from_numpy(xn + np.repeat(offset, n))
+        if not inside.all():
+            rest = torch.from_numpy(np.repeat(~inside, n))
             out[rest] = self[x[rest]]
         return out
 
