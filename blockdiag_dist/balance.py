@@ -140,23 +140,24 @@ def _assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[list[li
 def _assign_array(w: np.ndarray, world: int, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_assign` on arrays: ``(owned [world, per_rank] in owned order, loads [world])``."""
     owned, loads = _lpt(w, world, per_rank)
+    owned_w = w[owned]  # the chunks' work, kept beside ``owned`` through the swaps
     for _ in range(_MAX_SWAPS):
         hi, lo = int(np.argmax(loads)), int(np.argmin(loads))
-        gap = loads[hi] - loads[lo]
-        a_idx, b_idx = owned[hi], owned[lo]
-        d = w[a_idx][:, None] - w[b_idx][None, :]
-        ok = (d > 0) & (d < gap)
-        if not ok.any():
-            break
-        new_max = np.where(ok, np.maximum(loads[hi] - d, loads[lo] + d), np.inf)
+        l_hi, l_lo = loads[hi], loads[lo]
+        d = np.subtract.outer(owned_w[hi], owned_w[lo])
+        # the larger of the two loads after each swap; inf where a swap would not narrow the gap (d <= 0 or
+        # d >= gap): then no swap is taken (inf >= l_hi)
+        new_max = np.maximum(l_hi - d, l_lo + d)
+        new_max[(d <= 0) | (d >= l_hi - l_lo)] = np.inf
         i = int(np.argmin(new_max))  # the first best pair, row-major over (owned[hi], owned[lo])
-        if new_max.flat[i] >= loads[hi]:
+        if new_max.flat[i] >= l_hi:
             break
-        ia, ib = divmod(i, b_idx.size)
+        ia, ib = divmod(i, per_rank)
         dd = d[ia, ib]
-        owned[hi, ia], owned[lo, ib] = b_idx[ib], a_idx[ia]
-        loads[hi] -= dd
-        loads[lo] += dd
+        owned[hi, ia], owned[lo, ib] = owned[lo, ib], owned[hi, ia]
+        owned_w[hi, ia], owned_w[lo, ib] = owned_w[lo, ib], owned_w[hi, ia]
+        loads[hi] = l_hi - dd
+        loads[lo] = l_lo + dd
     return owned, loads
 
 
