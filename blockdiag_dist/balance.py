@@ -79,27 +79,28 @@ class CumulativeWork:
 
     def __init__(self, layout: DocLayout) -> None:
         self.seq_len, self.batch_size = layout.seq_len, layout.batch_size
-        row, start, end = (c.contiguous() for c in layout.segments.unbind(1))
+        seg = layout.segments.numpy()  # numpy on the host: a search runs per candidate edge set, many per step
+        row, start, end = seg[:, 0], seg[:, 1], seg[:, 2]
         self._start = row * self.seq_len + start  # flat, ascending (documents are row-major)
         self._end = row * self.seq_len + end
         n = end - start
-        self._before = torch.nn.functional.pad(torch.cumsum(n * (n + 1) // 2, 0), (1, 0))  # [N + 1]
+        self._before = np.concatenate([[0], np.cumsum(n * (n + 1) // 2)]).astype(np.int64)  # [N + 1]
 
-    def _flat(self, y: Tensor) -> Tensor:
+    def _flat(self, y: np.ndarray) -> np.ndarray:
         """int64 work of the flat positions before ``y`` (rows flattened)."""
-        k = torch.searchsorted(self._end, y, right=True)  # documents ending at or before y
+        k = np.searchsorted(self._end, y, side="right")  # documents ending at or before y
         total = self._before[k]
-        if self._start.numel():
-            cut = k < self._start.numel()
-            n = (y - self._start[k.clamp(max=self._start.numel() - 1)]).clamp(min=0) * cut
+        if self._start.size:
+            cut = k < self._start.size
+            n = np.maximum(y - self._start[np.minimum(k, self._start.size - 1)], 0) * cut
             total = total + n * (n + 1) // 2
         return total
 
     def at(self, edges: Tensor) -> Tensor:
         """float64 ``[E]``: the work of positions ``< edges`` (edges past ``S`` count as ``S``)."""
-        x = edges.to(torch.int64).clamp(0, self.seq_len)
-        rows = torch.arange(self.batch_size)[:, None] * self.seq_len
-        return (self._flat(rows + x[None]) - self._flat(rows)).sum(0).to(torch.float64)
+        x = np.clip(edges.numpy().astype(np.int64, copy=False), 0, self.seq_len)
+        rows = np.arange(self.batch_size, dtype=np.int64)[:, None] * self.seq_len
+        return torch.from_numpy((self._flat(rows + x[None]) - self._flat(rows)).sum(0).astype(np.float64))
 
     def equal_chunks(self, chunks: int, chunk_len: int) -> list[float]:
         """The work of ``chunks`` consecutive chunks of ``chunk_len`` positions from 0."""
