@@ -237,9 +237,78 @@ class FlatIndex:
         offset[nz] = row[k] - start[k]
         out = torch.from_numpy(xn + np.repeat(offset, n))
         if not inside.all():
-            rest = torch.from_numpy(np.repeat(~inside, n))
-            out[rest] = self[x[rest]]
+            out[torch.from_numpy(np.repeat(~inside, n))] = torch.from_numpy(self._span_tables(xn, n, ~inside, lo, hi, nz))
         return out
+
+    def _span_tables(self, xn: np.ndarray, n: np.ndarray, rest: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                     nz: np.ndarray) -> np.ndarray:
+        """The rows of the ids of the blocks ``rest`` (bool over all blocks; ``lo``/``hi`` their spans, over the
+        nonempty blocks ``nz``), from one lookup table per block over its span, filled from the runs that meet
+        it (one range per intersection): ``O(ids + spans + intersections)``, no search per id. A block's ids are
+        a few runs' worth of positions, so its span is about its length; where the spans add up to far more
+        than the ids, a search per id."""
+        start, length, row = self.start.numpy(), self.length.numpy(), self.row.numpy()
+        blocks = np.flatnonzero(rest)
+        span_of = np.zeros(n.size, dtype=np.int64)
+        lo_of = np.zeros(n.size, dtype=np.int64)
+        span_of[nz], lo_of[nz] = hi - lo + 1, lo
+        b_lo, b_span = lo_of[blocks], span_of[blocks]
+        ids = xn[np.repeat(rest, n)]
+        if int(b_span.sum()) > 4 * ids.size + 4096:
+            j = np.searchsorted(start, ids, side="right") - 1
+            jc = np.maximum(j, 0)
+            off = ids - start[jc]
+            return np.where((j >= 0) & (off < length[jc]), row[jc] + off, -1)
+        base = np.cumsum(b_span) - b_span  # each block's table inside one concatenated table
+        k0 = np.maximum(np.searchsorted(start, b_lo, side="right") - 1, 0)
+        k1 = np.searchsorted(start, b_lo + b_span - 1, side="right") - 1
+        cnt = np.maximum(k1 - k0 + 1, 0)
+        blk = np.repeat(np.arange(blocks.size), cnt)
+        run = _np_ranges(k0, cnt)
+        s = np.maximum(start[run], b_lo[blk])
+        e = np.minimum(start[run] + length[run], b_lo[blk] + b_span[blk])
+        keep = e > s
+        blk, run, s, e = blk[keep], run[keep], s[keep], e[keep]
+        table = np.full(int(b_span.sum()), -1, dtype=np.int64)
+        table[_np_ranges(base[blk] + s - b_lo[blk], e - s)] = _np_ranges(row[run] + s - start[run], e - s)
+        per = np.repeat(np.arange(blocks.size), n[blocks])
+        return table[base[per] + ids - b_lo[per]]
+
+
+    def rows_of_ranges(self, first: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """int64 numpy: ``self[x]`` for ``x`` the concatenation of ``arange(f, f + n)`` over ``(first, lengths)``: each
+        range met by the runs it crosses, one slice per intersection (no per-id search or table).
+
+        >>> index = FlatIndex(torch.tensor([7, 8, 9, 2, 3]))
+        >>> index.rows_of_ranges(np.array([1, 8]), np.array([4, 3])).tolist()
+        [-1, 3, 4, -1, 1, 2, -1]
+        """
+        start, length, row = self.start.numpy(), self.length.numpy(), self.row.numpy()
+        out = np.full(int(lengths.sum()), -1, dtype=np.int64)
+        if start.size == 0 or out.size == 0:
+            return out
+        at = np.cumsum(lengths) - lengths  # where each range's rows go in ``out``
+        k0 = np.maximum(np.searchsorted(start, first, side="right") - 1, 0)
+        k1 = np.searchsorted(start, first + lengths - 1, side="right") - 1
+        cnt = np.where(lengths > 0, np.maximum(k1 - k0 + 1, 0), 0)
+        rng = np.repeat(np.arange(first.size), cnt)
+        run = _np_ranges(k0, cnt)
+        s = np.maximum(start[run], first[rng])
+        e = np.minimum(start[run] + length[run], first[rng] + lengths[rng])
+        keep = e > s
+        dst, src, m = (at[rng] + s - first[rng])[keep], (row[run] + s - start[run])[keep], (e - s)[keep]
+        if dst.size <= 4096:  # few long intersections: one slice each
+            for d, r, k in zip(dst.tolist(), src.tolist(), m.tolist()):
+                out[d:d + k] = np.arange(r, r + k)
+        else:
+            out[_np_ranges(dst, m)] = _np_ranges(src, m)
+        return out
+
+
+def _np_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + k)`` for each ``(s, k)`` (numpy)."""
+    ends = np.cumsum(lengths)
+    return np.arange(int(ends[-1]) if lengths.size else 0, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
 
 
 def plan_shards(seq_len: int, world: int, layout: str = "contiguous", *, work: Tensor | None = None) -> ShardPlan:

@@ -340,6 +340,51 @@ def _ragged(n: np.ndarray) -> np.ndarray:
     return np.arange(int(ends[-1]) if n.size else 0, dtype=np.int64) - np.repeat(ends - n, n)
 
 
+def _is_range(x: np.ndarray) -> bool:
+    """Whether ``x`` is ``[s, s + 1, ..., s + len - 1]``."""
+    return x.size == 0 or (int(x[-1]) - int(x[0]) == x.size - 1 and bool((np.diff(x) == 1).all()))
+
+
+_SLAB = 1 << 18  # key slots handled at once: a few arrays of this many int64 stay in the CPU's cache
+
+
+def _slabs(lk: np.ndarray, plain: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive ranges of blocks ``[a, b)`` of at most ``_SLAB`` key slots each (or one block, when larger), all
+    ``plain`` or none."""
+    ends = np.cumsum(lk)
+    change = np.flatnonzero(plain[1:] != plain[:-1]) + 1  # a slab never crosses these
+    out, a = [], 0
+    while a < lk.size:
+        done = int(ends[a - 1]) if a else 0
+        b = max(int(np.searchsorted(ends, done + _SLAB, side="right")), a + 1)
+        nxt = change[np.searchsorted(change, a, side="right"):][:1]
+        if nxt.size:
+            b = min(b, int(nxt[0]))
+        out.append((a, b))
+        a = b
+    return out
+
+
+def _key_rows(blk: dict, base: np.ndarray, lk: np.ndarray, a: int, b: int, key_lut, plain: bool) -> np.ndarray:
+    """The key-buffer rows of the key slots of blocks ``[a, b)``: slot ``c`` is position ``k0 + kdir * c`` clamped
+    to ``[klo, khi]`` of its piece's row (``plain``: every block's slots are ``[klo, khi]`` in order, one range of
+    flat ids each); a key outside the needed set can only sit where no real query looks, so any present key will
+    do (the block's first real query's own)."""
+    n = lk[a:b]
+    if plain:
+        k = torch.from_numpy(key_lut.rows_of_ranges(base[a:b] + blk["klo"][a:b], n))
+    else:
+        kb, c = np.repeat(np.arange(a, b), n), _ragged(n)
+        kflat = base[kb] + np.minimum(np.maximum(blk["k0"][kb] + blk["kdir"][kb] * c, blk["klo"][kb]), blk["khi"][kb])
+        k = _rows_in_blocks(key_lut, torch.from_numpy(kflat), torch.from_numpy(n))
+    missing = (k < 0).nonzero().flatten()
+    if missing.numel():
+        kb = torch.repeat_interleave(torch.arange(a, b), torch.from_numpy(n))
+        k[missing] = key_lut[torch.from_numpy(base + blk["qlo"])[kb[missing]]]
+    assert bool((k >= 0).all()), "varlen plan: a piece's key is missing from the key buffer"
+    return k.numpy()
+
+
 def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut, Tq: int, left: int) -> BucketPlan:
     """Group blocks by (role, kind, Lq, Lk), primary buckets first, and build each bucket's gather indices,
     output rows and (kind MASKED only) mask. ``p_row0``: local row a piece's position 0 would have;
@@ -366,17 +411,13 @@ def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut, Tq: int,
     valid = (qpos >= qlo) & (qpos <= qhi)
     q_index = row0[qb] + np.minimum(np.maximum(qpos, qlo), qhi)
     # key slots: slot c is position k0 + kdir * c clamped to [klo, khi]
-    kb, c = np.repeat(np.arange(nb), lk), _ragged(lk)
-    kraw = blk["k0"][kb] + blk["kdir"][kb] * c
-    kflat = base[kb] + np.minimum(np.maximum(kraw, blk["klo"][kb]), blk["khi"][kb])
-    k_index = _rows_in_blocks(key_lut, torch.from_numpy(kflat), torch.from_numpy(lk))
-    # keys outside the needed set can only sit where no real query looks: any present key will do
-    missing = (k_index < 0).nonzero().flatten()
-    if missing.numel():
-        kbm = torch.from_numpy(kb)[missing]
-        k_index[missing] = key_lut[torch.from_numpy(base + blk["qlo"])[kbm]]
-    assert bool((k_index >= 0).all()), "varlen plan: a piece's key is missing from the key buffer"
-    k_np = k_index.numpy()
+    # a block whose slots are its positions in order, unclamped, is one range of flat ids
+    plain = (blk["kdir"] == 1) & (blk["k0"] == blk["klo"]) & (blk["khi"] - blk["klo"] + 1 == lk)
+    if not hasattr(key_lut, "rows_of_ranges"):
+        plain[:] = False
+    slabs = [_key_rows(blk, base, lk, a, b, key_lut, bool(plain[a])) for a, b in _slabs(lk, plain)]
+    k_np = slabs[0] if len(slabs) == 1 else np.concatenate(slabs) if slabs else np.zeros(0, np.int64)
+    k_index = torch.from_numpy(k_np)
     # every padded slot gets a spare row of its own (>= Tq); a real row with two slots is merged
     rows = np.where(valid, q_index, -1)
     padded = ~valid
@@ -393,25 +434,17 @@ def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut, Tq: int,
     if nbk:
         any_shared = np.add.reduceat(slot_shared, qs[:-1]) > 0
         any_padded = np.add.reduceat(padded.astype(np.int64), qs[:-1]) > 0
-        # one range of rows: a bucket of one block whose slots step by one
-        q_step = np.ones(q_index.size, dtype=np.int64)
-        q_step[1:] = q_index[1:] != q_index[:-1] + 1
-        q_step[qs[:-1]] = 1
-        k_step = np.ones(k_np.size, dtype=np.int64)
-        k_step[1:] = k_np[1:] != k_np[:-1] + 1
-        k_step[ks[:-1]] = 1
-        q_range = np.add.reduceat(q_step, qs[:-1]) == 1
-        k_range = np.add.reduceat(k_step, ks[:-1]) == 1
     one = ((bounds[1:] - bounds[:-1]) == 1).tolist()
     q_t, rows_t = torch.from_numpy(q_index), torch.from_numpy(rows)
     buckets: list[Bucket] = []
-    q_keep, k_keep = np.zeros(q_index.size, dtype=bool), np.zeros(kflat.size, dtype=bool)
+    q_keep, k_keep = np.zeros(q_index.size, dtype=bool), np.zeros(k_np.size, dtype=bool)
     qsl, ksl, bl = qs.tolist(), ks.tolist(), bounds.tolist()
     for g, key in enumerate(group_key[first].tolist()):
         role, kind, lqg, lkg = key >> 62, (key >> 60) & 3, (key >> 30) & (2**30 - 1), key & (2**30 - 1)
         n, q0, q1, k0, k1 = bl[g + 1] - bl[g], qsl[g], qsl[g + 1], ksl[g], ksl[g + 1]
-        q_start = int(q_index[q0]) if one[g] and q_range[g] else -1
-        k_start = int(k_np[k0]) if one[g] and k_range[g] else -1
+        # one range of rows: a bucket of one block whose slots step by one
+        q_start = int(q_index[q0]) if one[g] and _is_range(q_index[q0:q1]) else -1
+        k_start = int(k_np[k0]) if one[g] and _is_range(k_np[k0:k1]) else -1
         if q_start < 0:
             q_keep[q0:q1] = True
         if k_start < 0:
@@ -420,7 +453,8 @@ def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut, Tq: int,
         if kind == MASKED:  # bottom-right causal within the window; padded query slots see one real key
             qp = torch.from_numpy(qpos[q0:q1]).view(n, lqg, 1)
             val = torch.from_numpy(valid[q0:q1]).view(n, lqg, 1)
-            kp = torch.from_numpy(kraw[k0:k1]).view(n, 1, lkg)
+            b0 = bl[g]
+            kp = torch.from_numpy(blk["k0"][b0:b0 + n, None] + blk["kdir"][b0:b0 + n, None] * np.arange(lkg)).view(n, 1, lkg)
             khi = torch.from_numpy(blk["khi"][bl[g]:bl[g + 1]]).view(n, 1, 1)
             m = val & (kp <= khi) & (kp <= qp) & (kp >= qp - left)
             mask = (m | (~val & (torch.arange(lkg) == 0)))[:, None]
