@@ -147,6 +147,7 @@ class FlatIndex:
     DENSE_UP_TO = 1 << 16  # a flat space this small gets a plain lookup table (faster for small batches)
     WINDOW_FROM = 1 << 12  # this many ids or more, over a span at most WINDOW_SPAN times as long: a table of the span
     WINDOW_SPAN = 4
+    SPAN_SLACK = 4096  # ragged blocks (rows_in_blocks): spans this much beyond WINDOW_SPAN times their ids still get tables
 
     def __init__(self, flat: Tensor, space: int | None = None) -> None:
         first = torch.ones(flat.numel(), dtype=torch.bool)
@@ -254,7 +255,7 @@ class FlatIndex:
         span_of[nz], lo_of[nz] = hi - lo + 1, lo
         b_lo, b_span = lo_of[blocks], span_of[blocks]
         ids = xn[np.repeat(rest, n)]
-        if int(b_span.sum()) > 4 * ids.size + 4096:
+        if int(b_span.sum()) > self.WINDOW_SPAN * ids.size + self.SPAN_SLACK:
             j = np.searchsorted(start, ids, side="right") - 1
             jc = np.maximum(j, 0)
             off = ids - start[jc]
