@@ -21,6 +21,9 @@ Run ``python -m bench --only plan`` (or :func:`time_plan` for one case)::
     >>> row = time_plan(1 << 17, 8, "few", "contiguous", reps=1)
     >>> sorted(row) == ['S', 'cp', 'docs', 'layout', 'mix', 'rank_ms', 'replicated_ms', 'scan_ms', 'total_ms']
     True
+
+The section ends with the goal lines (:func:`plan_goals`): per layout, the worst case at S = 1M / CP 64 (<= 20 ms),
+at S = 16M / CP 1,024 (<= 100 ms) and the worst growth ``time(16M) / time(1M)`` at equal documents (<= 1.5).
 """
 
 from __future__ import annotations
@@ -114,4 +117,31 @@ def bench_plan(sizes, cps, mixes=tuple(MIXES), layouts=LAYOUTS, reps: int = 3, e
                     growth.append({"cp": cp, "mix": mix, "layout": layout, "S_from": lo, "S_to": hi,
                                    "replicated": b[0]["replicated_ms"] / a[0]["replicated_ms"],
                                    "total": b[0]["total_ms"] / a[0]["total_ms"]})
-    return {"rows": rows, "growth": growth, "threads": threads}
+    return {"rows": rows, "growth": growth, "threads": threads, "goals": plan_goals(rows, growth, layouts)}
+
+
+# The issue's goals for the whole per-step planning of one rank: (S, CP) -> milliseconds, and the growth in S.
+GOAL_MS = {(1 << 20, 64): 20.0, (1 << 24, 1024): 100.0}
+GOAL_GROWTH = 1.5  # time(16M) / time(1M) at equal document count
+
+
+def plan_goals(rows: list[dict], growth: list[dict], layouts=LAYOUTS) -> list[dict]:
+    """Per layout and goal: the worst measured case against the limit (``met`` None where the sweep did not
+    measure it). Milliseconds: ``total_ms`` at each (S, CP) of :data:`GOAL_MS`, every document mix; growth:
+    ``total`` of the growth rows from 1M to 16M (equal document counts: ``few`` and ``many``)."""
+    out = []
+    for layout in layouts:
+        for (S, cp), limit in GOAL_MS.items():
+            got = [r for r in rows if (r["S"], r["cp"], r["layout"]) == (S, cp, layout)]
+            worst = max(got, key=lambda r: r["total_ms"]) if got else None
+            out.append({"goal": f"<= {limit:g} ms at S={S / 2**20:g}M, CP {cp}", "layout": layout, "limit": limit,
+                        "figure": worst["total_ms"] if worst else None,
+                        "case": f"{worst['mix']} ({worst['docs']} documents)" if worst else "not measured",
+                        "met": (worst["total_ms"] <= limit) if worst else None})
+        got = [g for g in growth if g["layout"] == layout and (g["S_from"], g["S_to"]) == (1 << 20, 1 << 24)]
+        worst = max(got, key=lambda g: g["total"]) if got else None
+        out.append({"goal": f"time(16M) / time(1M) <= {GOAL_GROWTH:g} at equal documents", "layout": layout,
+                    "limit": GOAL_GROWTH, "figure": worst["total"] if worst else None,
+                    "case": f"CP {worst['cp']}, {worst['mix']}" if worst else "not measured",
+                    "met": (worst["total"] <= GOAL_GROWTH) if worst else None})
+    return out

@@ -231,7 +231,11 @@ def plan_tables(p: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                f"{g['replicated']:.2f}x", f"{g['total']:.2f}x"] for g in p["growth"]]
     return [(f"Per-step planning of one rank, ms (torch threads {p['threads']})",
              ["S", "CP", "documents", "layout", "replicated", "of which the doc-id scan", "rank's own", "total"], rows),
-            ("Planning growth with S at equal document count", ["CP", "documents", "layout", "S", "replicated", "total"], growth)]
+            ("Planning growth with S at equal document count", ["CP", "documents", "layout", "S", "replicated", "total"], growth),
+            ("Planning goals (worst case per layout)", ["goal", "layout", "worst case", "figure", "met"],
+             [[g["goal"], g["layout"], g["case"], "-" if g["figure"] is None else
+               (f"{g['figure']:.1f} ms" if "ms" in g["goal"] else f"{g['figure']:.2f}x"),
+               {True: "met", False: "not met", None: "not measured"}[g["met"]]] for g in p.get("goals", [])])]
 
 
 def hybrid_tables(h: dict) -> list[tuple[str, list[str], list[list[str]]]]:

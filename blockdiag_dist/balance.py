@@ -79,27 +79,28 @@ class CumulativeWork:
 
     def __init__(self, layout: DocLayout) -> None:
         self.seq_len, self.batch_size = layout.seq_len, layout.batch_size
-        row, start, end = (c.contiguous() for c in layout.segments.unbind(1))
+        seg = layout.segments.numpy()  # numpy on the host: a search runs per candidate edge set, many per step
+        row, start, end = seg[:, 0], seg[:, 1], seg[:, 2]
         self._start = row * self.seq_len + start  # flat, ascending (documents are row-major)
         self._end = row * self.seq_len + end
         n = end - start
-        self._before = torch.nn.functional.pad(torch.cumsum(n * (n + 1) // 2, 0), (1, 0))  # [N + 1]
+        self._before = np.concatenate([[0], np.cumsum(n * (n + 1) // 2)]).astype(np.int64)  # [N + 1]
 
-    def _flat(self, y: Tensor) -> Tensor:
+    def _flat(self, y: np.ndarray) -> np.ndarray:
         """int64 work of the flat positions before ``y`` (rows flattened)."""
-        k = torch.searchsorted(self._end, y, right=True)  # documents ending at or before y
+        k = np.searchsorted(self._end, y, side="right")  # documents ending at or before y
         total = self._before[k]
-        if self._start.numel():
-            cut = k < self._start.numel()
-            n = (y - self._start[k.clamp(max=self._start.numel() - 1)]).clamp(min=0) * cut
+        if self._start.size:
+            cut = k < self._start.size
+            n = np.maximum(y - self._start[np.minimum(k, self._start.size - 1)], 0) * cut
             total = total + n * (n + 1) // 2
         return total
 
     def at(self, edges: Tensor) -> Tensor:
         """float64 ``[E]``: the work of positions ``< edges`` (edges past ``S`` count as ``S``)."""
-        x = edges.to(torch.int64).clamp(0, self.seq_len)
-        rows = torch.arange(self.batch_size)[:, None] * self.seq_len
-        return (self._flat(rows + x[None]) - self._flat(rows)).sum(0).to(torch.float64)
+        x = np.clip(edges.numpy().astype(np.int64, copy=False), 0, self.seq_len)
+        rows = np.arange(self.batch_size, dtype=np.int64)[:, None] * self.seq_len
+        return torch.from_numpy((self._flat(rows + x[None]) - self._flat(rows)).sum(0).astype(np.float64))
 
     def equal_chunks(self, chunks: int, chunk_len: int) -> list[float]:
         """The work of ``chunks`` consecutive chunks of ``chunk_len`` positions from 0."""
@@ -140,23 +141,24 @@ def _assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[list[li
 def _assign_array(w: np.ndarray, world: int, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_assign` on arrays: ``(owned [world, per_rank] in owned order, loads [world])``."""
     owned, loads = _lpt(w, world, per_rank)
+    owned_w = w[owned]  # the chunks' work, kept beside ``owned`` through the swaps
     for _ in range(_MAX_SWAPS):
         hi, lo = int(np.argmax(loads)), int(np.argmin(loads))
-        gap = loads[hi] - loads[lo]
-        a_idx, b_idx = owned[hi], owned[lo]
-        d = w[a_idx][:, None] - w[b_idx][None, :]
-        ok = (d > 0) & (d < gap)
-        if not ok.any():
-            break
-        new_max = np.where(ok, np.maximum(loads[hi] - d, loads[lo] + d), np.inf)
+        l_hi, l_lo = loads[hi], loads[lo]
+        d = np.subtract.outer(owned_w[hi], owned_w[lo])
+        # the larger of the two loads after each swap; inf where a swap would not narrow the gap (d <= 0 or
+        # d >= gap): then no swap is taken (inf >= l_hi)
+        new_max = np.maximum(l_hi - d, l_lo + d)
+        new_max[(d <= 0) | (d >= l_hi - l_lo)] = np.inf
         i = int(np.argmin(new_max))  # the first best pair, row-major over (owned[hi], owned[lo])
-        if new_max.flat[i] >= loads[hi]:
+        if new_max.flat[i] >= l_hi:
             break
-        ia, ib = divmod(i, b_idx.size)
+        ia, ib = divmod(i, per_rank)
         dd = d[ia, ib]
-        owned[hi, ia], owned[lo, ib] = b_idx[ib], a_idx[ia]
-        loads[hi] -= dd
-        loads[lo] += dd
+        owned[hi, ia], owned[lo, ib] = owned[lo, ib], owned[hi, ia]
+        owned_w[hi, ia], owned_w[lo, ib] = owned_w[lo, ib], owned_w[hi, ia]
+        loads[hi] = l_hi - dd
+        loads[lo] = l_lo + dd
     return owned, loads
 
 

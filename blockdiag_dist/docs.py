@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -222,28 +223,36 @@ def _keys_before(t: Tensor, left: int) -> Tensor:
     return torch.where(t <= w, t * (t + 1) // 2, w * (w + 1) // 2 + (t - w) * w)
 
 
+def _ragged_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` for each ``(s, n)`` (numpy)."""
+    ends = np.cumsum(lengths)
+    return np.arange(int(ends[-1]) if lengths.size else 0, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
+
+
 def piece_table(layout: DocLayout, shards: ShardPlan) -> dict[str, Tensor]:
     """The pieces of every rank as columns (see :class:`DocPlan`), in document order: each document ``[s, e)``
     of row ``b`` intersected with each shard run ``[a, a + n)`` it overlaps, found by ``searchsorted`` over the
-    documents' flat starts and ends (``b * Sp + position``)."""
+    documents' flat starts and ends (``b * Sp + position``). Numpy over the documents and runs (a dozen calls
+    on arrays of ``N`` and ``B * R``), torch columns out."""
     sp, B = shards.padded_len, layout.batch_size
-    spans = layout.segments
-    d_row, d_start, d_end = (c.contiguous() for c in spans.unbind(1))
+    spans = layout.segments.numpy()
+    d_row, d_start, d_end = spans[:, 0], spans[:, 1], spans[:, 2]
     f_start, f_end = d_row * sp + d_start, d_row * sp + d_end  # ascending
-    runs = shards.runs  # [R, 4] (rank, start, length, local_start)
-    r_rank, r_start, r_len, r_local = (c.repeat(B) for c in runs.unbind(1))
-    r_row = torch.arange(B).repeat_interleave(runs.shape[0])
+    runs = shards.runs.numpy()  # [R, 4] (rank, start, length, local_start)
+    r_rank, r_start, r_len, r_local = (np.tile(runs[:, k], B) for k in range(4))
+    r_row = np.repeat(np.arange(B, dtype=np.int64), runs.shape[0])
     x0 = r_row * sp + r_start
-    first = torch.searchsorted(f_end, x0, right=True)  # first document ending after the run starts
-    count = (torch.searchsorted(f_start, x0 + r_len) - first).clamp(min=0)  # ... up to the last starting before it ends
-    run = torch.repeat_interleave(torch.arange(x0.numel()), count)
-    doc = interval_ranges(first, count)
-    start = torch.maximum(d_start[doc], r_start[run])
-    end = torch.minimum(d_end[doc], r_start[run] + r_len[run])
+    first = np.searchsorted(f_end, x0, side="right")  # first document ending after the run starts
+    count = np.maximum(np.searchsorted(f_start, x0 + r_len) - first, 0)  # ... up to the last starting before it ends
+    run = np.repeat(np.arange(x0.size, dtype=np.int64), count)
+    doc = _ragged_ranges(first, count)
+    start = np.maximum(d_start[doc], r_start[run])
+    end = np.minimum(d_end[doc], r_start[run] + r_len[run])
+    order = np.argsort(doc * sp + start, kind="stable")  # (document, start): distinct for distinct pieces
+    doc, run, start, end = doc[order], run[order], start[order], end[order]
     table = {"rank": r_rank[run], "doc": doc, "row": r_row[run], "start": start, "length": end - start,
              "local_start": r_local[run] + start - r_start[run], "doc_start": d_start[doc], "doc_end": d_end[doc]}
-    order = torch.argsort(doc * sp + start)
-    return {k: v[order] for k, v in table.items()}
+    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)) for k, v in table.items()}
 
 
 def plan_documents(layout: DocLayout, shards: ShardPlan) -> DocPlan:
@@ -261,13 +270,17 @@ def plan_documents(layout: DocLayout, shards: ShardPlan) -> DocPlan:
     """
     B, sp = layout.batch_size, shards.padded_len
     spans = layout.segments  # [N, 3] (row, start, end)
-    f_start, f_end = spans[:, 0] * sp + spans[:, 1], spans[:, 0] * sp + spans[:, 2]  # contiguous results
+    s = spans.numpy()
+    f_start, f_end = s[:, 0] * sp + s[:, 1], s[:, 0] * sp + s[:, 2]
     # segments of the flattened padded stream: every document, every run of padding, a new one at every row start
-    cu_seqlens = torch.unique(torch.cat([torch.arange(B + 1) * sp, f_start, f_end]))
-    at = torch.searchsorted(f_start, cu_seqlens[:-1]).clamp(max=max(f_start.numel() - 1, 0))
-    is_doc = f_start[at] == cu_seqlens[:-1] if f_start.numel() else torch.zeros(cu_seqlens.numel() - 1, dtype=torch.bool)
-    segment_doc = torch.where(is_doc, at, -1)
-    return DocPlan(shards=shards, batch_size=B, cu_seqlens=cu_seqlens, segment_doc=segment_doc, doc_spans=spans.clone(),
+    cu_seqlens = np.unique(np.concatenate([np.arange(B + 1, dtype=np.int64) * sp, f_start, f_end]))
+    if f_start.size:
+        at = np.minimum(np.searchsorted(f_start, cu_seqlens[:-1]), f_start.size - 1)
+        segment_doc = np.where(f_start[at] == cu_seqlens[:-1], at, -1)
+    else:
+        segment_doc = np.full(cu_seqlens.size - 1, -1, dtype=np.int64)
+    return DocPlan(shards=shards, batch_size=B, cu_seqlens=torch.from_numpy(cu_seqlens),
+                   segment_doc=torch.from_numpy(segment_doc.astype(np.int64, copy=False)), doc_spans=spans.clone(),
                    table=piece_table(layout, shards))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -146,6 +147,7 @@ class FlatIndex:
     DENSE_UP_TO = 1 << 16  # a flat space this small gets a plain lookup table (faster for small batches)
     WINDOW_FROM = 1 << 12  # this many ids or more, over a span at most WINDOW_SPAN times as long: a table of the span
     WINDOW_SPAN = 4
+    SPAN_SLACK = 4096  # ragged blocks (rows_in_blocks): spans this much beyond WINDOW_SPAN times their ids still get tables
 
     def __init__(self, flat: Tensor, space: int | None = None) -> None:
         first = torch.ones(flat.numel(), dtype=torch.bool)
@@ -209,16 +211,105 @@ class FlatIndex:
         >>> index.rows_of(torch.tensor([[7, 9, 8], [3, 4, 2]])).tolist()
         [[0, 2, 1], [4, -1, 3]]
         """
-        if self._table is not None or x.dim() != 2 or x.numel() == 0 or self.start.numel() == 0:
+        if x.dim() != 2:
             return self[x]
-        lo, hi = x.min(1).values, x.max(1).values
-        k = (torch.searchsorted(self.start, lo, right=True) - 1).clamp(min=0)
-        inside = (lo >= self.start[k]) & (hi < self.start[k] + self.length[k])
-        out = x + (self.row[k] - self.start[k])[:, None]
-        if not bool(inside.all()):
-            rest = (~inside).nonzero().flatten()
-            out[rest] = self[x[rest]]
+        return self.rows_in_blocks(x.flatten(), torch.full((x.shape[0],), x.shape[1], dtype=torch.int64)).view(x.shape)
+
+    def rows_in_blocks(self, x: Tensor, lengths: Tensor) -> Tensor:
+        """``self[x]`` for ``x [N]`` the concatenation of blocks of ``lengths`` ids, each spanning few flat ids:
+        a block whose span ``[min, max]`` lies in one run of the buffer is that run's row offset plus ``x`` (one
+        search per block, not per id, in numpy over the blocks); the others are looked up id by id.
+
+        >>> index = FlatIndex(torch.tensor([7, 8, 9, 2, 3]))
+        >>> index.rows_in_blocks(torch.tensor([7, 9, 8, 3, 4, 2]), torch.tensor([3, 0, 3])).tolist()
+        [0, 2, 1, 4, -1, 3]
+        """
+        if self._table is not None or x.numel() == 0 or self.start.numel() == 0:
+            return self[x]
+        xn, n = x.numpy(), lengths.numpy()
+        nz = n > 0
+        at = (np.cumsum(n) - n)[nz]
+        lo, hi = np.minimum.reduceat(xn, at), np.maximum.reduceat(xn, at)
+        start, length, row = self.start.numpy(), self.length.numpy(), self.row.numpy()
+        k = np.maximum(np.searchsorted(start, lo, side="right") - 1, 0)
+        inside = np.ones(n.size, dtype=bool)
+        inside[nz] = (lo >= start[k]) & (hi < start[k] + length[k])
+        offset = np.zeros(n.size, dtype=np.int64)
+        offset[nz] = row[k] - start[k]
+        out = torch.from_numpy(xn + np.repeat(offset, n))
+        if not inside.all():
+            out[torch.from_numpy(np.repeat(~inside, n))] = torch.from_numpy(self._span_tables(xn, n, ~inside, lo, hi, nz))
         return out
+
+    def _span_tables(self, xn: np.ndarray, n: np.ndarray, rest: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                     nz: np.ndarray) -> np.ndarray:
+        """The rows of the ids of the blocks ``rest`` (bool over all blocks; ``lo``/``hi`` their spans, over the
+        nonempty blocks ``nz``), from one lookup table per block over its span, filled from the runs that meet
+        it (one range per intersection): ``O(ids + spans + intersections)``, no search per id. A block's ids are
+        a few runs' worth of positions, so its span is about its length; where the spans add up to far more
+        than the ids, a search per id."""
+        start, length, row = self.start.numpy(), self.length.numpy(), self.row.numpy()
+        blocks = np.flatnonzero(rest)
+        span_of = np.zeros(n.size, dtype=np.int64)
+        lo_of = np.zeros(n.size, dtype=np.int64)
+        span_of[nz], lo_of[nz] = hi - lo + 1, lo
+        b_lo, b_span = lo_of[blocks], span_of[blocks]
+        ids = xn[np.repeat(rest, n)]
+        if int(b_span.sum()) > self.WINDOW_SPAN * ids.size + self.SPAN_SLACK:
+            j = np.searchsorted(start, ids, side="right") - 1
+            jc = np.maximum(j, 0)
+            off = ids - start[jc]
+            return np.where((j >= 0) & (off < length[jc]), row[jc] + off, -1)
+        base = np.cumsum(b_span) - b_span  # each block's table inside one concatenated table
+        k0 = np.maximum(np.searchsorted(start, b_lo, side="right") - 1, 0)
+        k1 = np.searchsorted(start, b_lo + b_span - 1, side="right") - 1
+        cnt = np.maximum(k1 - k0 + 1, 0)
+        blk = np.repeat(np.arange(blocks.size), cnt)
+        run = _np_ranges(k0, cnt)
+        s = np.maximum(start[run], b_lo[blk])
+        e = np.minimum(start[run] + length[run], b_lo[blk] + b_span[blk])
+        keep = e > s
+        blk, run, s, e = blk[keep], run[keep], s[keep], e[keep]
+        table = np.full(int(b_span.sum()), -1, dtype=np.int64)
+        table[_np_ranges(base[blk] + s - b_lo[blk], e - s)] = _np_ranges(row[run] + s - start[run], e - s)
+        per = np.repeat(np.arange(blocks.size), n[blocks])
+        return table[base[per] + ids - b_lo[per]]
+
+
+    def rows_of_ranges(self, first: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """int64 numpy: ``self[x]`` for ``x`` the concatenation of ``arange(f, f + n)`` over ``(first, lengths)``: each
+        range met by the runs it crosses, one slice per intersection (no per-id search or table).
+
+        >>> index = FlatIndex(torch.tensor([7, 8, 9, 2, 3]))
+        >>> index.rows_of_ranges(np.array([1, 8]), np.array([4, 3])).tolist()
+        [-1, 3, 4, -1, 1, 2, -1]
+        """
+        start, length, row = self.start.numpy(), self.length.numpy(), self.row.numpy()
+        out = np.full(int(lengths.sum()), -1, dtype=np.int64)
+        if start.size == 0 or out.size == 0:
+            return out
+        at = np.cumsum(lengths) - lengths  # where each range's rows go in ``out``
+        k0 = np.maximum(np.searchsorted(start, first, side="right") - 1, 0)
+        k1 = np.searchsorted(start, first + lengths - 1, side="right") - 1
+        cnt = np.where(lengths > 0, np.maximum(k1 - k0 + 1, 0), 0)
+        rng = np.repeat(np.arange(first.size), cnt)
+        run = _np_ranges(k0, cnt)
+        s = np.maximum(start[run], first[rng])
+        e = np.minimum(start[run] + length[run], first[rng] + lengths[rng])
+        keep = e > s
+        dst, src, m = (at[rng] + s - first[rng])[keep], (row[run] + s - start[run])[keep], (e - s)[keep]
+        if dst.size <= 4096:  # few long intersections: one slice each
+            for d, r, k in zip(dst.tolist(), src.tolist(), m.tolist()):
+                out[d:d + k] = np.arange(r, r + k)
+        else:
+            out[_np_ranges(dst, m)] = _np_ranges(src, m)
+        return out
+
+
+def _np_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + k)`` for each ``(s, k)`` (numpy)."""
+    ends = np.cumsum(lengths)
+    return np.arange(int(ends[-1]) if lengths.size else 0, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
 
 
 def plan_shards(seq_len: int, world: int, layout: str = "contiguous", *, work: Tensor | None = None) -> ShardPlan:

@@ -441,3 +441,29 @@ def test_flat_index_span_tables_equal_the_search(space, data):
     assert torch.equal(_SmallWindows(flat)[x], FlatIndex(flat)[x])
     blocks = (x[:, None] + torch.arange(3)).clamp(max=space - 1)  # rows of 3 ids: in one run, across, absent
     assert torch.equal(_SmallWindows(flat).rows_of(blocks), FlatIndex(flat)[blocks])
+
+
+@SETTINGS
+@given(space=st.integers(1, 300), data=st.data())
+def test_flat_index_ragged_blocks_and_ranges_equal_id_by_id(space, data):
+    """FlatIndex.rows_in_blocks (blocks of any length, empty ones included: one lookup per block inside a run,
+    a table of each other block's span, or a search per id where the spans are long) and rows_of_ranges (ranges
+    met run by run) equal the id-by-id lookup."""
+    n = data.draw(st.integers(0, space))
+    flat = torch.randperm(space, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))[:n]
+    if data.draw(st.booleans()):
+        flat = torch.sort(flat).values
+    index = FlatIndex(flat)
+    first = torch.tensor(data.draw(st.lists(st.integers(0, space - 1), min_size=1, max_size=12)))
+    lengths = torch.tensor([data.draw(st.integers(0, space - int(f))) for f in first.tolist()])
+    ranges = interval_ranges(first, lengths)
+    assert torch.equal(torch.from_numpy(index.rows_of_ranges(first.numpy(), lengths.numpy())), index[ranges])
+    assert torch.equal(index.rows_in_blocks(ranges, lengths), index[ranges])
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
+    scattered = torch.randint(0, space, (int(lengths.sum()),), generator=gen)  # blocks of any ids, in any order
+    assert torch.equal(index.rows_in_blocks(scattered, lengths), index[scattered])
+    assert torch.equal(_NoSlack(flat).rows_in_blocks(scattered, lengths), index[scattered])  # a search per id
+
+
+class _NoSlack(FlatIndex):
+    SPAN_SLACK = 0  # blocks whose spans exceed WINDOW_SPAN times their ids are searched id by id

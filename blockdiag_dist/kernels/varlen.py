@@ -40,6 +40,7 @@ import math
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -208,6 +209,12 @@ def _rows_of(key_lut, flat: Tensor) -> Tensor:
     return key_lut.rows_of(flat) if hasattr(key_lut, "rows_of") else key_lut[flat]
 
 
+def _rows_in_blocks(key_lut, flat: Tensor, lengths: Tensor) -> Tensor:
+    """``key_lut[flat]`` for ``flat`` the concatenation of blocks of ``lengths`` ids; by block rather than by key
+    for a :class:`~blockdiag_dist.shard_plan.FlatIndex` (:meth:`~blockdiag_dist.shard_plan.FlatIndex.rows_in_blocks`)."""
+    return key_lut.rows_in_blocks(flat, lengths) if hasattr(key_lut, "rows_in_blocks") else key_lut[flat]
+
+
 def plan_varlen(
     q_flat: Tensor, k_flat: Tensor, segments: Tensor, doc_starts: Tensor, padded_len: int, window_left: int,
     *, band_min: int = BAND_MIN,
@@ -336,64 +343,136 @@ def _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, 
     return _bucket(parts, p_start - p_qfirst, p_flat0 - p_qfirst, key_lut, Tq, left)
 
 
-def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut: Tensor, Tq: int, left: int) -> BucketPlan:
+def _ragged(n: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(k)`` for each ``k`` of ``n``."""
+    ends = np.cumsum(n)
+    return np.arange(int(ends[-1]) if n.size else 0, dtype=np.int64) - np.repeat(ends - n, n)
+
+
+def _is_range(x: np.ndarray) -> bool:
+    """Whether ``x`` is ``[s, s + 1, ..., s + len - 1]``."""
+    return x.size == 0 or (int(x[-1]) - int(x[0]) == x.size - 1 and bool((np.diff(x) == 1).all()))
+
+
+_SLAB = 1 << 18  # key slots handled at once: a few arrays of this many int64 stay in the CPU's cache
+
+
+def _slabs(lk: np.ndarray, plain: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive ranges of blocks ``[a, b)`` of at most ``_SLAB`` key slots each (or one block, when larger), all
+    ``plain`` or none."""
+    ends = np.cumsum(lk)
+    change = np.flatnonzero(plain[1:] != plain[:-1]) + 1  # a slab never crosses these
+    out, a = [], 0
+    while a < lk.size:
+        done = int(ends[a - 1]) if a else 0
+        b = max(int(np.searchsorted(ends, done + _SLAB, side="right")), a + 1)
+        nxt = change[np.searchsorted(change, a, side="right"):][:1]
+        if nxt.size:
+            b = min(b, int(nxt[0]))
+        out.append((a, b))
+        a = b
+    return out
+
+
+def _key_rows(blk: dict, base: np.ndarray, lk: np.ndarray, a: int, b: int, key_lut, plain: bool) -> np.ndarray:
+    """The key-buffer rows of the key slots of blocks ``[a, b)``: slot ``c`` is position ``k0 + kdir * c`` clamped
+    to ``[klo, khi]`` of its piece's row (``plain``: every block's slots are ``[klo, khi]`` in order, one range of
+    flat ids each); a key outside the needed set can only sit where no real query looks, so any present key will
+    do (the block's first real query's own)."""
+    n = lk[a:b]
+    if plain:
+        k = torch.from_numpy(key_lut.rows_of_ranges(base[a:b] + blk["klo"][a:b], n))
+    else:
+        kb, c = np.repeat(np.arange(a, b), n), _ragged(n)
+        kflat = base[kb] + np.minimum(np.maximum(blk["k0"][kb] + blk["kdir"][kb] * c, blk["klo"][kb]), blk["khi"][kb])
+        k = _rows_in_blocks(key_lut, torch.from_numpy(kflat), torch.from_numpy(n))
+    missing = (k < 0).nonzero().flatten()
+    if missing.numel():
+        kb = torch.repeat_interleave(torch.arange(a, b), torch.from_numpy(n))
+        k[missing] = key_lut[torch.from_numpy(base + blk["qlo"])[kb[missing]]]
+    assert bool((k >= 0).all()), "varlen plan: a piece's key is missing from the key buffer"
+    return k.numpy()
+
+
+def _bucket(parts: list[dict], p_row0: Tensor, p_base: Tensor, key_lut, Tq: int, left: int) -> BucketPlan:
     """Group blocks by (role, kind, Lq, Lk), primary buckets first, and build each bucket's gather indices,
     output rows and (kind MASKED only) mask. ``p_row0``: local row a piece's position 0 would have;
-    ``p_base``: flat id of its row's position 0."""
-    full = lambda x, like: x.expand_as(like) if isinstance(x, Tensor) else torch.full_like(like, x)  # noqa: E731
+    ``p_base``: flat id of its row's position 0.
+
+    Every block's slots at once, in numpy over the blocks (each bucket a slice of one index per slot): the cost
+    is a few dozen calls whatever the number of buckets."""
     cols = ("piece", "q0", "qdir", "k0", "kdir", "klo", "khi", "qlo", "qhi", "kind", "lq", "lk", "role")
-    blk = {name: torch.cat([full(p[name], p["piece"]) for p in parts]) for name in cols}
-    group_key = blk["role"] * 2**62 + blk["kind"] * 2**60 + blk["lq"] * 2**30 + blk["lk"]  # sizes < 2**30
-    keys, group_of, counts = torch.unique(group_key, return_inverse=True, return_counts=True)  # sorted: primary first
-    # blocks grouped once (a stable sort keeps each bucket's blocks in their order), then each bucket is a slice
-    table = torch.stack([blk[name] for name in cols], 1)[torch.argsort(group_of, stable=True)]
-    bounds = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).tolist()
-    buckets: list[dict] = []
-    slot_rows: list[Tensor] = []
-    for g, key in enumerate(keys.tolist()):
-        role, kind, lq, lk = key >> 62, (key >> 60) & 3, (key >> 30) & (2**30 - 1), key & (2**30 - 1)
-        grp = table[bounds[g]:bounds[g + 1]]
-        b = {name: grp[:, j, None] for j, name in enumerate(cols)}
-        qpos = b["q0"] + b["qdir"] * torch.arange(lq)[None, :]
-        valid = (qpos >= b["qlo"]) & (qpos <= b["qhi"])
-        q_index = p_row0[b["piece"]] + torch.minimum(torch.maximum(qpos, b["qlo"]), b["qhi"])
-        kraw = b["k0"] + b["kdir"] * torch.arange(lk)[None, :]
-        kpos = torch.minimum(torch.maximum(kraw, b["klo"]), b["khi"])
-        base = p_base[b["piece"]]
-        k_index = _rows_of(key_lut, base + kpos)
-        # keys outside the needed set can only sit where no real query looks: any present key will do
-        if not bool((k_index >= 0).all()):
-            k_index = torch.where(k_index >= 0, k_index, key_lut[base + b["qlo"]])
-        assert bool((k_index >= 0).all()), "varlen plan: a piece's key is missing from the key buffer"
+    blk = {name: np.concatenate([p[name].numpy() if isinstance(p[name], Tensor) else np.full(p["piece"].numel(), p[name], np.int64)
+                                 for p in parts]).astype(np.int64, copy=False) for name in cols}
+    group_key = (blk["role"] << 62) | (blk["kind"] << 60) | (blk["lq"] << 30) | blk["lk"]  # sizes < 2**30
+    order = np.argsort(group_key, kind="stable")  # by bucket, primary first; each bucket's blocks in their order
+    blk = {name: v[order] for name, v in blk.items()}
+    group_key = group_key[order]
+    nb = group_key.size
+    first = np.flatnonzero(np.concatenate([[True], group_key[1:] != group_key[:-1]])) if nb else np.zeros(0, np.int64)
+    bounds = np.append(first, nb)  # bucket g holds blocks [bounds[g], bounds[g + 1])
+    lq, lk = blk["lq"], blk["lk"]
+    row0, base = p_row0.numpy()[blk["piece"]], p_base.numpy()[blk["piece"]]
+    # query slots: slot a of a block is position q0 + qdir * a, real iff in [qlo, qhi] (else it repeats the nearest)
+    qb, a = np.repeat(np.arange(nb), lq), _ragged(lq)
+    qpos = blk["q0"][qb] + blk["qdir"][qb] * a
+    qlo, qhi = blk["qlo"][qb], blk["qhi"][qb]
+    valid = (qpos >= qlo) & (qpos <= qhi)
+    q_index = row0[qb] + np.minimum(np.maximum(qpos, qlo), qhi)
+    # key slots: slot c is position k0 + kdir * c clamped to [klo, khi]
+    # a block whose slots are its positions in order, unclamped, is one range of flat ids
+    plain = (blk["kdir"] == 1) & (blk["k0"] == blk["klo"]) & (blk["khi"] - blk["klo"] + 1 == lk)
+    if not hasattr(key_lut, "rows_of_ranges"):
+        plain[:] = False
+    slabs = [_key_rows(blk, base, lk, a, b, key_lut, bool(plain[a])) for a, b in _slabs(lk, plain)]
+    k_np = slabs[0] if len(slabs) == 1 else np.concatenate(slabs) if slabs else np.zeros(0, np.int64)
+    k_index = torch.from_numpy(k_np)
+    # every padded slot gets a spare row of its own (>= Tq); a real row with two slots is merged
+    rows = np.where(valid, q_index, -1)
+    padded = ~valid
+    n_pad = int(padded.sum())
+    rows[padded] = Tq + np.arange(n_pad)
+    shared = np.bincount(rows[valid], minlength=Tq) > 1
+    slot_shared = np.zeros(rows.size, dtype=np.int64)
+    slot_shared[valid] = shared[rows[valid]]
+    # per bucket: slots [qs[g], qs[g + 1]) and [ks[g], ks[g + 1]); every bucket has a block and every block a slot
+    q_end, k_end = np.cumsum(lq), np.cumsum(lk)
+    qs = np.append(0, q_end)[bounds]
+    ks = np.append(0, k_end)[bounds]
+    nbk = bounds.size - 1
+    if nbk:
+        any_shared = np.add.reduceat(slot_shared, qs[:-1]) > 0
+        any_padded = np.add.reduceat(padded.astype(np.int64), qs[:-1]) > 0
+    one = ((bounds[1:] - bounds[:-1]) == 1).tolist()
+    q_t, rows_t = torch.from_numpy(q_index), torch.from_numpy(rows)
+    buckets: list[Bucket] = []
+    q_keep, k_keep = np.zeros(q_index.size, dtype=bool), np.zeros(k_np.size, dtype=bool)
+    qsl, ksl, bl = qs.tolist(), ks.tolist(), bounds.tolist()
+    for g, key in enumerate(group_key[first].tolist()):
+        role, kind, lqg, lkg = key >> 62, (key >> 60) & 3, (key >> 30) & (2**30 - 1), key & (2**30 - 1)
+        n, q0, q1, k0, k1 = bl[g + 1] - bl[g], qsl[g], qsl[g + 1], ksl[g], ksl[g + 1]
+        # one range of rows: a bucket of one block whose slots step by one
+        q_start = int(q_index[q0]) if one[g] and _is_range(q_index[q0:q1]) else -1
+        k_start = int(k_np[k0]) if one[g] and _is_range(k_np[k0:k1]) else -1
+        if q_start < 0:
+            q_keep[q0:q1] = True
+        if k_start < 0:
+            k_keep[k0:k1] = True
         mask = None
         if kind == MASKED:  # bottom-right causal within the window; padded query slots see one real key
-            qp, kp = qpos[:, :, None], kraw[:, None, :]
-            m = valid[:, :, None] & (kp <= b["khi"][:, :, None]) & (kp <= qp) & (kp >= qp - left)
-            mask = (m | (~valid[:, :, None] & (torch.arange(lk) == 0)))[:, None]
-        buckets.append(dict(q_index=q_index, k_index=k_index, mask=mask, causal=kind == CAUSAL, secondary=role == SECONDARY))
-        slot_rows.append(torch.where(valid, q_index, -1).flatten())
-    # every padded slot gets a spare row of its own (>= Tq); a real row with two slots is merged
-    rows = torch.cat(slot_rows) if slot_rows else torch.zeros(0, dtype=torch.int64)
-    padded = rows < 0
-    rows[padded] = Tq + torch.arange(int(padded.sum()))
-    shared = torch.bincount(rows[~padded], minlength=Tq) > 1
-    out, o = [], 0
-    for b, sr in zip(buckets, slot_rows):
-        mine = rows[o : o + sr.numel()]
-        out.append(mine)
-        o += sr.numel()
-        b["merged"] = b["secondary"] or bool(shared[mine[mine < Tq]].any())
-        b["padded"] = bool((mine >= Tq).any())
-        b["q_start"], b["k_start"] = _range_start(b["q_index"]), _range_start(b["k_index"])
-    return BucketPlan.of([Bucket(**b) for b in buckets], out, Tq + int(padded.sum()))
-
-
-def _range_start(index: Tensor) -> int:
-    """``index[0, 0]`` when ``index`` is ``[[s, s + 1, ..., s + L - 1]]`` (one bucket slot row), else -1."""
-    if index.shape[0] != 1:
-        return -1
-    s = int(index[0, 0])
-    return s if torch.equal(index[0], torch.arange(s, s + index.shape[1])) else -1
+            qp = torch.from_numpy(qpos[q0:q1]).view(n, lqg, 1)
+            val = torch.from_numpy(valid[q0:q1]).view(n, lqg, 1)
+            b0 = bl[g]
+            kp = torch.from_numpy(blk["k0"][b0:b0 + n, None] + blk["kdir"][b0:b0 + n, None] * np.arange(lkg)).view(n, 1, lkg)
+            khi = torch.from_numpy(blk["khi"][bl[g]:bl[g + 1]]).view(n, 1, 1)
+            m = val & (kp <= khi) & (kp <= qp) & (kp >= qp - left)
+            mask = (m | (~val & (torch.arange(lkg) == 0)))[:, None]
+        buckets.append(Bucket(q_index=q_t[q0:q1].view(n, lqg), k_index=k_index[k0:k1].view(n, lkg),
+                              mask=mask, causal=kind == CAUSAL, secondary=role == SECONDARY,
+                              merged=role == SECONDARY or bool(any_shared[g]), padded=bool(any_padded[g]),
+                              q_start=q_start, k_start=k_start))
+    return BucketPlan(tuple(buckets), q_t, k_index, rows_t, Tq + n_pad, q_t[torch.from_numpy(q_keep)],
+                      k_index[torch.from_numpy(k_keep)])
 
 
 def _masked_plan(meta: VarlenMeta) -> BucketPlan:
