@@ -193,18 +193,21 @@ def test_jamba_passes_and_a_stock_mamba_layer_is_named(msession, prepared):
 
 
 def test_image_block_presets_cross_a_rank_edge_and_pass(msession, prepared):
-    """gemma3_vl (each image's tokens a bidirectional block) and paligemma (the prefix of image and prompt): their
-    batches hold images (pixel_values, token_type_ids) and at CP 2 on reused-ids an image's tokens lie on both
-    ranks; the step passes against each document alone with the blocks given to the step's attention."""
+    """gemma3_vl (each image's tokens a bidirectional block), paligemma (the prefix of image and prompt) and gemma4
+    (each image's tokens a block, seen whole beyond a sliding window of 2): their batches hold images
+    (pixel_values and the token types, token_type_ids or Gemma 4's mm_token_type_ids) and at CP 2 on reused-ids an
+    image's tokens lie on both ranks; the step passes against each document alone with the blocks given to the
+    step's attention."""
     from blockdiag_dist.plan import plan_step
 
     results = []
-    for name, family in (("gemma3_vl", "Gemma 3"), ("paligemma", "PaliGemma")):
+    for name, types in (("gemma3_vl", "token_type_ids"), ("paligemma", "token_type_ids"),
+                        ("gemma4", "mm_token_type_ids")):
         (r,) = run(msession, prepared, name, cps=(2,), layouts=("reused-ids",))
         results.append(r)
         assert prepared(name).multimodal and prepared(name).text_only is None
         p = msession.reference(prepared(name)).packed(r.case.rows)
-        assert {"pixel_values", "token_type_ids"} <= set(p.batch), (name, sorted(p.batch))
+        assert {"pixel_values", types} <= set(p.batch), (name, sorted(p.batch))
         model, _ = msession.reference(prepared(name)).model("float64")
         image = p.batch["input_ids"][0] == model.config.image_token_id
         rank = torch.full_like(image, -1, dtype=torch.int64)
@@ -212,7 +215,7 @@ def test_image_block_presets_cross_a_rank_edge_and_pass(msession, prepared):
             rank[[q for q in pos if q < rank.numel()]] = k
         runs = torch.cumsum((image & ~torch.nn.functional.pad(image, (1, 0))[:-1]).to(torch.int64), 0) * image
         assert any(len(set(rank[runs == i].tolist())) == 2 for i in range(1, int(runs.max()) + 1)), (name, p.batch["input_ids"])
-        assert any("bidirectional blocks from token_type_ids" in n for n in r.notes), (name, r.notes)
+        assert any(f"bidirectional blocks from {types}" in n for n in r.notes), (name, r.notes)
     for r in results:
         assert r.cls == "pass", (r.case.label(), r.why, r.message, r.details[-2000:])
 
@@ -228,7 +231,7 @@ def test_image_block_presets_fail_without_the_blocks(msession, prepared, monkeyp
 
     monkeypatch.setattr(vlm, "_step_blocks", lambda *a: None)
     rows = model_rows("reused-ids", 2)
-    for name in ("gemma3_vl", "paligemma"):
+    for name in ("gemma3_vl", "paligemma", "gemma4"):
         ref = msession.reference(prepared(name))
         model = build(prepared(name), torch.float64, register_transformers_attention())
         got = cp_step(model, make_multimodal(model, rows, 128).batch, None, multimodal_forward, shard_primary=False)

@@ -14,10 +14,16 @@ forward needs, built by one entry per model family (:data:`FAMILIES`):
 - **PaliGemma** (``PaliGemmaModel``): the image (``(image_size / patch_size)^2`` tokens) opens each document with
   room for it and two more tokens; the prefix (image and the first half of the text) is bidirectional:
   ``token_type_ids`` 0 on it, 1 on the suffix (and on padding); positions ``1 .. n``, as its forward numbers a
-  document alone. Gemma 3 and PaliGemma take ``pixel_values [k, C, H, W]``.
+  document alone. Gemma 3 and PaliGemma take ``pixel_values [k, C, H, W]``;
+- **Gemma 4** (``Gemma4UnifiedModel``, no vision tower): an image is ``2 x 2`` patches of ``model_patch_size``
+  pixels, one token each, placed as Gemma 3's (centred between begin and end of image, a second one after the
+  first token when there is room); ``mm_token_type_ids`` 1 on image tokens (a block when the text config says
+  ``use_bidirectional_attention="vision"``), positions ``0 .. n - 1``; ``pixel_values [k, 4, 3 * p * p]`` (the
+  patches' pixels, p the model patch size) with ``image_position_ids [k, 4, 2]`` (each patch's (x, y) in the image).
 
 The packed batch holds ``input_ids``, pre-shifted ``labels``, each document's own ``position_ids`` (``[3, B, S]``
-for mRoPE, else ``[B, S]``), ``_packed_seq_ids`` and the image inputs. The truth runs each document alone with
+for mRoPE, else ``[B, S]``), ``_packed_seq_ids`` and the image inputs (the token types under the family's
+``types_key``, the grids under its ``grid_key``). The truth runs each document alone with
 its images through the stock model; the CP step gives the whole packed batch to the batch function and calls the
 model's own forward on what it returns (the tower, the token splicing and the blocks are the model's).
 
@@ -45,20 +51,24 @@ __all__ = ["FAMILIES", "GRIDS", "IMAGE_INPUTS", "MAX_IMAGE_TOKENS", "ImageFamily
 
 GRIDS = ((1, 4, 4), (1, 2, 4), (1, 2, 2))  # Qwen-VL image grids in patches (t, h, w): 4, 2, 1 tokens after the merge
 MAX_IMAGE_TOKENS = 16  # an image of more tokens fits no document of the model layouts: such a model runs on text only
-IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "token_type_ids")  # the model inputs a multimodal batch may add
+# the model inputs a multimodal batch may add
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "image_position_ids", "token_type_ids", "mm_token_type_ids")
 
 
 @dataclass
 class MultimodalPacked(Packed):
     """A :class:`~verify.model.layouts.Packed` whose documents may hold images: per document its ``pixel_values``
-    (or None), Qwen-VL's grids ``[k, 3]`` (or None), its positions (``[3, n]`` for mRoPE, else ``[n]``) and its
-    ``token_type_ids [n]`` (or None); ``pad_type``: the token type of padding."""
+    (or None), its grids (Qwen-VL's ``[k, 3]``, Gemma 4's patch positions ``[k, P, 2]``; or None), its positions
+    (``[3, n]`` for mRoPE, else ``[n]``) and its token types ``[n]`` (or None); ``pad_type``: the token type of
+    padding; ``types_key`` / ``grid_key``: the model's keywords of the token types and of the grids."""
 
     pixels: list[Tensor | None] = field(default_factory=list)
     grids: list[Tensor | None] = field(default_factory=list)
     positions: list[Tensor] = field(default_factory=list)
     types: list[Tensor | None] = field(default_factory=list)
     pad_type: int = 0
+    types_key: str = "token_type_ids"
+    grid_key: str = "image_grid_thw"
 
     def doc_batch(self, i: int) -> dict[str, Tensor]:
         """Document ``i`` alone, as the model's forward takes it (labels pre-shifted)."""
@@ -69,15 +79,15 @@ class MultimodalPacked(Packed):
         if self.pixels[i] is not None:
             out["pixel_values"] = self.pixels[i]
         if self.grids[i] is not None:
-            out["image_grid_thw"] = self.grids[i]
+            out[self.grid_key] = self.grids[i]
         if self.types[i] is not None:
-            out["token_type_ids"] = self.types[i][None]
+            out[self.types_key] = self.types[i][None]
         return out
 
 
 class Placed(NamedTuple):
-    """One document with its images spliced in: tokens ``[n]``, pixel values (None: no image), Qwen-VL grids
-    ``[k, 3]`` (or None) and ``token_type_ids [n]`` (None where the family has none)."""
+    """One document with its images spliced in: tokens ``[n]``, pixel values (None: no image), grids (Qwen-VL's
+    ``[k, 3]``, Gemma 4's ``[k, P, 2]``; or None) and token types ``[n]`` (None where the family has none)."""
 
     doc: Tensor
     pixels: Tensor | None = None
@@ -92,7 +102,8 @@ class ImageFamily:
     the model lacks for these images (empty: images are built); ``place(config, doc, images_so_far, generator)``, the
     document with its images (:class:`Placed`); ``positions(model, placed)``, the document's own positions;
     ``pad_type``, the token type of padding (in no bidirectional block); ``redraw``, parameters (by name suffix) the
-    model's init leaves all zero that carry the images into the text (:func:`redraw_zero_init`)."""
+    model's init leaves all zero that carry the images into the text (:func:`redraw_zero_init`); ``types_key`` /
+    ``grid_key``, the model's keywords of the token types and of the grids."""
 
     name: str
     inputs: str  # what the images are, in words (for the refusal of another family)
@@ -102,6 +113,8 @@ class ImageFamily:
     positions: Callable[[nn.Module, Placed], Tensor]
     pad_type: int = 0
     redraw: tuple[str, ...] = ()
+    types_key: str = "token_type_ids"
+    grid_key: str = "image_grid_thw"
 
 
 REDRAW_STD = 0.02  # transformers' usual initializer_range
@@ -199,8 +212,11 @@ def _gemma3_problems(config, model: nn.Module) -> list[str]:
     return out
 
 
-def _gemma3_place(config, doc: Tensor, so_far: int, g: torch.Generator) -> Placed:
-    image, n_img, n = _token(config, "image"), config.mm_tokens_per_image, doc.numel()
+def _centred_images(config, doc: Tensor, n_img: int) -> int:
+    """Gemma 3's and Gemma 4's placement: ``n_img`` image tokens between begin and end of image (bare when the
+    document has room for the image tokens only), centred, and a second image after the first token when there is
+    room before the centred one; returns how many images (0: no room)."""
+    image, n = _token(config, "image"), doc.numel()
     wrapped = [_token(config, "boi")] + [image] * n_img + [_token(config, "eoi")]
     span = wrapped if n >= len(wrapped) else [image] * n_img if n >= n_img else None
     if span is not None:
@@ -208,10 +224,13 @@ def _gemma3_place(config, doc: Tensor, so_far: int, g: torch.Generator) -> Place
         starts = ([1] if centre >= len(span) + 1 else []) + [centre]
         for at in starts:
             _splice(doc, at, span)
-    types = (doc == image).to(torch.int64)
-    if span is None:
-        return Placed(doc, types=types)
-    return Placed(doc, _pixels(config, len(starts), g), types=types)
+    return 0 if span is None else len(starts)
+
+
+def _gemma3_place(config, doc: Tensor, so_far: int, g: torch.Generator) -> Placed:
+    k = _centred_images(config, doc, config.mm_tokens_per_image)
+    types = (doc == _token(config, "image")).to(torch.int64)
+    return Placed(doc, _pixels(config, k, g) if k else None, types=types)
 
 
 def _paligemma_problems(config, model: nn.Module) -> list[str]:
@@ -237,6 +256,33 @@ def _paligemma_place(config, doc: Tensor, so_far: int, g: torch.Generator) -> Pl
     return Placed(doc, _pixels(config, 1, g) if has_image else None, types=types)
 
 
+# ---- Gemma 4: patches embedded one by one (no tower), image_position_ids, mm_token_type_ids ---------------------
+GEMMA4_GRID = (2, 2)  # patches per image (x, y): one token each
+
+
+def _gemma4_problems(config, model: nn.Module) -> list[str]:
+    out = [f"no {n}_token_id" for n in ("image", "boi", "eoi") if _token(config, n) is None]
+    v = getattr(config, "vision_config", None)
+    if v is None or not all(isinstance(getattr(v, f, None), int) for f in ("patch_size", "pooling_kernel_size",
+                                                                            "mm_posemb_size")):
+        return out + ["no vision_config.patch_size / pooling_kernel_size / mm_posemb_size"]
+    if v.mm_posemb_size < max(GEMMA4_GRID):
+        out.append(f"vision_config.mm_posemb_size {v.mm_posemb_size}: expected at least {max(GEMMA4_GRID)} (the "
+                   f"{GEMMA4_GRID[0]} x {GEMMA4_GRID[1]} patches of an image)")
+    return out
+
+
+def _gemma4_place(config, doc: Tensor, so_far: int, g: torch.Generator) -> Placed:
+    w, h = GEMMA4_GRID
+    k = _centred_images(config, doc, w * h)
+    types = (doc == _token(config, "image")).to(torch.int64)
+    if not k:
+        return Placed(doc, types=types)
+    p = config.vision_config.model_patch_size
+    grid = torch.tensor([[x, y] for y in range(h) for x in range(w)], dtype=torch.int64)
+    return Placed(doc, torch.randn(k, w * h, 3 * p * p, generator=g), grid.expand(k, -1, -1).clone(), types)
+
+
 FAMILIES: dict[str, ImageFamily] = {
     "qwen_vl": ImageFamily("Qwen-VL", "pixel patches with image_grid_thw, mRoPE from get_rope_index", (),
                            _qwen_problems, _qwen_place, _qwen_positions),
@@ -247,6 +293,10 @@ FAMILIES: dict[str, ImageFamily] = {
     "paligemma": ImageFamily("PaliGemma", "an image opening a bidirectional prefix, token_type_ids",
                              ("PaliGemmaModel",), _paligemma_problems, _paligemma_place,
                              lambda model, placed: torch.arange(placed.doc.numel()) + 1, pad_type=1),
+    "gemma4": ImageFamily("Gemma 4", "patches with image_position_ids between begin / end of image tokens, "
+                          "mm_token_type_ids", ("Gemma4UnifiedModel",), _gemma4_problems, _gemma4_place,
+                          lambda model, placed: torch.arange(placed.doc.numel()),
+                          types_key="mm_token_type_ids", grid_key="image_position_ids"),
 }
 
 
@@ -304,14 +354,15 @@ def make_multimodal(model: nn.Module, rows, vocab: int, seed: int = 0) -> Multim
     batch = {"input_ids": ids, "labels": labels, "position_ids": position_ids,
              "_packed_seq_ids": base.batch["_packed_seq_ids"]}
     if types is not None:
-        batch["token_type_ids"] = types
+        batch[family.types_key] = types
     if any(p.pixels is not None for p in placed):
         batch["pixel_values"] = torch.cat([p.pixels for p in placed if p.pixels is not None])
     if any(p.grid is not None for p in placed):
-        batch["image_grid_thw"] = torch.cat([p.grid for p in placed if p.grid is not None])
+        batch[family.grid_key] = torch.cat([p.grid for p in placed if p.grid is not None])
     return MultimodalPacked(batch=batch, docs=[p.doc for p in placed], places=base.places, rows=base.rows,
                             pixels=[p.pixels for p in placed], grids=[p.grid for p in placed], positions=positions,
-                            types=[p.types for p in placed], pad_type=family.pad_type)
+                            types=[p.types for p in placed], pad_type=family.pad_type, types_key=family.types_key,
+                            grid_key=family.grid_key)
 
 
 def image_inputs(model: nn.Module, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -346,7 +397,7 @@ def multimodal_reference(model: nn.Module, packed: MultimodalPacked, *, recorder
 def multimodal_batched(model: nn.Module, recorder, packed: MultimodalPacked, length: int,
                        order: Sequence[int] | None = None) -> tuple[StepResult, list]:
     """The documents (in ``order``) right-padded into one batch ``[k, length]`` with their images (and their
-    ``token_type_ids``, padding of the family's padding type): the float64 baseline. Records per document, in
+    token types, padding of the family's padding type): the float64 baseline. Records per document, in
     ``order``."""
     order = list(range(len(packed.docs))) if order is None else list(order)
     images: dict[str, Tensor] = {}
@@ -355,13 +406,13 @@ def multimodal_batched(model: nn.Module, recorder, packed: MultimodalPacked, len
         images["pixel_values"] = torch.cat(pixels).to(next(model.parameters()).dtype)
     grids = [packed.grids[i] for i in order if packed.grids[i] is not None]
     if grids:
-        images["image_grid_thw"] = torch.cat(grids)
+        images[packed.grid_key] = torch.cat(grids)
     if any(packed.types[i] is not None for i in order):
         n = max(length, max(packed.docs[i].numel() for i in order))
         types = torch.full((len(order), n), packed.pad_type, dtype=torch.int64)
         for row, i in enumerate(order):
             if packed.types[i] is not None:
                 types[row, : packed.types[i].numel()] = packed.types[i]
-        images["token_type_ids"] = types
+        images[packed.types_key] = types
     return padded_batch_step(model, recorder, [packed.docs[i] for i in order], length,
                              [packed.positions[i] for i in order], **images)

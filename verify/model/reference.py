@@ -357,11 +357,12 @@ def layer_masks(text_config: Any, seq_ids: Tensor, doc_pos: Tensor, dtype: torch
 
 
 def _blocks(model: nn.Module, batch: dict[str, Tensor]) -> Tensor | None:
-    """The bidirectional blocks ``[B, S]`` the model reads from the batch's ``token_type_ids`` (Gemma 3's images,
-    PaliGemma's prefix: the model's own rule, as the integration tables it), or None."""
+    """The bidirectional blocks ``[B, S]`` the model reads from the batch's token types (``token_type_ids``: Gemma
+    3's images, PaliGemma's prefix; ``mm_token_type_ids``: Gemma 4's images; the model's own rule, as the
+    integration tables it), or None."""
     from blockdiag_dist.integrations.vlm import bidirectional_blocks_of
 
-    types = batch.get("token_type_ids")
+    types = next((batch[k] for k in ("token_type_ids", "mm_token_type_ids") if batch.get(k) is not None), None)
     return None if types is None else bidirectional_blocks_of(getattr(model, "model", model), types)
 
 

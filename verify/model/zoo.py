@@ -32,11 +32,13 @@ class ModelSpecError(ValueError):
 @dataclass(frozen=True)
 class Preset:
     """A model of ``make verify-models``: a transformers model type, shrunk, with config overrides (dotted paths
-    into sub-configs) applied after shrinking, and what it exercises."""
+    into sub-configs) applied after shrinking, and what it exercises; ``base``: fields given to the config class
+    before shrinking (a sub-config its default lacks, e.g. Gemma 4's vision config)."""
 
     model_type: str
     what: str
     overrides: tuple[tuple[str, Any], ...] = ()
+    base: tuple[tuple[str, Any], ...] = ()
 
 
 PRESETS: dict[str, Preset] = {
@@ -64,6 +66,19 @@ PRESETS: dict[str, Preset] = {
     "paligemma": Preset("paligemma", "vision-language: a bidirectional prefix of image and prompt (token_type_ids)",
                         (("vision_config.image_size", 8), ("vision_config.patch_size", 4),
                          ("text_config.num_image_tokens", 4))),
+    # Gemma 4 (no vision tower): an image is 4 patches of 2 x 2 pixels, one token each; a sliding window of 2,
+    # shorter than an image (its sliding layers let an image's tokens see the whole image beyond the window); every
+    # layer of head dim 16 (no per-layer head dim: the full layers' is 512 by default), the last two layers reusing
+    # the first two's keys and values, the full layers' values equal to their keys (attention_k_eq_v)
+    "gemma4": Preset("gemma4_unified", "vision-language without a vision tower (patches embedded one by one): each "
+                     "image's tokens attend bidirectionally within the image (mm_token_type_ids), also beyond the "
+                     "sliding window",
+                     (("vision_config.patch_size", 2), ("vision_config.pooling_kernel_size", 1),
+                      ("vision_config.mm_embed_dim", 16), ("vision_config.mm_posemb_size", 8),
+                      ("vision_config.output_proj_dims", 16), ("text_config.sliding_window", 2),
+                      ("text_config.num_kv_shared_layers", 2), ("text_config.attention_k_eq_v", True),
+                      ("text_config.per_layer_config", {})),
+                     base=(("vision_config", {}), ("audio_config", None))),
     "gpt_oss": Preset("gpt_oss", "attention sinks, sliding and full layers, MoE"),
     "llama4": Preset("llama4_text", "as released: chunked attention, NoPE layers with temperature tuning, MoE",
                      (("attn_temperature_tuning", True),)),
@@ -121,7 +136,7 @@ class Prepared:
         return mapping[type(self.config)]
 
 
-def _load_config(source: str) -> Any:
+def _load_config(source: str, **fields: Any) -> Any:
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -149,7 +164,7 @@ def _load_config(source: str) -> Any:
         hint = f" (close: {', '.join(close)})" if close else ""
         raise ModelSpecError(f"--model: expected a preset ({', '.join(PRESETS)}), a transformers model type or a "
                              f"path to a config.json, got {source!r}{hint}")
-    return AutoConfig.for_model(source)
+    return AutoConfig.for_model(source, **fields)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -233,7 +248,7 @@ def resolve(model: str, *, tiny: bool = False) -> Prepared:
     images_unsupported`) runs on text only (``text_only`` says why). Raises :class:`ModelSpecError` (and :class:`~verify.model.tiny.TinyConfigError`, a ValueError)."""
     preset = PRESETS.get(model)
     source, forced = split_auto(model) if preset is None else (model, None)
-    config = _load_config(preset.model_type if preset else source)
+    config = _load_config(preset.model_type, **dict(preset.base)) if preset else _load_config(source)
     auto, multimodal = _auto_class(config, forced)
     shrunk = None
     if preset is not None or tiny:
@@ -310,12 +325,21 @@ def config_summary(prepared: Prepared) -> dict[str, Any]:
     text = getattr(c, "text_config", None) or c
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
             "sliding_window", "attention_chunk_size", "layer_types", "layers_block_type", "vocab_size")
-    out = {k: getattr(text, k) for k in keys if getattr(text, k, None) is not None}
+    out = {k: v for k in keys if (v := _global_field(text, k)) is not None}
     if prepared.multimodal:
         v = c.vision_config
-        out["vision"] = {k: getattr(v, k) for k in ("depth", "hidden_size", "num_heads", "fullatt_block_indexes",
-                                                     "deepstack_visual_indexes") if getattr(v, k, None) is not None}
+        out["vision"] = {k: x for k in ("depth", "hidden_size", "num_heads", "fullatt_block_indexes",
+                                        "deepstack_visual_indexes") if (x := _global_field(v, k)) is not None}
     return out
+
+
+def _global_field(config: Any, name: str) -> Any:
+    """``config.name``, or None when it has none or when it varies per layer (transformers refuses the global
+    read of a per-layer field, Gemma 4's ``head_dim``)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError, which is no AttributeError
+        return None
 
 
 def _dataclass_fields(config: Any) -> list[str]:
