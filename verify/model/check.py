@@ -37,7 +37,6 @@ Shape legend: B rows, S packed length, L rows of a rank, N real positions.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import shlex
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ from .harness import _VISION, StepResult, cp_step
 from .judge import compare_all, limit
 from .layouts import batch_for_source, make_packed, model_rows
 from .multimodal import make_multimodal, multimodal_forward
-from .precision import Promote
+from .precision import Promote, float64_islands
 from .record import Key, ModuleRecorder, rows_of
 from .reference import Reference, _vocab, checksum, recorder_of
 from .zoo import Prepared, build
@@ -172,7 +171,12 @@ def run_model_case(case: dict, prepared: Prepared, weights: float) -> dict[str, 
         options["layout"] = case.sharding
     if "expect_attention" in impl.make_params and not has_attention(model):
         options["expect_attention"] = False  # a pure state-space model: nothing to route (judged like any model)
-    promote = Promote() if case.exact else contextlib.nullcontext()
+    # exact: every op in float64, in a float64 model (in a lower dtype the model's dtype is its precision: Promote's
+    # float64 outputs would meet its float32 gradients); otherwise the preset's float32 islands in float64, as the truth
+    if case.exact and case.dtype == "float64":
+        promote = Promote()
+    else:
+        promote = float64_islands(model, prepared.preset.float64_islands if prepared.preset else ())
     with promote:
         return _step_on_rank(case, prepared, model, recorder, impl, options, env)
 

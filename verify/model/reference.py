@@ -24,7 +24,7 @@ from .harness import _VISION, ZERO_GRADIENT, StepResult, compare, document_refer
 from .judge import Baseline, Truth, compare_all, module_errors
 from .layouts import Packed, make_packed, model_rows
 from .multimodal import image_inputs, make_multimodal, multimodal_batched, multimodal_forward, multimodal_reference
-from .precision import LowPrecisionUse, Promote, float32_ops, float64_eager_attention, float64_modules
+from .precision import LowPrecisionUse, Promote, float32_ops, float64_eager_attention, float64_islands, float64_modules
 from .record import Key, ModuleRecorder, Records, packed as packed_records
 from .zoo import Prepared, build
 
@@ -86,16 +86,22 @@ class Reference:
     def _stock(self, model: nn.Module, variant: str = "stock"):
         """The reference's attention: stock SDPA, or eager attention computed in float64 (as CP computes it); with
         ``variant="mixers64"`` the sequence mixers the guard knows (Gated DeltaNet, Mamba2, ...) run in float64 too;
-        with ``variant="exact"`` every op runs in float64 (:class:`~verify.model.precision.Promote`)."""
+        with ``variant="exact"`` every op runs in float64 (:class:`~verify.model.precision.Promote`). A preset's
+        ``float64_islands`` run in float64 in every variant (a float64 model only), as in the step under CP."""
         stack = contextlib.ExitStack()
         if variant == "exact":  # every op in float64, attention included
             stack.enter_context(Promote())
             return stack
+        stack.enter_context(float64_islands(model, self.islands()))
         if self.prepared.reference_attention == "eager":
             stack.enter_context(float64_eager_attention(model))
         if variant == "mixers64":
             stack.enter_context(float64_modules(model, _is_mixer))
         return stack
+
+    def islands(self) -> tuple[str, ...]:
+        """The module classes run in float64 on both sides (the preset's ``float64_islands``)."""
+        return self.prepared.preset.float64_islands if self.prepared.preset else ()
 
     def variants(self) -> list[str]:
         """The float64 truths a case may match: the model as written ("stock"), and, when a sequence mixer of the
