@@ -123,6 +123,38 @@ def test_a_presets_float32_islands_run_in_float64_on_both_sides_of_float64_cases
     assert not inside & set(DSV4_FLOAT32_ISLANDS), inside
 
 
+def test_a_float32_gradient_summed_with_cancellation_gets_its_floor_scaled_by_its_condition():
+    """A gradient is a sum over the documents (and tokens); where its terms cancel (HY-V4-VL's hc_head.hc_scale:
+    sum of |per-document gradient| / |gradient| = 11.2) float32 rounding is that many times larger relative to it
+    (measured: CP 4 1.0e-5 against a limit of 4.8e-6; the same scalar moves 3.8e-7 -> 4.1e-6 between one document
+    per row and three identical rows; every op in float64 at CP 4: 4.4e-15). Its float32 floor is scaled by that
+    condition (``StepResult.spread``); a well-conditioned gradient keeps 2 x baseline + 4e-6, below a 1e-4 bug."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from verify.model.harness import document_reference
+
+    class Toy(nn.Module):  # logits = scale * embedding: the scale's gradient is a sum over every token
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(8, 8, dtype=torch.float64)
+            self.scale = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    toy = Toy()
+    with torch.no_grad():
+        toy.emb.weight.copy_(torch.randn(8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    docs = [torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7]), torch.tensor([2, 5, 1])]
+    step = document_reference(toy, docs, lambda m, b: m.scale * m.emb(b["input_ids"]))
+    per = [document_reference(toy, [d], lambda m, b: m.scale * m.emb(b["input_ids"])).grads["scale"] for d in docs]
+    assert step.spread["scale"] == pytest.approx(sum(abs(float(g)) for g in per) / abs(float(sum(per))))
+    assert step.spread["scale"] >= 1.0 and set(step.spread) == {"emb.weight", "scale"}
+    assert limit("float32", 1e-6, True, spread=11.2) == pytest.approx(2e-6 + 4e-6 * 11.2)
+    assert limit("float32", 1e-6, True, spread=0.5) == pytest.approx(2e-6 + 4e-6)  # never below the floor
+    assert limit("float32", 1e-6, True) < 1e-4 and limit("float64", None, False, spread=1e3) == 1e-10
+    assert np.isfinite(step.loss)
+
+
 # ---- classes through the pools --------------------------------------------------------------------------
 def test_llama_passes_and_a_model_with_float32_ops_passes_under_its_measured_limit(msession, prepared):
     results = run(msession, prepared, "llama", dtypes=("float64", "float32"))

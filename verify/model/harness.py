@@ -70,6 +70,10 @@ class StepResult:
     rows: np.ndarray | None = None
     records: list[Any] = field(default_factory=list)
     exercised: dict[str, Any] = field(default_factory=dict)  # cp_step: what the step computed (see exercised())
+    # document_reference: per parameter, sum over documents of |its gradient from that document| / |the sum| (1 when
+    # the documents' gradients do not cancel): the condition of the gradient as a sum, what float32 rounding is
+    # amplified by
+    spread: dict[str, float] = field(default_factory=dict)
 
 
 def param_grads(model: nn.Module) -> dict[str, np.ndarray]:
@@ -107,6 +111,8 @@ def document_reference(
     :class:`~verify.model.record.ModuleRecorder`): one Records per document in ``records``."""
     model.zero_grad(set_to_none=True)
     total, targets, records = 0.0, 0, []
+    before: dict[str, Tensor] = {}
+    parts: dict[str, float] = {}  # per parameter: sum over documents of its gradient's norm from that document
     for doc in docs:
         batch = pack_documents([doc], seq_len=len(doc))
         with _recording(recorder, 1, len(doc), records):
@@ -115,7 +121,15 @@ def document_reference(
         loss.backward()
         total += float(loss.detach())
         targets += int((batch["labels"] != IGNORE_INDEX).sum())
-    return StepResult(loss=total, grads=param_grads(model), targets=targets, records=records)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.detach().to(torch.float64)
+                    parts[n] = parts.get(n, 0.0) + float(torch.linalg.vector_norm(g - before[n]) if n in before else torch.linalg.vector_norm(g))
+                    before[n] = g.clone()
+    grads = param_grads(model)
+    spread = {n: parts[n] / norm for n in parts if (norm := float(np.linalg.norm(grads[n]))) > 0}
+    return StepResult(loss=total, grads=grads, targets=targets, records=records, spread=spread)
 
 
 def packed_reference(
