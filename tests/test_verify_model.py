@@ -153,6 +153,11 @@ def test_a_float32_gradient_summed_with_cancellation_gets_its_floor_scaled_by_it
     assert limit("float32", 1e-6, True, spread=0.5) == pytest.approx(2e-6 + 4e-6)  # never below the floor
     assert limit("float32", 1e-6, True) < 1e-4 and limit("float64", None, False, spread=1e3) == 1e-10
     assert np.isfinite(step.loss)
+    # the float32 baseline's second sample: each document as 8 identical rows, the same step in exact arithmetic
+    eight = document_reference(toy, docs, lambda m, b: m.scale * m.emb(b["input_ids"]), copies=8)
+    assert eight.targets == step.targets and eight.loss == pytest.approx(step.loss, rel=1e-13)
+    for n, g in step.grads.items():
+        assert np.allclose(eight.grads[n], g, rtol=1e-12, atol=0), n
 
 
 # ---- classes through the pools --------------------------------------------------------------------------

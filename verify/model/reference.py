@@ -32,6 +32,10 @@ __all__ = ["FLOAT32_BACKENDS", "Baseline", "Reference", "Truth", "checksum", "la
 
 FLOAT32_BACKENDS = ("math", "flash_attention")  # CPU SDPA backends the float32 baseline runs on
 ROUNDING = ZERO_GRADIENT  # a gradient norm at most this fraction of the largest is rounding (zero in exact arithmetic)
+# the float32 baseline's second sample (text models): each document as 8 identical rows (loss / 8, exact). A
+# gradient summed over every token is a float32 sum whose rounding follows its terms and their order: DeepSeek-V4's
+# hc_head.hc_scale (reused-ids) moves 5.1e-6 alone, 8.0e-6 / 5.4e-6 / 1.7e-5 with 2 / 4 / 8 copies; CP 1 2.2e-5
+COPIES = 8
 RECHUNK = 4  # the chunk length of the truth's second chunking (see Reference.chunking_cost)
 
 
@@ -286,6 +290,14 @@ class Reference:
             raise RuntimeError("; ".join(refused))
         if refused:
             worst.what += " (" + "; ".join(refused) + ")"
+        if not self.prepared.multimodal:  # the same step, every sum over the tokens over COPIES x the terms
+            ok = next(b for b in backends if not any(f"SDPA {b} refuses" in r for r in refused))
+            with _sdpa_backend(ok):
+                step = document_reference(model, p.docs, recorder=rec, copies=COPIES)
+            b = self._errors(f"{dtype}, each document as {COPIES} identical rows" + (f" (SDPA {ok})" if ok else ""),
+                             truth, step, step.records, p, model)
+            worst = Baseline(f"{worst.what}; {b.what}", _worst(worst.params, b.params), max(worst.loss, b.loss),
+                             _worst(worst.out, b.out), _worst(worst.inp, b.inp))
         self._base[key] = worst
         return worst
 
