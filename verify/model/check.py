@@ -21,7 +21,10 @@ packing-safe by itself (positions taken from its rows, a mixer that does not see
 
 Limits (verify/tolerances.py's rule, the baseline being the same model per document in the case's dtype):
 float32: ``2 x baseline + 4e-6`` relative per quantity, the baseline being the model per document in float32
-(on every CPU SDPA backend that takes the inputs, the worst) against the float64 truth. float64: 1e-10, unless
+(on every CPU SDPA backend that takes the inputs, the worst; and, text models, each document as 8 identical rows:
+the same step, its sums over the tokens over 8 x the terms) against the float64 truth; a gradient's floor is
+scaled by its condition as a sum over the documents (``StepResult.spread``: float32 rounding of a sum whose terms
+cancel is that many times larger relative to it). float64: 1e-10, unless
 the model computes some ops below float64 (:mod:`verify.model.precision` names them): then
 ``max(1e-10, 2 x baseline)``, the baseline being the difference between single-device float64 computations of
 the same documents that differ only in batching (one by one vs right-padded together, in two orders, to a little
@@ -37,7 +40,6 @@ Shape legend: B rows, S packed length, L rows of a rank, N real positions.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import shlex
 from dataclasses import dataclass, field
@@ -51,7 +53,7 @@ from .harness import _VISION, StepResult, cp_step
 from .judge import compare_all, limit
 from .layouts import batch_for_source, make_packed, model_rows
 from .multimodal import make_multimodal, multimodal_forward
-from .precision import Promote
+from .precision import Promote, float64_islands
 from .record import Key, ModuleRecorder, rows_of
 from .reference import Reference, _vocab, checksum, recorder_of
 from .zoo import Prepared, build
@@ -172,7 +174,12 @@ def run_model_case(case: dict, prepared: Prepared, weights: float) -> dict[str, 
         options["layout"] = case.sharding
     if "expect_attention" in impl.make_params and not has_attention(model):
         options["expect_attention"] = False  # a pure state-space model: nothing to route (judged like any model)
-    promote = Promote() if case.exact else contextlib.nullcontext()
+    # exact: every op in float64, in a float64 model (in a lower dtype the model's dtype is its precision: Promote's
+    # float64 outputs would meet its float32 gradients); otherwise the preset's float32 islands in float64, as the truth
+    if case.exact and case.dtype == "float64":
+        promote = Promote()
+    else:
+        promote = float64_islands(model, prepared.preset.float64_islands if prepared.preset else ())
     with promote:
         return _step_on_rank(case, prepared, model, recorder, impl, options, env)
 

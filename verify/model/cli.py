@@ -269,6 +269,10 @@ def _summary(console, results, names, infos) -> None:
                       "-" if worst is None else f"{worst:.2e}", " | ".join(done) or "-", clip(what))
     console.print(table)
     for n in names:
+        if infos[n].get("float64_islands"):
+            console.print(f"{n}: float64 cases run " + ", ".join(infos[n]["float64_islands"]) + " in float64 on both sides "
+                          "(the model computes them in float32 whatever its dtype; the preset's float64_islands)",
+                          markup=False, soft_wrap=True, highlight=False)
         ops = infos[n].get("float32_ops") or []
         if ops:
             cost = infos[n].get("float32_cost")

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from blockdiag_dist.integrations import pack_documents, register_transformers_attention
 from .harness import StepResult, cp_step, document_reference, text_forward
 from .precision import float64_modules
+from .zoo import DSV4_FLOAT32_ISLANDS
 
 __all__ = ["DOC_LENGTHS", "FLOAT32_ISLANDS", "SEQ_LEN", "build_tiny_dsv4", "cp_parity_step", "dsv4_batch", "dsv4_docs",
            "truth"]
@@ -85,8 +86,7 @@ def dsv4_batch(docs: list[Tensor]) -> dict[str, Tensor]:
     return pack_documents(docs, seq_len=SEQ_LEN)
 
 
-FLOAT32_ISLANDS = ("DeepseekV4HyperConnection", "DeepseekV4HyperHead", "DeepseekV4RMSNorm", "DeepseekV4UnweightedRMSNorm",
-                   "DeepseekV4Attention")
+FLOAT32_ISLANDS = DSV4_FLOAT32_ISLANDS  # the deepseek_v4 preset of verify model runs the same islands in float64
 
 
 def _exactly(model: nn.Module, exact: bool):

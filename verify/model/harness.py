@@ -70,6 +70,10 @@ class StepResult:
     rows: np.ndarray | None = None
     records: list[Any] = field(default_factory=list)
     exercised: dict[str, Any] = field(default_factory=dict)  # cp_step: what the step computed (see exercised())
+    # document_reference: per parameter, sum over documents of |its gradient from that document| / |the sum| (1 when
+    # the documents' gradients do not cancel): the condition of the gradient as a sum, what float32 rounding is
+    # amplified by
+    spread: dict[str, float] = field(default_factory=dict)
 
 
 def param_grads(model: nn.Module) -> dict[str, np.ndarray]:
@@ -100,22 +104,37 @@ def _recording(recorder: Any, B: int, L: int, into: list):
 
 
 def document_reference(
-    model: nn.Module, docs: Sequence[Tensor], forward: Forward = text_forward, *, recorder: Any = None
+    model: nn.Module, docs: Sequence[Tensor], forward: Forward = text_forward, *, recorder: Any = None, copies: int = 1
 ) -> StepResult:
     """The truth: each document ``docs[i]`` (int64 token ids ``[n_i]``) alone as a row ``[1, n_i]`` with positions
     ``0 .. n_i - 1``; the summed next-token cross-entropy of every document, and its gradients. ``recorder`` (a
-    :class:`~verify.model.record.ModuleRecorder`): one Records per document in ``records``."""
+    :class:`~verify.model.record.ModuleRecorder`): one Records per document in ``records``. ``copies``: each
+    document as that many identical rows ``[copies, n_i]``, its loss divided by ``copies`` (a power of two: exact),
+    the same step with every sum over the tokens taken over ``copies`` times the terms, in another order."""
     model.zero_grad(set_to_none=True)
     total, targets, records = 0.0, 0, []
+    before: dict[str, Tensor] = {}
+    parts: dict[str, float] = {}  # per parameter: sum over documents of its gradient's norm from that document
     for doc in docs:
         batch = pack_documents([doc], seq_len=len(doc))
-        with _recording(recorder, 1, len(doc), records):
+        if copies > 1:
+            batch = {k: v.expand(copies, *v.shape[1:]).contiguous() if isinstance(v, Tensor) and v.dim() >= 1 else v
+                     for k, v in batch.items()}
+        with _recording(recorder, copies, len(doc), records):
             logits = forward(model, batch)
-        loss = causal_lm_loss(logits, batch["labels"], 1)  # a sum: divided by 1
+        loss = causal_lm_loss(logits, batch["labels"], 1) / copies  # a sum: divided by 1 (copies)
         loss.backward()
         total += float(loss.detach())
-        targets += int((batch["labels"] != IGNORE_INDEX).sum())
-    return StepResult(loss=total, grads=param_grads(model), targets=targets, records=records)
+        targets += int((batch["labels"] != IGNORE_INDEX).sum()) // copies
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.detach().to(torch.float64)
+                    parts[n] = parts.get(n, 0.0) + float(torch.linalg.vector_norm(g - before[n]) if n in before else torch.linalg.vector_norm(g))
+                    before[n] = g.clone()
+    grads = param_grads(model)
+    spread = {n: parts[n] / norm for n in parts if (norm := float(np.linalg.norm(grads[n]))) > 0}
+    return StepResult(loss=total, grads=grads, targets=targets, records=records, spread=spread)
 
 
 def packed_reference(

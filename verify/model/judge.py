@@ -66,12 +66,14 @@ class Judged(Protocol):
     def loss_cast_cost(self, rows, variant: str = "stock") -> float: ...
 
 
-def limit(dtype: str, base: float | None, low_ops: bool) -> float:
-    """The limit of one relative error (see the module docstring)."""
+def limit(dtype: str, base: float | None, low_ops: bool, spread: float = 1.0) -> float:
+    """The limit of one relative error (see the module docstring). Below float64, ``spread`` (at least 1: the
+    condition of a gradient as a sum over the documents, :attr:`~verify.model.harness.StepResult.spread`) scales
+    the floor: a sum whose terms cancel has a relative rounding error that many times a single term's."""
     if dtype == "float64":
         rel = TOLERANCES["float64"].rel
         return max(rel, TOLERANCES["float32"].factor * base) if low_ops and base is not None else rel
-    return judge_tolerance(dtype, 0.0, 1.0, base if base is not None else 0.0)[0]
+    return judge_tolerance(dtype, 0.0, max(1.0, spread), base if base is not None else 0.0)[0]
 
 
 def compare_all(ref: Judged, rows, dtype: str, truth: Truth, got: StepResult, got_out: dict[Key, np.ndarray],
@@ -85,7 +87,8 @@ def compare_all(ref: Judged, rows, dtype: str, truth: Truth, got: StepResult, go
     # orders in which CP and the baseline add differ from each other
     owners = {n: _owner_class(model, n) for n in truth.step.grads}
     bp = _pooled(base.params if base else {}, owners)
-    limits = {n: limit(dtype, bp.get(n), low or n in rounding) for n in truth.step.grads}
+    spread = truth.step.spread if dtype != "float64" else {}
+    limits = {n: limit(dtype, bp.get(n), low or n in rounding, spread.get(n, 1.0)) for n in truth.step.grads}
     if dtype == "float64" and variant != "exact":  # a gradient the model sums in float32 may be off by that rounding
         for n, e in ref.cast_cost(rows, variant).items():
             limits[n] = max(limits[n], TOLERANCES["float32"].factor * e)

@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
-    "LOW", "LowPrecisionUse", "Promote", "float32_ops", "float64_decay_tables", "float64_eager_attention", "float64_modules",
+    "LOW", "LowPrecisionUse", "Promote", "float32_ops", "float64_decay_tables", "float64_eager_attention", "float64_islands",
+    "float64_modules",
     "module_stack",
 ]
 
@@ -183,6 +184,15 @@ def float64_modules(model: nn.Module, match: Callable[[nn.Module], bool]) -> Ite
             h.remove()
         while modes:
             modes.pop().__exit__(None, None, None)
+
+
+def float64_islands(model: nn.Module, classes: tuple[str, ...]):
+    """The modules of ``model`` whose class is named in ``classes`` run in float64 (:func:`float64_modules`), in a
+    float64 model only: in a lower dtype (or with no classes) nothing changes (a context manager either way)."""
+    p = next(model.parameters(), None)
+    if not classes or p is None or p.dtype != torch.float64:
+        return contextlib.nullcontext([])
+    return float64_modules(model, lambda m: type(m).__name__ in classes)
 
 
 def float64_decay_tables(model: nn.Module) -> None:

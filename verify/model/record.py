@@ -7,9 +7,13 @@ keeps each call's first tensor output and first tensor input, keyed ``(module na
 ``[B, L]``, or its first dim ``B * L``: flattened tokens, e.g. a router's logits; a multiple of it is ambiguous,
 token-major or not, and is not kept). Tensors
 not aligned with the sequence (a convolution's ``[B, C, L + W - 1]``, a vision tower's patches) are not kept,
-nor any call of a module that was not aligned in one of its calls of the forward (an expert's activation over
-the tokens routed to it: its calls follow the data), and a key is compared only where every forward called the
-module equally often.
+nor any call of a module that was not aligned in one of its calls of the forward, and a key is compared only where
+every forward called the module equally often. Alignment comes from a call's structure, not only from its length:
+every call made inside a *routed* call (a module given flattened tokens ``[N, D]`` and an integer tensor of
+per-token indices ``[N, k]``: transformers' experts, ``(hidden_states, top_k_index, top_k_weights)``) runs on
+the tokens routed to one expert, in routing order, and is never aligned, even when an expert receives exactly
+``B * L`` tokens (every expert hit by every token, padding rows included); the routed call's own output (the
+experts' sum, scattered back to the tokens) is.
 
 :func:`packed` lays the per-document records of the reference out at the packed batch's positions;
 :func:`rows_of` takes a CP rank's real rows at their global positions. Both give ``{key: [N, ...]}`` over the
@@ -28,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Key", "ModuleRecorder", "Records", "module_name", "packed", "rows_of", "seq_view"]
+__all__ = ["Key", "ModuleRecorder", "Records", "module_name", "packed", "routed", "rows_of", "seq_view"]
 
 Key = tuple[str, int]  # (module name, index of the call in one forward); a call with scalar arguments (Gemma 3's
 # rotary embedding per layer type) has them in the name, "model.rotary_emb[sliding_attention]": the order of such
@@ -59,6 +63,17 @@ def _first_tensor(obj) -> Tensor | None:
             if isinstance(v, Tensor):
                 return v
     return None
+
+
+def routed(args: tuple, kwargs: dict) -> bool:
+    """Whether a call takes flattened tokens ``[N, D]`` with per-token integer indices ``[N, k]`` (routing: the
+    calls it makes run on the tokens routed to each expert, in routing order)."""
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+    tokens = next((t for t in tensors if t.is_floating_point()), None)
+    if tokens is None or tokens.dim() != 2:
+        return False
+    return any(t.dim() == 2 and not t.is_floating_point() and t.dtype != torch.bool and t.shape[0] == tokens.shape[0]
+               for t in tensors)
 
 
 def seq_view(t: Tensor | None, B: int, L: int) -> Tensor | None:
@@ -102,11 +117,20 @@ class ModuleRecorder:
         self._active: tuple[Records, int, int] | None = None
         self._calls: dict[str, int] = {}
         self._unaligned: set[str] = set()
+        self._routing: list[str] = []  # the routed calls under way (see the module docstring), innermost last
         self._handles = []
         for name, module in model.named_modules():
             if module is model or (skip is not None and skip(name)):
                 continue
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
+
+    def _pre_hook(self, name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._active is not None and routed(args, kwargs):
+                self._routing.append(name)
+
+        return hook
 
     def _hook(self, name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
@@ -121,6 +145,11 @@ class ModuleRecorder:
             rec.order.append(key)
             rec.calls[call] = k + 1
             rec.cls[name] = type(module).__name__
+            if self._routing and self._routing[-1] == name:
+                self._routing.pop()  # this routed call itself: its output is the tokens' (scattered back)
+            elif self._routing:  # inside a routed call: on the tokens routed to one expert, whatever their count
+                self._unaligned.add(call)
+                return
             raw = _first_tensor(output)
             out = seq_view(raw, B, L)
             if out is not None:
@@ -140,7 +169,7 @@ class ModuleRecorder:
     def forward(self, B: int, L: int) -> Iterator[Records]:
         """Record the module calls of one forward over ``[B, L]`` rows."""
         rec = Records()
-        self._active, self._calls, self._unaligned = (rec, B, L), {}, set()
+        self._active, self._calls, self._unaligned, self._routing = (rec, B, L), {}, set(), []
         try:
             yield rec
         finally:

@@ -24,7 +24,7 @@ from .harness import _VISION, ZERO_GRADIENT, StepResult, compare, document_refer
 from .judge import Baseline, Truth, compare_all, module_errors
 from .layouts import Packed, make_packed, model_rows
 from .multimodal import image_inputs, make_multimodal, multimodal_batched, multimodal_forward, multimodal_reference
-from .precision import LowPrecisionUse, Promote, float32_ops, float64_eager_attention, float64_modules
+from .precision import LowPrecisionUse, Promote, float32_ops, float64_eager_attention, float64_islands, float64_modules
 from .record import Key, ModuleRecorder, Records, packed as packed_records
 from .zoo import Prepared, build
 
@@ -32,6 +32,10 @@ __all__ = ["FLOAT32_BACKENDS", "Baseline", "Reference", "Truth", "checksum", "la
 
 FLOAT32_BACKENDS = ("math", "flash_attention")  # CPU SDPA backends the float32 baseline runs on
 ROUNDING = ZERO_GRADIENT  # a gradient norm at most this fraction of the largest is rounding (zero in exact arithmetic)
+# the float32 baseline's second sample (text models): each document as 8 identical rows (loss / 8, exact). A
+# gradient summed over every token is a float32 sum whose rounding follows its terms and their order: DeepSeek-V4's
+# hc_head.hc_scale (reused-ids) moves 5.1e-6 alone, 8.0e-6 / 5.4e-6 / 1.7e-5 with 2 / 4 / 8 copies; CP 1 2.2e-5
+COPIES = 8
 RECHUNK = 4  # the chunk length of the truth's second chunking (see Reference.chunking_cost)
 
 
@@ -86,16 +90,22 @@ class Reference:
     def _stock(self, model: nn.Module, variant: str = "stock"):
         """The reference's attention: stock SDPA, or eager attention computed in float64 (as CP computes it); with
         ``variant="mixers64"`` the sequence mixers the guard knows (Gated DeltaNet, Mamba2, ...) run in float64 too;
-        with ``variant="exact"`` every op runs in float64 (:class:`~verify.model.precision.Promote`)."""
+        with ``variant="exact"`` every op runs in float64 (:class:`~verify.model.precision.Promote`). A preset's
+        ``float64_islands`` run in float64 in every variant (a float64 model only), as in the step under CP."""
         stack = contextlib.ExitStack()
         if variant == "exact":  # every op in float64, attention included
             stack.enter_context(Promote())
             return stack
+        stack.enter_context(float64_islands(model, self.islands()))
         if self.prepared.reference_attention == "eager":
             stack.enter_context(float64_eager_attention(model))
         if variant == "mixers64":
             stack.enter_context(float64_modules(model, _is_mixer))
         return stack
+
+    def islands(self) -> tuple[str, ...]:
+        """The module classes run in float64 on both sides (the preset's ``float64_islands``)."""
+        return self.prepared.preset.float64_islands if self.prepared.preset else ()
 
     def variants(self) -> list[str]:
         """The float64 truths a case may match: the model as written ("stock"), and, when a sequence mixer of the
@@ -280,6 +290,14 @@ class Reference:
             raise RuntimeError("; ".join(refused))
         if refused:
             worst.what += " (" + "; ".join(refused) + ")"
+        if not self.prepared.multimodal:  # the same step, every sum over the tokens over COPIES x the terms
+            ok = next(b for b in backends if not any(f"SDPA {b} refuses" in r for r in refused))
+            with _sdpa_backend(ok):
+                step = document_reference(model, p.docs, recorder=rec, copies=COPIES)
+            b = self._errors(f"{dtype}, each document as {COPIES} identical rows" + (f" (SDPA {ok})" if ok else ""),
+                             truth, step, step.records, p, model)
+            worst = Baseline(f"{worst.what}; {b.what}", _worst(worst.params, b.params), max(worst.loss, b.loss),
+                             _worst(worst.out, b.out), _worst(worst.inp, b.inp))
         self._base[key] = worst
         return worst
 

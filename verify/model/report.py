@@ -108,6 +108,9 @@ def write_markdown(path: str, data: dict[str, Any]) -> None:
         if cfg:
             lines.append("- config: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
         lines.append(f"- reference attention: {info.get('reference_attention', '-')}")
+        if info.get("float64_islands"):
+            lines.append("- float64 cases run " + ", ".join(f"`{c}`" for c in info["float64_islands"]) + " in float64 on "
+                         "both sides (computed in float32 by the model whatever its dtype)")
         ops = info.get("float32_ops") or []
         if ops:
             cost = info.get("float32_cost")

@@ -181,6 +181,8 @@ def model_info(ref: Reference) -> dict[str, Any]:
         info["model_type"] = p.preset.model_type
     if p.tiny:
         info["tiny"] = p.tiny.describe()
+    if ref.islands():
+        info["float64_islands"] = list(ref.islands())
     try:
         ops = ref.float32_ops()
     except Exception as exc:  # noqa: BLE001

@@ -33,13 +33,25 @@ class ModelSpecError(ValueError):
 class Preset:
     """A model of ``make verify-models``: a transformers model type, shrunk, with config overrides (dotted paths
     into sub-configs) applied after shrinking, and what it exercises; ``base``: fields given to the config class
-    before shrinking (a sub-config its default lacks, e.g. Gemma 4's vision config)."""
+    before shrinking (a sub-config its default lacks, e.g. Gemma 4's vision config).
+
+    ``float64_islands``: module classes the model computes in float32 whatever its dtype, run in float64 on both
+    sides of every float64 case (the truth, its baselines and the step under CP:
+    :func:`~verify.model.precision.float64_islands`): their float32 rounding depends on the batch's shape and on
+    the order of the implementation's own float32 sums, which no single-device baseline reproduces, so the
+    float64 limit of 1e-10 would judge the model's rounding, not CP. Float32 cases run them as written."""
 
     model_type: str
     what: str
     overrides: tuple[tuple[str, Any], ...] = ()
     base: tuple[tuple[str, Any], ...] = ()
+    float64_islands: tuple[str, ...] = ()
 
+
+# what DeepSeek-V4 computes in float32 whatever its dtype: the hyper-connections' mixing (``fn.float()`` matrix
+# products) and head, its RMSNorms, and inside its attention the compressors' gate softmax and the indexer's scores
+DSV4_FLOAT32_ISLANDS = ("DeepseekV4HyperConnection", "DeepseekV4HyperHead", "DeepseekV4RMSNorm",
+                        "DeepseekV4UnweightedRMSNorm", "DeepseekV4Attention")
 
 PRESETS: dict[str, Preset] = {
     "llama": Preset("llama", "dense decoder, GQA, RoPE", (("num_attention_heads", 8), ("num_key_value_heads", 2))),
@@ -108,7 +120,8 @@ PRESETS: dict[str, Preset] = {
                            ("num_attention_heads", 4), ("o_groups", 2), ("o_lora_rank", 16), ("hc_mult", 2),
                            # learned routing: the hash layers' table is zeros from the config (both slots expert 0),
                            # which leaves their router a gradient of rounding only
-                           ("mlp_layer_types", ["moe", "moe", "moe"]))),
+                           ("mlp_layer_types", ["moe", "moe", "moe"])),
+                          float64_islands=DSV4_FLOAT32_ISLANDS),
 }
 
 
