@@ -26,18 +26,19 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
-from blockdiag_dist.integrations import pack_documents, register_transformers_attention
+from blockdiag_dist.integrations import register_transformers_attention
 from .harness import StepResult, cp_step, document_reference, text_forward
 from .precision import float64_modules
+from .sparse import DOC_LENGTHS, SEQ_LEN, dsa_batch, dsa_docs
 from .zoo import DSV4_FLOAT32_ISLANDS
 
 __all__ = ["DOC_LENGTHS", "FLOAT32_ISLANDS", "SEQ_LEN", "build_tiny_dsv4", "cp_parity_step", "dsv4_batch", "dsv4_docs",
            "truth"]
 
-SEQ_LEN = 64
 TOPK = 3
-# two rows of 64: documents over 3 ranks at CP 4 (37 tokens from 0; 40 from 11), short ones (below a window), padding
-DOC_LENGTHS = (37, 3, 19, 11, 40, 6)
+# the DSA models' documents and rows (verify.model.sparse): two rows of 64, documents over 3 ranks at CP 4 (37 tokens
+# from 0; 40 from 11), short ones (below a window), padding
+dsv4_docs, dsv4_batch = dsa_docs, dsa_batch
 
 
 def tiny_dsv4_config(topk: int = TOPK):
@@ -77,13 +78,6 @@ def build_tiny_dsv4(dtype: torch.dtype = torch.float64, *, seed: int = 0, stock:
     return model.train()
 
 
-def dsv4_docs(seed: int = 1, lengths: tuple[int, ...] = DOC_LENGTHS) -> list[Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 64, (n,), generator=g) for n in lengths]
-
-
-def dsv4_batch(docs: list[Tensor]) -> dict[str, Tensor]:
-    return pack_documents(docs, seq_len=SEQ_LEN)
 
 
 FLOAT32_ISLANDS = DSV4_FLOAT32_ISLANDS  # the deepseek_v4 preset of verify model runs the same islands in float64
