@@ -16,19 +16,17 @@ float32 matrix products, whose results depend on the batch's shape). They carry 
 (measured up to 1.5e-4 on the final hyper-connection's scalar scale, 6e-8 on the attention's weights; under CP an
 entry's gate gradient is the sum of each rank's float32 softmax backward, once it is one float32 backward: 7.5e-8),
 so both sides run ``exact`` by default: those modules in float64 (:data:`FLOAT32_ISLANDS`,
-:func:`~verify.model.precision.float64_modules`), the float64 limit of 1e-10 then judging CP alone.
+:func:`~verify.model.precision.float64_islands`), the float64 limit of 1e-10 then judging CP alone.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import Tensor, nn
 
 from blockdiag_dist.integrations import register_transformers_attention
 from .harness import StepResult, cp_step, document_reference, text_forward
-from .precision import float64_modules
+from .precision import float64_islands
 from .sparse import DOC_LENGTHS, SEQ_LEN, dsa_batch, dsa_docs
 from .zoo import DSV4_FLOAT32_ISLANDS
 
@@ -84,10 +82,9 @@ FLOAT32_ISLANDS = DSV4_FLOAT32_ISLANDS  # the deepseek_v4 preset of verify model
 
 
 def _exactly(model: nn.Module, exact: bool):
-    """With ``exact``, the modules of :data:`FLOAT32_ISLANDS` run in float64 (:func:`float64_modules`)."""
-    if not exact:
-        return contextlib.nullcontext()
-    return float64_modules(model, lambda m: type(m).__name__ in FLOAT32_ISLANDS)
+    """With ``exact``, the modules of :data:`FLOAT32_ISLANDS` run in float64 in a float64 model, as the
+    ``deepseek_v4`` preset runs them (:func:`~verify.model.precision.float64_islands`)."""
+    return float64_islands(model, FLOAT32_ISLANDS if exact else ())
 
 
 def truth(docs: list[Tensor] | None = None, *, dtype: torch.dtype = torch.float64, seed: int = 0,
