@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
         try:
             result = run_distributed(cfg, args.dp, cp)
+            dist.barrier()  # every rank done before any tears its connections down (gloo aborts otherwise)
         finally:
             dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:

@@ -73,6 +73,7 @@ def main() -> None:
     vision_grad = model.model.visual.patch_embed.proj.weight.grad.abs().max().item()
     if dist.get_rank() == 0:
         print(f"cp {cp_mesh.size()}: loss {step_loss.item():.10f}, vision tower max |grad| {vision_grad:.6e}")
+    dist.barrier()  # every rank done with its collectives before any tears its connections down (gloo aborts otherwise)
     dist.destroy_process_group()
 
 

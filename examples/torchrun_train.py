@@ -72,6 +72,7 @@ def main() -> None:
         dist.all_reduce(step_loss)                        # the step's loss: the shares of every rank summed
         if dist.get_rank() == 0:
             print(f"step {step}: loss {step_loss.item():.6f} (dp {args.dp} x cp {cp_mesh.size()})")
+    dist.barrier()  # every rank done with its collectives before any tears its connections down (gloo aborts otherwise)
     dist.destroy_process_group()
 
 
