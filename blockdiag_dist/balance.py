@@ -102,9 +102,16 @@ class CumulativeWork:
         rows = np.arange(self.batch_size, dtype=np.int64)[:, None] * self.seq_len
         return torch.from_numpy((self._flat(rows + x[None]) - self._flat(rows)).sum(0).astype(np.float64))
 
-    def equal_chunks(self, chunks: int, chunk_len: int) -> list[float]:
-        """The work of ``chunks`` consecutive chunks of ``chunk_len`` positions from 0."""
-        return torch.diff(self.at(torch.arange(chunks + 1) * chunk_len)).tolist()
+    def per_rank(self, runs: Tensor, world: int) -> np.ndarray:
+        """float64 ``[world]``: the work of each rank's positions, from shard runs ``[R, 4]`` (rank, start,
+        length, local start): equal to ``StepPlan.work_per_rank()`` (the pairs of the rank's real queries)."""
+        r = runs.numpy()
+        ends = self.at(torch.from_numpy(np.concatenate([r[:, 1], r[:, 1] + r[:, 2]]))).numpy()
+        return np.bincount(r[:, 0], weights=ends[r.shape[0]:] - ends[:r.shape[0]], minlength=world)
+
+    def equal_chunks(self, chunks: int, chunk_len: int) -> np.ndarray:
+        """float64: the work of ``chunks`` consecutive chunks of ``chunk_len`` positions from 0."""
+        return np.diff(self.at(torch.arange(chunks + 1) * chunk_len).numpy())
 
 
 class _TensorWork:
@@ -119,9 +126,9 @@ class _TensorWork:
             self._cum = torch.nn.functional.pad(torch.cumsum(self.work, 0), (1, 0))
         return self._cum[edges.clamp(0, self.seq_len)]
 
-    def equal_chunks(self, chunks: int, chunk_len: int) -> list[float]:
+    def equal_chunks(self, chunks: int, chunk_len: int) -> np.ndarray:
         padded = torch.nn.functional.pad(self.work, (0, chunks * chunk_len - self.seq_len))
-        return padded.view(chunks, chunk_len).sum(1).tolist()
+        return padded.view(chunks, chunk_len).sum(1).to(torch.float64).numpy()
 
 
 def _assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[list[list[int]], list[float]]:
@@ -220,11 +227,11 @@ def _lpt(w: np.ndarray, world: int, per_rank: int) -> tuple[np.ndarray, np.ndarr
     return order[by_rank].reshape(world, per_rank), loads  # every rank ends with exactly per_rank chunks
 
 
-def _hopeless(chunk_work: list[float], world: int, limit: float) -> bool:
+def _hopeless(chunk_work: np.ndarray, world: int, limit: float) -> bool:
     """Whether no assignment can reach max/mean work ``<= limit``: the largest chunk alone exceeds it (with a
     margin far above rounding, so a layout this rejects would have been rejected by its assignment too)."""
-    mean = sum(chunk_work) / world
-    return mean > 0 and max(chunk_work) > limit * mean * (1 + 1e-9)
+    mean = float(chunk_work.sum()) / world
+    return mean > 0 and float(chunk_work.max()) > limit * mean * (1 + 1e-9)
 
 
 def runs_of(intervals: list[list[tuple[int, int]]]) -> Tensor:
@@ -298,7 +305,7 @@ def _balanced(work, world: int) -> tuple[int, int, np.ndarray, float]:
         chunk_work = work.equal_chunks(chunks, chunk_len)
         if best is not None and _hopeless(chunk_work, world, best[0] - 1e-12):
             continue  # cannot beat the best so far, which did not reach TARGET either
-        owned, loads = _assign_array(np.asarray(chunk_work, dtype=np.float64), world, per_rank)
+        owned, loads = _assign_array(chunk_work, world, per_rank)
         load = loads.tolist()
         mean = sum(load) / world
         imbalance = max(load) / mean if mean > 0 else 1.0
@@ -394,16 +401,17 @@ class _Allowed:
         return torch.where(inside, torch.where(x - a <= b - x, a, b), x)
 
 
-def _snap(edges: Tensor, allowed: _Allowed, reach: int, S: int) -> Tensor:
+def _snap(edges: Tensor, allowed: _Allowed, reach: int, S: int, nearest: Tensor | None = None) -> Tensor:
     """Move each interior edge below ``S`` to the nearest allowed boundary within ``reach`` (kept strictly
-    increasing: an edge that would not pass the one before keeps its place, or moves one past it).
+    increasing: an edge that would not pass the one before keeps its place, or moves one past it). ``nearest``:
+    ``allowed.nearest`` of the interior edges, when the caller has it (one search for every ``reach``).
 
     The rule is sequential (each edge depends on the one before), but an edge whose candidate passes the edge
     before it lands on its candidate, and from there on the edges follow their candidates until one does not pass
     the one before: only the stretches that start at such an edge, up to the first edge back on its candidate,
     are walked one by one (the order-preserving case, the common one, walks none)."""
     x = edges[1:-1]
-    best = allowed.nearest(x)
+    best = allowed.nearest(x) if nearest is None else nearest
     cand = torch.where((x < S) & ((best - x).abs() <= reach), best, x)
     full = torch.cat([edges[:1], cand, edges[-1:]])
     if bool((full[1:] > full[:-1]).all()):  # every move keeps the order: the sequential rule changes nothing
@@ -441,17 +449,29 @@ def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, Tensor, float] |
         local_len = per_rank * -(-S // chunks)
         chunk_len = local_len // per_rank
         padded_len = world * local_len
+        edges = torch.arange(chunks + 1) * chunk_len
+        nearest = allowed.nearest(edges[1:-1])  # the same search for every tolerance
+        # the work before every edge a tolerance can produce without a walk: the unsnapped edges and their
+        # nearest boundaries (``work.at`` is elementwise, so picking from these equals computing it anew)
+        at_edges, at_nearest = work.at(edges).numpy(), work.at(nearest).numpy()
         for tolerance in SNAP_TOLERANCES:
-            edge_t = _snap(torch.arange(chunks + 1) * chunk_len, allowed, int(tolerance * chunk_len), S)
-            key = (per_rank, edge_t.numpy().tobytes())
+            edge_t = _snap(edges, allowed, int(tolerance * chunk_len), S, nearest)
+            e = edge_t.numpy()
+            key = (per_rank, e.tobytes())
             if key in tried:  # the same edges as a tolerance already tried: the same outcome
                 continue
             tried.add(key)
-            chunk_work = torch.diff(work.at(edge_t)).tolist()
-            lens = np.diff(edge_t.numpy())
+            inner = e[1:-1]
+            if np.all((inner == edges[1:-1].numpy()) | (inner == nearest.numpy())):
+                at = np.concatenate([at_edges[:1], np.where(inner == nearest.numpy(), at_nearest, at_edges[1:-1]),
+                                     at_edges[-1:]])
+            else:  # the walk placed some edges elsewhere
+                at = work.at(edge_t).numpy()
+            chunk_work = np.diff(at)
+            lens = np.diff(e)
             if _hopeless(chunk_work, world, SNAP_TARGET) or int(lens.max()) > SNAP_TARGET * local_len:
                 continue  # the largest chunk alone breaks the work or the row target: its assignment would too
-            owned, loads = _assign_array(np.asarray(chunk_work, dtype=np.float64), world, per_rank)
+            owned, loads = _assign_array(chunk_work, world, per_rank)
             load = loads.tolist()
             rows = lens[owned].sum(1).tolist()  # every rank owns exactly per_rank chunks
             mean = sum(load) / world

@@ -346,12 +346,18 @@ def modelled_cost(plan: StepPlan) -> float:
     return max(w + LAYOUT_COST["kv_token"] * r + LAYOUT_COST["cut_piece"] * c for w, r, c in zip(work, recv, cuts))
 
 
-def choose_layout(doc_layout: DocLayout, world: int, only: str | None = None) -> tuple[StepPlan, dict[str, float]]:
+def choose_layout(doc_layout: DocLayout, world: int, only: str | None = None, *,
+                  every_cost: bool = True) -> tuple[StepPlan, dict[str, float]]:
     """``layout="auto"``: the candidate with the lowest :func:`modelled_cost` (ties: the first of contiguous,
-    balanced, snapped) and every candidate's cost. A pure function of the doc ids: identical on all ranks.
+    balanced, snapped) and the candidates' costs. A pure function of the doc ids: identical on all ranks.
     ``only`` keeps one candidate (``snapped`` falls back to ``balanced`` where no snapped layout qualifies).
     Every candidate is a few shard runs and its cost comes from its pieces' intervals, so trying all three
-    costs what the documents and the ranks cost."""
+    costs what the documents and the ranks cost.
+
+    ``every_cost=False`` (what :func:`plan_step` does) costs the candidates in the order of their slowest
+    rank's work, a lower bound of their cost read from the shard runs alone, and skips a candidate whose bound
+    already exceeds the best cost found: the same choice, without the pieces and needed sets of a layout that
+    cannot win (its cost is then missing from the dict)."""
     S = doc_layout.seq_len
     if only is not None and only not in ("contiguous", "snapped", "balanced"):
         raise ValueError(f"layout: expected auto:contiguous, auto:snapped or auto:balanced, got auto:{only}")
@@ -368,13 +374,20 @@ def choose_layout(doc_layout: DocLayout, world: int, only: str | None = None) ->
             candidates["snapped"] = ShardPlan(world=world, seq_len=S, local_len=L, runs=runs)
             if only == "snapped":
                 del candidates["balanced"]
-    costs, best = {}, None
-    for name, shards in candidates.items():
-        plan = StepPlan(layout=doc_layout, shards=shards.with_layout(f"auto:{name}"))
-        costs[name] = modelled_cost(plan)
-        if best is None or costs[name] < costs[best[0]]:
-            best = (name, plan)
-    return best[1], costs
+    rank_of = {name: i for i, name in enumerate(candidates)}  # the tie order
+    names = list(candidates)
+    if not every_cost and len(names) > 1:
+        bound = {name: float(work.per_rank(shards.runs, world).max()) for name, shards in candidates.items()}
+        names.sort(key=lambda name: (bound[name], rank_of[name]))
+    costs, plans = {}, {}
+    for name in names:
+        # the bound is exact pairs in float64; the margin keeps rounding from skipping a tie
+        if not every_cost and costs and bound[name] * (1 - 1e-9) > min(costs.values()):
+            continue
+        plans[name] = StepPlan(layout=doc_layout, shards=candidates[name].with_layout(f"auto:{name}"))
+        costs[name] = modelled_cost(plans[name])
+    best = min(costs, key=lambda name: (costs[name], rank_of[name]))
+    return plans[best], costs
 
 
 def plan_step(doc_ids: Tensor, world: int, layout: str = "contiguous") -> StepPlan:
@@ -383,8 +396,8 @@ def plan_step(doc_ids: Tensor, world: int, layout: str = "contiguous") -> StepPl
     then reads ``auto:<choice>``."""
     doc_layout = DocLayout.from_doc_ids(doc_ids.cpu())
     if layout == "auto":
-        return choose_layout(doc_layout, world)[0]
+        return choose_layout(doc_layout, world, every_cost=False)[0]
     if layout.startswith("auto:"):  # one candidate of auto, forced (tests, benchmarks)
-        return choose_layout(doc_layout, world, only=layout[5:])[0]
+        return choose_layout(doc_layout, world, only=layout[5:], every_cost=False)[0]
     work = CumulativeWork(doc_layout) if layout == "balanced" else None
     return StepPlan(layout=doc_layout, shards=plan_shards(doc_layout.seq_len, world, layout, work=work))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdiag_dist.balance import SNAP_TARGET, TARGET, balanced_positions, doc_boundaries, position_work, snapped_positions
+from blockdiag_dist.balance import SNAP_TARGET, TARGET, CumulativeWork, balanced_positions, doc_boundaries, position_work, snapped_positions
 from blockdiag_dist.kernels.dense import plan_dense
 from blockdiag_dist.kernels.varlen import BAND_MIN, plan_varlen, size_class
 from blockdiag_dist.plan import LAYOUT_COST, StepPlan, choose_layout, cut_pieces_per_rank, modelled_cost, plan_shards, plan_step
@@ -407,3 +407,44 @@ def test_auto_layout_is_the_argmin_of_the_modelled_cost(seed, world):
     assert costs[plan.shards.layout[5:]] == min(costs.values())
     again = plan_step(ids.clone(), world, "auto")
     assert torch.equal(again.shards.positions, plan.shards.positions) and again.fingerprint() == plan.fingerprint()
+
+
+def _auto_rows(seed: int) -> torch.Tensor:
+    """Rows for the pruned choice: long-tail rows (balanced or snapped wins), equal short documents
+    (contiguous wins) and random rows with padding and reused ids."""
+    if seed % 3 == 0:
+        return pareto_ids(seed, 4096)
+    if seed % 3 == 1:
+        return DocLayout.from_seqlens([37] * 60 + [1]).doc_ids
+    return random_ids(seed, 2, 300)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8, 64])
+@pytest.mark.parametrize("seed", range(6))
+def test_work_bound_and_pruned_choice_equal_the_full_search(seed, world):
+    """``plan_step(..., "auto")`` skips the candidates whose slowest rank's work (read from the shard runs by
+    ``CumulativeWork.per_rank``) exceeds the best cost found: that bound is each candidate's exact work per rank,
+    and the pruned search returns the plan the search costing every candidate returns."""
+    ids = _auto_rows(seed)
+    layout = DocLayout.from_doc_ids(ids)
+    full, costs = choose_layout(layout, world)
+    pruned, some = choose_layout(layout, world, every_cost=False)
+    assert pruned.shards.layout == full.shards.layout and pruned.fingerprint() == full.fingerprint()
+    assert set(some) <= set(costs) and all(some[k] == costs[k] for k in some)
+    work = CumulativeWork(layout)
+    for name in costs:
+        forced = plan_step(ids, world, f"auto:{name}")
+        if forced.shards.layout == f"auto:{name}":  # snapped may fall back to balanced
+            assert work.per_rank(forced.shards.runs, world).tolist() == [float(w) for w in forced.work_per_rank()]
+            if name not in some:  # skipped: its work alone exceeds the chosen cost
+                assert max(forced.work_per_rank()) > costs[full.shards.layout[5:]]
+    assert plan_step(ids, world, "auto").fingerprint() == full.fingerprint()
+
+
+def test_the_pruned_choice_skips_a_candidate_that_cannot_win():
+    """Long-tail documents at CP 8: contiguous sharding's slowest rank alone costs more than the balanced
+    layout's whole modelled step, so the pruned search never builds its pieces."""
+    layout = DocLayout.from_doc_ids(pareto_ids(0, 4096))
+    _, costs = choose_layout(layout, 8)
+    _, some = choose_layout(layout, 8, every_cost=False)
+    assert "contiguous" in costs and "contiguous" not in some, (costs, some)

@@ -339,8 +339,9 @@ def test_interval_ranges_equal_concatenated_aranges(spans):
     assert got.dtype == torch.int64 and got.tolist() == want
 
 
-def sequential_snap(edges, allowed, reach: int, S: int):
-    """The oracle of ``balance._snap``: its candidates, then the repair one edge at a time, every edge walked."""
+def sequential_snap(edges, allowed, reach: int, S: int, nearest=None):
+    """The oracle of ``balance._snap``: its candidates, then the repair one edge at a time, every edge walked.
+    ``nearest`` (the search ``_snapped`` shares between tolerances) is ignored: the oracle searches anew."""
     x = edges[1:-1]
     best = allowed.nearest(x).tolist()
     out = [int(edges[0])]
