@@ -223,7 +223,10 @@ def _lpt(w: np.ndarray, world: int, per_rank: int) -> tuple[np.ndarray, np.ndarr
             loads[r] = load + wl[k]
             i += 1
         count = np.asarray(cnt, dtype=np.int64)
-    by_rank = np.argsort(rank_of, kind="stable")  # chunks grouped by rank, each rank's in the order they came
+    # chunks grouped by rank, each rank's in the order they came: a stable sort of small integers, which numpy
+    # sorts by radix (linear) in 16 bits and by merging in 64
+    keys = rank_of.astype(np.int16) if world <= np.iinfo(np.int16).max else rank_of
+    by_rank = np.argsort(keys, kind="stable")
     return order[by_rank].reshape(world, per_rank), loads  # every rank ends with exactly per_rank chunks
 
 
