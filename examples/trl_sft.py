@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         extra.update(torch_compile=True, torch_compile_backend=a.torch_compile)
     if a.fsdp2:
         extra.update(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+    own_group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized()
+    if own_group:
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     losses = run_sft(a.model, a.cp, a.steps, a.dtype, packing_strategy=a.packing_strategy, max_length=a.max_length,
                      trainer=a.trainer, training_args=extra)["losses"]
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         if a.out:
             with open(a.out, "w") as f:
                 json.dump({"cp": a.cp, "model": a.model, "losses": losses}, f)
+    if own_group:  # every rank done with its collectives before any tears its connections down
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return losses
 
 
