@@ -427,3 +427,23 @@ def test_minimax_is_judged_against_its_lightning_layers_in_float64(prepared):
     layer = next(m for m in model.modules() if type(m).__name__ == "MiniMaxLightningAttention")
     n = torch.arange(1, layer.block_size + 1, dtype=torch.float64)[:, None]
     assert torch.equal(layer.query_decay, torch.exp(-layer.slope_rate * n))
+
+
+def test_float64_limits_come_from_samples_that_are_rounding_alone(prepared):
+    """A float64 baseline sample is kept only if, all in float64, it equals the exact truth: right-padding the
+    documents together changes what Mistral Large 4 computes (all in float64, its gradients move by ~0.9), so its
+    padded samples are left out, named, and its limits come from the documents as identical rows and from its own
+    float32 ops (worst gradient 3.1e-7 instead of 0.9). Gemma 3, whose padding is neutral, keeps its two padded
+    samples and nothing else."""
+    from verify.model.layouts import model_rows
+    from verify.model.reference import NOT_ROUNDING, Reference
+
+    rows = model_rows("spans-every-rank", 2)
+    mistral = Reference(prepared("mistral_large4")).baseline(rows, "float64")
+    kept, _, left_out = mistral.what.partition("; left out, all in float64 it differs by more than rounding: ")
+    assert "right-padded" not in kept and left_out.count("right-padded") == 2, mistral.what
+    assert "identical rows" in kept and "every op in float64" in kept, mistral.what
+    assert max(mistral.params.values()) < 1e-5 and mistral.loss < 1e-8, (max(mistral.params.values()), mistral.loss)
+    gemma = Reference(prepared("gemma3")).baseline(rows, "float64")
+    assert gemma.what.count("right-padded") == 2 and "left out" not in gemma.what and "identical" not in gemma.what
+    assert 0 < max(gemma.params.values()) < NOT_ROUNDING
