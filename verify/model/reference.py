@@ -37,10 +37,18 @@ ROUNDING = ZERO_GRADIENT  # a gradient norm at most this fraction of the largest
 # gradient summed over every token is a float32 sum whose rounding follows its terms and their order: DeepSeek-V4's
 # hc_head.hc_scale (reused-ids) moves 5.1e-6 alone, 8.0e-6 / 5.4e-6 / 1.7e-5 with 2 / 4 / 8 copies; CP 1 2.2e-5
 COPIES = 8
+# ... and each document as 2 to 7 identical rows too: a CPU GEMM takes another kernel, with another summation order,
+# for another row count. Measured on an AVX-512 machine: Ling's float32 router, through its experts' float64
+# gradients, moves 5.0e-9 with 1, 2, 4 or 8 rows or any padding, 6.8e-8 with 3 and 6.3e-8 with 5 (CP 2: 1.7e-8);
+# DeepSeek-V4's float32 hc_head.hc_scale (spans-every-rank) moves 1.6e-6 to 1.1e-4 with 1 to 16 rows (CP 2: 1.6e-4)
+MORE_COPIES = (2, 3, 4, 5, 6, 7)
+ODD_COPIES = 3  # the float64 baseline's row-count sample (each float64 sample is also run all in float64)
 # a float64 baseline sample computed all in float64 that differs from the exact truth by more than this changes what
 # the model computes, not only its rounding: reordered float64 sums move a recurrence's gate gradient by ~1e-9, a
 # padding that is not neutral moves gradients by 0.07-1.7 (HY-V4, HY-V4-VL, Mistral Large 4, DeepSeek-V4)
 NOT_ROUNDING = 1e-6
+# the modeling modules' chunked recurrences that take ``chunk_size`` (Gated DeltaNet's, Kimi Delta Attention's)
+CHUNK_KERNELS = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")
 RECHUNK = 4  # the chunk length of the truth's second chunking (see Reference.chunking_cost)
 
 
@@ -296,17 +304,19 @@ class Reference:
             worst.what += " (" + "; ".join(refused) + ")"
         if not self.prepared.multimodal:  # the same step, every sum over the tokens over COPIES x the terms
             ok = next(b for b in backends if not any(f"SDPA {b} refuses" in r for r in refused))
-            with _sdpa_backend(ok):
-                step = document_reference(model, p.docs, recorder=rec, copies=COPIES)
-            b = self._errors(f"{dtype}, each document as {COPIES} identical rows" + (f" (SDPA {ok})" if ok else ""),
-                             truth, step, step.records, p, model)
-            worst = _merged(worst, b)
+            for copies in (COPIES, *MORE_COPIES):
+                with _sdpa_backend(ok):
+                    step = document_reference(model, p.docs, recorder=rec, copies=copies)
+                b = self._errors(f"{dtype}, each document as {copies} identical rows" + (f" (SDPA {ok})" if ok else ""),
+                                 truth, step, step.records, p, model)
+                worst = _merged(worst, b)
         self._base[key] = worst
         return worst
 
     def _float64_samples(self, p: Packed, S: int) -> list[_Sample]:
         """The float64 baseline's samples: the documents right-padded together to a little more than the packed
-        length, in two orders (one sample of rounding is not enough). Where one of them is not rounding alone
+        length, in two orders (one sample of rounding is not enough), and, text models, each document as
+        :data:`ODD_COPIES` identical rows. Where a padded sample is not rounding alone
         (:meth:`_is_rounding`), a text model's documents each as :data:`COPIES` identical rows (no padding) take
         its place."""
         out = []
@@ -316,6 +326,9 @@ class Reference:
                     + (" in reverse order" if order < 0 else "") + " vs one by one")
             out.append(_Sample(what, functools.partial(_padded, p=p, length=S + pad, idx=idx,
                                                        multimodal=self.prepared.multimodal)))
+        if not self.prepared.multimodal:  # an odd batch: another GEMM kernel's summation order (ODD_COPIES)
+            out.append(_Sample(f"float64, each document as {ODD_COPIES} identical rows",
+                               functools.partial(_copies, docs=p.docs, copies=ODD_COPIES)))
         return out
 
     def _unpadded_samples(self, rows, p: Packed) -> list[_Sample]:
@@ -324,7 +337,7 @@ class Reference:
         with every op in float64 against the model as written (the whole rounding its float32 ops add: a CP step
         perturbs their inputs by float64 rounding, which flips some float32 roundings; the copies alone do not)."""
         out = [] if self.prepared.multimodal else [
-            _Sample(f"float64, each document as {COPIES} identical rows", lambda model, rec: _copies(model, rec, p.docs))]
+            _Sample(f"float64, each document as {COPIES} identical rows", functools.partial(_copies, docs=p.docs))]
         exact = self.truth(rows, "exact").step  # every op in float64: the exact truth itself
         out.append(_Sample("every op in float64, each document alone", lambda model, rec: (exact, exact.records),
                            promoted=True))
@@ -456,17 +469,18 @@ def _is_mixer(module: nn.Module) -> bool:
 @contextlib.contextmanager
 def rechunked(model: nn.Module, every: int) -> Iterator[bool]:
     """Inside: the stock chunked recurrences of ``model``'s sequence mixers cut every ``every`` tokens (the
-    modeling module's ``torch_chunk_gated_delta_rule`` given ``chunk_size=every``; a mixer's own ``chunk_size``
-    set to ``every``). Yields whether any was found; everything is restored on exit."""
+    modeling module's chunked kernels, :data:`CHUNK_KERNELS`, given ``chunk_size=every``; a mixer's own
+    ``chunk_size`` set to ``every``). Yields whether any was found; everything is restored on exit."""
     undo: list[tuple[Any, str, Any]] = []
     for m in model.modules():
         if not _is_mixer(m):
             continue
         module = sys.modules.get(type(m).__module__)
-        kernel = getattr(module, "torch_chunk_gated_delta_rule", None)
-        if kernel is not None and not any(obj is module for obj, _, _ in undo):
-            undo.append((module, "torch_chunk_gated_delta_rule", kernel))
-            module.torch_chunk_gated_delta_rule = functools.partial(kernel, chunk_size=every)
+        for name in CHUNK_KERNELS:
+            kernel = getattr(module, name, None)
+            if kernel is not None and not any(obj is module and attr == name for obj, attr, _ in undo):
+                undo.append((module, name, kernel))
+                setattr(module, name, functools.partial(kernel, chunk_size=every))
         if isinstance(m.__dict__.get("chunk_size"), int):
             undo.append((m, "chunk_size", m.chunk_size))
             m.chunk_size = every
@@ -499,8 +513,8 @@ def _padded(model: nn.Module, recorder: ModuleRecorder, *, p: Packed, length: in
     return step, [per_doc[idx.index(i)] for i in range(len(p.docs))]
 
 
-def _copies(model: nn.Module, recorder: ModuleRecorder, docs):
-    step = document_reference(model, docs, recorder=recorder, copies=COPIES)
+def _copies(model: nn.Module, recorder: ModuleRecorder, *, docs, copies: int = COPIES):
+    step = document_reference(model, docs, recorder=recorder, copies=copies)
     return step, step.records
 
 
