@@ -457,6 +457,7 @@ def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, Tensor, float] |
         # the work before every edge a tolerance can produce without a walk: the unsnapped edges and their
         # nearest boundaries (``work.at`` is elementwise, so picking from these equals computing it anew)
         at_edges, at_nearest = work.at(edges).numpy(), work.at(nearest).numpy()
+        inner_edges, inner_nearest = edges[1:-1].numpy(), nearest.numpy()
         for tolerance in SNAP_TOLERANCES:
             edge_t = _snap(edges, allowed, int(tolerance * chunk_len), S, nearest)
             e = edge_t.numpy()
@@ -465,9 +466,9 @@ def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, Tensor, float] |
                 continue
             tried.add(key)
             inner = e[1:-1]
-            if np.all((inner == edges[1:-1].numpy()) | (inner == nearest.numpy())):
-                at = np.concatenate([at_edges[:1], np.where(inner == nearest.numpy(), at_nearest, at_edges[1:-1]),
-                                     at_edges[-1:]])
+            on_nearest = inner == inner_nearest
+            if np.all(on_nearest | (inner == inner_edges)):
+                at = np.concatenate([at_edges[:1], np.where(on_nearest, at_nearest, at_edges[1:-1]), at_edges[-1:]])
             else:  # the walk placed some edges elsewhere
                 at = work.at(edge_t).numpy()
             chunk_work = np.diff(at)
