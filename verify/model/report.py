@@ -119,7 +119,7 @@ def write_markdown(path: str, data: dict[str, Any]) -> None:
                                   if r["case"]["dtype"] == "float64")
             source = ("documents as identical rows and every op in float64 vs one by one; right-padding the documents "
                       "together changes what this model computes, so those samples are left out" if padding_changes
-                      else "documents right-padded together vs one by one")
+                      else "documents right-padded together, and as identical rows, vs one by one")
             lines.append("- computes below float64 in a float64 model: " + "; ".join(f"`{o}`" for o in ops)
                          + (f". Cost: worst gradient {cost:.1e} against the same model all in float64; the float64 "
                             f"limit comes from a measured baseline ({source})" if isinstance(cost, float) else ""))
