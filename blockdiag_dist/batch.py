@@ -229,11 +229,13 @@ def make_cp_blockdiag_batch_and_ctx(
             (the cheapest of those two and balanced with chunk boundaries snapped to documents, by a modelled
             step cost; see :func:`blockdiag_dist.plan.choose_layout`).
         window_sizes: the windows the model's attention calls use; their plans are built here (default:
-            the unwindowed one). A window not listed is planned on its first use in the step.
-        check_consensus: all-gather a fingerprint of each window's plan on its first use in the step and raise
-            ``PlanMismatchError`` on every rank, naming the disagreeing ranks (ranks given different batches
-            would otherwise compute wrong attention or hang). Default on (``BLOCKDIAG_CHECK_CONSENSUS=0``
-            turns the default off); ``False`` saves one small all-gather per window and step.
+            the unwindowed one, and none with ``expect_attention=False``; ``[]``: none). A window not listed
+            (or a chunked or bidirectional call) is planned on its first use in the step.
+        check_consensus: all-gather a fingerprint of the plans and raise ``PlanMismatchError`` on every rank,
+            naming the disagreeing ranks (ranks given different batches would otherwise compute wrong attention
+            or hang): here, once for all the windows planned here, and for any other window on its first use
+            in the step. Default on (``BLOCKDIAG_CHECK_CONSENSUS=0`` turns the default off); ``False`` saves
+            one small all-gather per step (and per window planned later).
         expect_attention: a normal exit of ``train_ctx()`` raises ``AttentionNotRoutedError`` when no attention
             call reached ``cp_blockdiag_sdpa`` in the step (attention that bypasses it attends only within the
             rank's shard). ``False`` only for a model that does not mix along the sequence at all; recurrent
@@ -276,8 +278,11 @@ def make_cp_blockdiag_batch_and_ctx(
     ))
     kv_exchange, layout, padding_token_id = opts.resolved_exchange(), opts.layout, opts.padding_token_id
     kernel_name, kernel_requested = opts.resolved_kernel()
-    lefts = [-1] if opts.window_sizes is None else sorted({normalize_window(w) for w in opts.window_sizes})
     expect_attention, shard_primary, shard_vision = opts.expect_attention, opts.shard_primary, opts.shard_vision
+    if opts.window_sizes is None:  # a model without attention plans none ahead
+        lefts = [-1] if expect_attention else []
+    else:
+        lefts = sorted({normalize_window(w) for w in opts.window_sizes})
     check_consensus, conv_widths = opts.check_consensus, opts.conv_widths
     if not shard_primary:
         from .integrations import vlm  # noqa: F401  (registers the scan visitor that hooks decoder entries)
@@ -299,8 +304,7 @@ def make_cp_blockdiag_batch_and_ctx(
         state.note(f"kernel {kernel_requested!r}: {substitution}")
     if bidirectional_blocks is not None:
         state.set_bidirectional_blocks(bidirectional_blocks)
-    for left in lefts:
-        state.agreed_window_plan(left)
+    state.agree_windows([(left, -1, False, False) for left in lefts])  # one all-gather for all of them
     state.docs  # noqa: B018 - the documents' plan, built here once per step (pure, no communication)
     if conv_widths is not None:
         from .mixers.conv import plan_conv

@@ -13,7 +13,7 @@ import hashlib
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -230,15 +230,22 @@ class StepState:
         """:meth:`window_plan`, compared across the CP group on the window's first use in the step when
         ``check_consensus`` (one all-gather of a fingerprint; every rank calls it at the same point)."""
         whole_blocks = bool(bidirectional and whole_blocks)
-        wp = self.window_plan(window_left, chunk, bidirectional, whole_blocks)
-        key = (window_left, chunk, bidirectional, whole_blocks)
-        if self.check_consensus and key not in self._agreed:
-            with self._lock:
-                if key not in self._agreed:
-                    blocks = (self.blocks.digest.hex() + ("|whole" if whole_blocks else "")) if bidirectional else ""
-                    self._check_consensus(window_left, wp.mode, chunk, blocks)
-                    self._agreed.add(key)
-        return wp
+        self.agree_windows([(window_left, chunk, bidirectional, whole_blocks)])
+        return self.window_plan(window_left, chunk, bidirectional, whole_blocks)
+
+    def agree_windows(self, keys: Sequence[tuple[int, int, bool, bool]]) -> None:
+        """Plan every window of ``keys`` (``(window_left, chunk, bidirectional, whole_blocks)``, as
+        :meth:`window_plan` takes them) and, when ``check_consensus``, compare those not compared yet across the
+        CP group in one all-gather of one fingerprint (the batch function agrees all its windows at once; every
+        rank calls it at the same point with the same keys)."""
+        plans = {key: self.window_plan(*key) for key in keys}
+        if not self.check_consensus or all(key in self._agreed for key in plans):
+            return
+        with self._lock:
+            todo = [key for key in plans if key not in self._agreed]
+            if todo:
+                self._check_consensus([(key, plans[key].mode) for key in todo])
+                self._agreed.update(todo)
 
     def _build_window_plan(self, window_left: int, chunk: int = -1, bidirectional: bool = False,
                            whole_blocks: bool = False) -> WindowPlan:
@@ -329,10 +336,15 @@ class StepState:
             self._compare_fingerprints(f"mixer {signature}", lambda: signature)
             self._mixers_agreed.add(signature)
 
-    def _check_consensus(self, window_left: int, mode: str, chunk: int = -1, blocks: str = "") -> None:
-        """All-gather a fingerprint of the plan; raise naming the ranks that disagree (instead of hanging)."""
-        self._compare_fingerprints(f"window left={window_left}{_chunk_text(chunk)}", None,
-                                   f"|{window_left}|{chunk}|{mode}|{self.kernel}|{blocks}")
+    def _check_consensus(self, windows: Sequence[tuple[tuple[int, int, bool, bool], str]]) -> None:
+        """All-gather one fingerprint of the plan and of ``windows`` (each ``(key, mode)``); raise naming the ranks
+        that disagree (instead of hanging)."""
+        extra = ""
+        for (window_left, chunk, bidirectional, whole_blocks), mode in windows:
+            blocks = (self.blocks.digest.hex() + ("|whole" if whole_blocks else "")) if bidirectional else ""
+            extra += f"|{window_left}|{chunk}|{mode}|{self.kernel}|{blocks}"
+        what = ", ".join(f"left={key[0]}{_chunk_text(key[1])}" for key, _ in windows)
+        self._compare_fingerprints(f"window{'s' if len(windows) > 1 else ''} {what}", None, extra)
 
     def _compare_fingerprints(self, what: str, readable, extra: str = "") -> None:
         """All-gather a fingerprint of the plan and ``what`` (+ ``extra``); on a mismatch raise on every rank,

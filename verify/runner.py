@@ -318,8 +318,10 @@ def _run_impl(case: Case, impl: ImplInfo, inputs: dict[str, Tensor], dtype, devi
     x, ws = _leaves(inputs, dtype, device)
     batch = impl_batch(case, inputs, x, device)
     opts = {k: v for k, v in (("kernel", case.kernel), ("kv_exchange", case.exchange), ("layout", case.layout)) if v}
-    if "window_sizes" in impl.make_params:
-        opts["window_sizes"] = [(case.window, 0) if case.window >= 0 else None]
+    if "window_sizes" in impl.make_params:  # the window the call uses, planned by the batch function; chunked and
+        # bidirectional calls plan theirs on first use (the batch function's windows are plain ones)
+        plain = case.chunk <= 0 and not case.bidirectional
+        opts["window_sizes"] = [(case.window, 0) if case.window >= 0 else None] if plain else []
     if case.bidirectional:
         opts["bidirectional_blocks"] = torch.tensor(case.blocks(), dtype=torch.int64, device=device)
     train_ctx, batch = impl.make(cp_mesh, None, batch, **opts)
