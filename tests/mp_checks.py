@@ -49,6 +49,28 @@ def consensus_mismatch() -> str:
     raise AssertionError("ranks with different plans were not detected")
 
 
+def windows_agreed_at_once(differ: bool) -> dict:
+    """The batch function plans two windows (three on rank 1 when ``differ``): with the consensus check on, it
+    all-gathers once for all of them; a rank listing another window makes every rank raise, naming the windows.
+    Returns the number of all-gathers and the error text (None when the batch function returned)."""
+    import blockdiag_dist.state as state_module
+
+    info = worker_info()
+    ids = torch.tensor([[1] * 9 + [2] * 7])
+    windows = [(4, 0), None] + ([(2, 0)] if differ and info["rank"] == 1 else [])
+    calls = []
+    gather = state_module.all_gather_tensor
+    state_module.all_gather_tensor = lambda *a, **k: (calls.append(1), gather(*a, **k))[1]
+    try:
+        make_cp_blockdiag_batch_and_ctx(info["cp_mesh"], None, _batch(ids), window_sizes=windows, check_consensus=True)
+        error = None
+    except PlanMismatchError as exc:
+        error = str(exc)
+    finally:
+        state_module.all_gather_tensor = gather
+    return {"gathers": len(calls), "error": error}
+
+
 def traffic_per_mode(mode: str) -> dict:
     """Bytes the exchange moved, forward and backward, for one step of a long document at this CP size."""
     info = worker_info()

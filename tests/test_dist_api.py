@@ -50,6 +50,19 @@ def test_cp1_batch_is_padded_sliced_and_annotated():
     assert ctx.state.world == 1 and ctx.state.positions.tolist() == list(range(7))
 
 
+@pytest.mark.parametrize("kwargs, planned", [
+    ({}, [(-1, -1, False, False)]),  # the unwindowed one by default
+    ({"window_sizes": [(4, 0), None]}, [(-1, -1, False, False), (4, -1, False, False)]),
+    ({"window_sizes": []}, []),
+    ({"expect_attention": False}, []),  # a model without attention plans none ahead
+])
+def test_the_batch_function_plans_the_windows_it_is_told(kwargs, planned):
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of(), **kwargs)
+    assert sorted(ctx.state._windows) == planned
+    wp = ctx.state.agreed_window_plan(2)  # any other window: on its first use
+    assert (2, -1, False, False) in ctx.state._windows and wp.window_left == 2
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_shards_of_every_rank_put_together_give_the_padded_tensor(world):
     """Pure slicing, every rank in one process: each tensor kind with its pad value."""

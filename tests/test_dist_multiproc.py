@@ -40,6 +40,15 @@ def test_consensus_check_names_the_disagreeing_ranks(session):
         assert "CP plan consensus failed" in m and "ranks [0, 2] have" in m and "ranks [1] have" in m
 
 
+def test_the_batch_functions_windows_are_agreed_in_one_all_gather(session):
+    same = session.pool(3).run(mp_checks.windows_agreed_at_once, args=(False,), timeout=60, name="windows")
+    assert same == [{"gathers": 1, "error": None}] * 3
+    differ = session.pool(3).run(mp_checks.windows_agreed_at_once, args=(True,), timeout=60, name="windows differ")
+    for r in differ:
+        assert r["gathers"] == 1 and "CP plan consensus failed" in r["error"] and "ranks [1] have" in r["error"]
+    assert "left=-1, left=2, left=4" in differ[1]["error"] and "left=-1, left=4" in differ[0]["error"]
+
+
 @pytest.mark.parametrize("mode", ["allgather", "a2a"])
 def test_bytes_moved_equal_the_plan(session, mode):
     """Forward moves what the plan says, backward mirrors it; what arrived from each rank is exactly the
