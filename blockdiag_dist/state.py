@@ -230,8 +230,11 @@ class StepState:
         """:meth:`window_plan`, compared across the CP group on the window's first use in the step when
         ``check_consensus`` (one all-gather of a fingerprint; every rank calls it at the same point)."""
         whole_blocks = bool(bidirectional and whole_blocks)
-        self.agree_windows([(window_left, chunk, bidirectional, whole_blocks)])
-        return self.window_plan(window_left, chunk, bidirectional, whole_blocks)
+        key = (window_left, chunk, bidirectional, whole_blocks)
+        wp = self.window_plan(*key)
+        if self.check_consensus and key not in self._agreed:  # every call of a step's attention passes here
+            self.agree_windows([key])
+        return wp
 
     def agree_windows(self, keys: Sequence[tuple[int, int, bool, bool]]) -> None:
         """Plan every window of ``keys`` (``(window_left, chunk, bidirectional, whole_blocks)``, as
