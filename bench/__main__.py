@@ -177,7 +177,7 @@ def run(quick: bool, only: list[str] | None = None) -> dict:
         sections.append(("memory", lambda: bench_memory(131072, 4)))
     # quick: the goals' cases (1M / CP 64 and 16M / CP 1,024, and the growth from 1M to 16M at equal documents)
     sections.append(("plan", lambda: bench_plan((1 << 20, 1 << 24) if quick else (1 << 17, 1 << 20, 1 << 22, 1 << 24),
-                                                (64, 1024) if quick else (8, 64, 256, 1024), reps=1 if quick else 3,
+                                                (64, 1024) if quick else (8, 64, 256, 1024), reps=3,
                                                 extra=tuple((1 << 20, 64, "mean2k", layout) for layout in PLAN_LAYOUTS))))
     sections.append(("hybrid", lambda: bench_hybrid((4096,) if quick else (8192, 32768), reps=1,
                                                     mem_S=8192 if quick else 32768, rounds=1 if quick else 2,

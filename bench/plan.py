@@ -7,9 +7,12 @@ Every rank plans every step in the batch function before any GPU work. Two parts
   counts) and the documents' pieces (``plan.documents``);
 - ``scan``: the part of ``replicated`` that reads the doc ids once to find the documents
   (``DocLayout.from_doc_ids``), the floor any planning from per-token doc ids pays;
-- ``rank``: this rank's own token-level tensors, built from the replicated plan: its window plan (key buffer,
-  send rows, varlen kernel blocks) and its documents' view (``state.docs``). These grow with ``S / CP``, the
-  tokens the rank holds, which the kernel and the collective consume.
+- ``rank``: this rank's own part, built from the replicated plan in the batch function: its window plan (key
+  buffer, send rows, the varlen kernel's pieces) and its documents' view (``state.docs``). Its send rows and
+  local ids grow with ``S / CP``, the tokens the rank holds, which the collective consumes;
+- ``gathers``: the varlen kernel's maskless blocks (``VarlenMeta.blocks``: one gather index per query and key
+  slot of this rank), built on the step's first attention call that runs them (the CPU path; flash-attn on
+  CUDA takes the pieces' ``cu_seqlens`` instead and never builds them). Reported apart, not in ``total``.
 
 One packed row of documents with exponential lengths: ``few`` = 64 documents, ``many`` = 8,192 documents (a fixed
 count at every S, so the growth ratio ``time(16M) / time(1M)`` compares equal document counts), and ``mean2k``
@@ -19,7 +22,7 @@ Run ``python -m bench --only plan`` (or :func:`time_plan` for one case)::
 
     >>> from bench.plan import time_plan
     >>> row = time_plan(1 << 17, 8, "few", "contiguous", reps=1)
-    >>> sorted(row) == ['S', 'cp', 'docs', 'layout', 'mix', 'rank_ms', 'replicated_ms', 'scan_ms', 'total_ms']
+    >>> sorted(row) == ['S', 'cp', 'docs', 'gathers_ms', 'layout', 'mix', 'rank_ms', 'replicated_ms', 'scan_ms', 'total_ms']
     True
 
 The section ends with the goal lines (:func:`plan_goals`): per layout, the worst case at S = 1M / CP 64 (<= 20 ms),
@@ -63,18 +66,20 @@ def _replicated(ids: torch.Tensor, world: int, layout: str):
     return plan
 
 
-def _rank(plan, rank: int) -> None:
+def _rank(plan, rank: int):
     state = StepState(plan, rank=rank, group=None, device=torch.device("cpu"), kv_exchange="auto", kernel="varlen")
-    state.window_plan(-1)
+    wp = state.window_plan(-1)
     state.docs  # noqa: B018
+    return wp
 
 
 def time_plan(S: int, world: int, mix: str, layout: str, reps: int = 3, rank: int | None = None) -> dict:
-    """Median milliseconds of one rank's planning of one step (``rank``: default the last rank, which holds the
-    most document ends under contiguous sharding)."""
+    """Best of ``reps`` milliseconds of one rank's planning of one step, each part timed on its own (the noise of a
+    shared machine only ever adds time; ``rank``: default the last rank, which holds the most document ends under
+    contiguous sharding)."""
     ids = doc_ids_of(S, mix)
     rank = world - 1 if rank is None else rank
-    rep_t, rank_t, scan_t = [], [], []
+    rep_t, rank_t, scan_t, gather_t = [], [], [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         DocLayout.from_doc_ids(ids)
@@ -82,13 +87,16 @@ def time_plan(S: int, world: int, mix: str, layout: str, reps: int = 3, rank: in
         t0 = time.perf_counter()
         plan = _replicated(ids, world, layout)
         t1 = time.perf_counter()
-        _rank(plan, rank)
+        wp = _rank(plan, rank)
         t2 = time.perf_counter()
+        wp.kernel_meta.blocks  # noqa: B018
+        gather_t.append(time.perf_counter() - t2)
         rep_t.append(t1 - t0)
         rank_t.append(t2 - t1)
-    rep, rk = float(np.median(rep_t)) * 1e3, float(np.median(rank_t)) * 1e3
+    rep, rk = min(rep_t) * 1e3, min(rank_t) * 1e3
     return {"S": S, "cp": world, "mix": mix, "docs": int(ids.max()), "layout": layout, "replicated_ms": rep,
-            "rank_ms": rk, "total_ms": rep + rk, "scan_ms": float(np.median(scan_t)) * 1e3}
+            "rank_ms": rk, "total_ms": rep + rk, "scan_ms": min(scan_t) * 1e3,
+            "gathers_ms": min(gather_t) * 1e3}
 
 
 def bench_plan(sizes, cps, mixes=tuple(MIXES), layouts=LAYOUTS, reps: int = 3, extra=(), threads: int = 1) -> dict:
@@ -116,7 +124,8 @@ def bench_plan(sizes, cps, mixes=tuple(MIXES), layouts=LAYOUTS, reps: int = 3, e
                 if a and b:
                     growth.append({"cp": cp, "mix": mix, "layout": layout, "S_from": lo, "S_to": hi,
                                    "replicated": b[0]["replicated_ms"] / a[0]["replicated_ms"],
-                                   "total": b[0]["total_ms"] / a[0]["total_ms"]})
+                                   "total": b[0]["total_ms"] / a[0]["total_ms"],
+                                   "after_scan": (b[0]["total_ms"] - b[0]["scan_ms"]) / (a[0]["total_ms"] - a[0]["scan_ms"])})
     return {"rows": rows, "growth": growth, "threads": threads, "goals": plan_goals(rows, growth, layouts)}
 
 

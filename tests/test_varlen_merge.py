@@ -135,7 +135,7 @@ def test_range_buckets_compute_bitwise_what_gathered_buckets_do():
             seen["k range"] += sum(b.k_start >= 0 for b in bs)
             seen["gathered"] += sum(b.q_start < 0 for b in bs)
             seen["merged"] += sum(b.merged for b in bs)
-            gathered = dataclasses.replace(meta, blocks=dataclasses.replace(
+            gathered = meta.with_blocks(dataclasses.replace(
                 meta.blocks, buckets=tuple(dataclasses.replace(b, q_start=-1, k_start=-1) for b in bs),
                 q_rest=meta.blocks.q_gather, k_rest=meta.blocks.k_gather))
             g = torch.Generator().manual_seed(rank)

@@ -131,11 +131,15 @@ class BucketPlan:
 
 @dataclass(frozen=True, eq=False)
 class VarlenMeta:
-    blocks: BucketPlan  # the maskless plan: blocks merged by log-sum-exp (a query row may have two slots)
+    """A rank's pieces (``O(pieces)``, on the host) and the token-level gathers each path builds from them on
+    first use, for this rank only: :attr:`blocks` (the maskless plan), :meth:`masked`, :meth:`flash_meta`,
+    :meth:`self_keys`. A path never taken costs nothing (flash-attn on CUDA never builds the maskless plan)."""
+
     pad_rows: Tensor  # int64: local rows of padding queries (their outputs are 0)
     piece_q: Tensor  # int64 [P, 2] (first local query row, length), on the host
     piece_k: Tensor  # int64 [P, 2] (first key flat id, length), on the host
     piece_flat: Tensor  # int64 [P] flat id of each piece's first query, on the host
+    piece_doc_start: Tensor  # int64 [P] its document's start position, on the host
     key_lut: Tensor = field(repr=False)  # int64 [B * Sp] key-buffer row of each flat id (-1 = absent), host, or a FlatIndex
     num_queries: int = 0
     padded_len: int = 1
@@ -148,15 +152,31 @@ class VarlenMeta:
     plain: VarlenMeta | None = field(default=None, repr=False)
     # with labels: a query sees every key of its block, the earlier ones beyond the window too (whole blocks)
     whole_blocks: bool = False
+    band_min: int = BAND_MIN  # see plan_varlen
+    device: torch.device = field(default=torch.device("cpu"), repr=False)  # where the built plans live
     _cache: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def blocks(self) -> BucketPlan:
+        """The maskless plan (blocks merged by log-sum-exp; a query row may have two slots), built on first use
+        (``O(this rank's query and key slots)``) on :attr:`device`."""
+        cached = self._cache.get("blocks")
+        if cached is None:
+            cached = self._cache.setdefault("blocks", _maskless_plan(self).to(self.device))
+        return cached
+
+    def with_blocks(self, blocks: BucketPlan) -> VarlenMeta:
+        """This meta with another maskless plan (tests of the kernel's paths)."""
+        return dataclasses.replace(self, _cache={"blocks": blocks})
+
     def to(self, device: torch.device) -> VarlenMeta:
+        built = self._cache.get("blocks")
         return VarlenMeta(
-            blocks=self.blocks.to(device),
             pad_rows=self.pad_rows.to(device),
             piece_q=self.piece_q,
             piece_k=self.piece_k,
             piece_flat=self.piece_flat,
+            piece_doc_start=self.piece_doc_start,
             key_lut=self.key_lut,
             num_queries=self.num_queries,
             padded_len=self.padded_len,
@@ -164,6 +184,9 @@ class VarlenMeta:
             labels=self.labels,
             plain=None if self.plain is None else self.plain.to(device),
             whole_blocks=self.whole_blocks,
+            band_min=self.band_min,
+            device=torch.device(device),
+            _cache={} if built is None else {"blocks": built.to(device)},
         )
 
     def masked(self, device: torch.device) -> BucketPlan:
@@ -275,24 +298,36 @@ def plan_varlen_pieces(
     p_klen = (p_qfirst + p_len if key_end is None else key_end) - k_first
     real = torch.zeros(Tq, dtype=torch.bool)
     real[interval_ranges(p_start, p_len)] = True
-    blocks = _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq, window_left, band_min)
-    rows = blocks.out_rows[blocks.out_rows < Tq]
-    covered = torch.zeros(Tq, dtype=torch.bool)
-    covered[rows] = True
-    assert bool((covered == real).all()), "varlen plan: a real query row has no block, or a padding row has one"
     return VarlenMeta(
-        blocks=blocks,
         pad_rows=(~real).nonzero().flatten(),
         piece_q=torch.stack([p_start, p_len], 1),
         piece_k=torch.stack([p_flat0 - p_qfirst + k_first, p_klen], 1),
         piece_flat=p_flat0,
+        piece_doc_start=p_dstart,
         key_lut=key_lut,
         num_queries=Tq,
         padded_len=padded_len,
         window_left=window_left,
         labels=labels,
         whole_blocks=block_start is not None and labels is not None,
+        band_min=band_min,
     )
+
+
+def _maskless_plan(meta: VarlenMeta) -> BucketPlan:
+    """The maskless blocks of the pieces of ``meta`` (see :func:`_block_plan`), checked to give every real query
+    row a block and no padding row one."""
+    p_start, p_len = meta.piece_q.unbind(1)
+    p_flat0, p_dstart, left, Tq = meta.piece_flat, meta.piece_doc_start, meta.window_left, meta.num_queries
+    p_qfirst = p_flat0 % meta.padded_len
+    p_kfirst = p_dstart if left < 0 else torch.maximum(p_dstart, p_qfirst - left)
+    blocks = _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, meta.key_lut, Tq, left, meta.band_min)
+    real = torch.zeros(Tq, dtype=torch.bool)
+    real[interval_ranges(p_start, p_len)] = True
+    covered = torch.zeros(Tq, dtype=torch.bool)
+    covered[blocks.out_rows[blocks.out_rows < Tq]] = True
+    assert bool((covered == real).all()), "varlen plan: a real query row has no block, or a padding row has one"
+    return blocks
 
 
 def _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, key_lut, Tq: int, left: int, band_min: int) -> BucketPlan:
@@ -900,7 +935,7 @@ def _attention(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: int, d
                scale: float | None, use_flash: bool, sinks: Tensor | None, softcap: float | None) -> Tensor:
     """:func:`varlen_attention` over the pieces of ``meta`` itself (not ``meta.plain``'s); other rows 0."""
     Hq, D = q_tok.shape[1], q_tok.shape[2]
-    if not meta.blocks.buckets:  # this rank holds only padding: zeros that still reach q and the key buffer
+    if not meta.piece_q.shape[0]:  # this rank holds only padding: zeros that still reach q and the key buffer
         return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v, sinks)  # (flash-attn refuses 0 sequences)
     if use_flash and meta.labels is None:
         kd = heads_kv * D
