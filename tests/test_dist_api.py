@@ -120,6 +120,25 @@ def test_without_context_it_is_stock_sdpa():
     assert torch.equal(cp_blockdiag_sdpa(q, k, v, attn_mask=mask, scale=0.3), F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3))
 
 
+def test_the_varlen_gathers_are_built_on_the_first_attention_call_only():
+    """The batch function plans the pieces; the maskless blocks' gather indices (O(tokens)) wait for a call that
+    runs them, and a padding-only rank never builds them."""
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of(), kernel="varlen")
+    meta = ctx.state.window_plan(-1).kernel_meta
+    assert "blocks" not in meta._cache and meta.piece_q.shape[0] > 0
+    q, k, v = qkv()
+    with ctx():
+        cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    assert meta.blocks is meta._cache["blocks"] and meta.blocks.buckets
+
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of(ids=torch.zeros(2, 7, dtype=torch.long)), kernel="varlen")
+    q, k, v = qkv()
+    with ctx():
+        out = cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    meta = ctx.state.window_plan(-1).kernel_meta
+    assert meta.piece_q.shape[0] == 0 and "blocks" not in meta._cache and bool((out == 0).all())
+
+
 def test_window_without_context_is_a_causal_band():
     q, k, v = qkv(Hkv=4)
     band = DocLayout.from_seqlens([7]).materialize_mask(window_size=(2, 0))[0, 0]
