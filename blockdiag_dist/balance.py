@@ -285,10 +285,15 @@ def interval_ranges(starts: Tensor, lengths: Tensor) -> Tensor:
         offsets = torch.arange(total, device=starts.device) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
         return torch.repeat_interleave(starts, lengths) + offsets
     # numpy on the host: a few calls of a microsecond each where torch's cost tens (plans are many small calls)
-    s, n = starts.numpy().astype(np.int64, copy=False), lengths.numpy().astype(np.int64, copy=False)
-    ends = np.cumsum(n)
-    total = int(ends[-1]) if n.size else 0
-    return torch.from_numpy(np.arange(total, dtype=np.int64) + np.repeat(s - (ends - n), n))
+    return torch.from_numpy(ragged_ranges(starts.numpy().astype(np.int64, copy=False),
+                                          lengths.numpy().astype(np.int64, copy=False)))
+
+
+def ragged_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """:func:`interval_ranges` on int64 arrays."""
+    ends = np.cumsum(lengths)
+    total = int(ends[-1]) if lengths.size else 0
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
 
 
 def _positions_of(runs: Tensor, world: int, local_len: int) -> Tensor:

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
+from .balance import ragged_ranges
 from .shard_plan import ShardPlan, interval_ranges
 
 __all__ = ["DocPlan", "Piece", "RankDocs", "piece_table", "plan_documents"]
@@ -223,12 +224,6 @@ def _keys_before(t: Tensor, left: int) -> Tensor:
     return torch.where(t <= w, t * (t + 1) // 2, w * (w + 1) // 2 + (t - w) * w)
 
 
-def _ragged_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each ``(s, n)`` (numpy)."""
-    ends = np.cumsum(lengths)
-    return np.arange(int(ends[-1]) if lengths.size else 0, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
-
-
 def piece_table(layout: DocLayout, shards: ShardPlan) -> dict[str, Tensor]:
     """The pieces of every rank as columns (see :class:`DocPlan`), in document order: each document ``[s, e)``
     of row ``b`` intersected with each shard run ``[a, a + n)`` it overlaps, found by ``searchsorted`` over the
@@ -245,7 +240,7 @@ def piece_table(layout: DocLayout, shards: ShardPlan) -> dict[str, Tensor]:
     first = np.searchsorted(f_end, x0, side="right")  # first document ending after the run starts
     count = np.maximum(np.searchsorted(f_start, x0 + r_len) - first, 0)  # ... up to the last starting before it ends
     run = np.repeat(np.arange(x0.size, dtype=np.int64), count)
-    doc = _ragged_ranges(first, count)
+    doc = ragged_ranges(first, count)
     start = np.maximum(d_start[doc], r_start[run])
     end = np.minimum(d_end[doc], r_start[run] + r_len[run])
     order = np.argsort(doc * sp + start, kind="stable")  # (document, start): distinct for distinct pieces

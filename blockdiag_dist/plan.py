@@ -25,7 +25,7 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-from .balance import CumulativeWork, doc_interiors, snapped_runs
+from .balance import CumulativeWork, doc_interiors, ragged_ranges, snapped_runs
 from .docs import DocPlan, plan_documents
 from .shard_plan import ShardPlan, interval_ranges, padded_doc_starts, padded_segments, plan_shards
 
@@ -73,21 +73,21 @@ class ExchangePlan:
 
     # ---- closed-form over the ranges -------------------------------------------------------------------
     @cached_property
-    def _range_needed(self) -> Tensor:
+    def _range_needed(self) -> np.ndarray:
         """int64 ``[K]``: keys of each range that its destination does not hold."""
-        dest, _, lo, hi = self.ranges.unbind(1)
+        dest, _, lo, hi = self.ranges.numpy().T
         return hi - lo - (self.shards.rows_before(dest, hi) - self.shards.rows_before(dest, lo))
 
     def needed_tokens(self) -> list[int]:
         """Per rank: tokens received by a needed-only exchange (the minimum)."""
-        return torch.zeros(self.world, dtype=torch.int64).index_add_(0, self.ranges[:, 0], self._range_needed).tolist()
+        return np.bincount(self.ranges[:, 0].numpy(), weights=self._range_needed, minlength=self.world).astype(np.int64).tolist()
 
     @cached_property
     def halo_ok(self) -> bool:
         """Every rank's needed keys lie on its left neighbour (so one point-to-point hop suffices)."""
-        dest, _, lo, hi = self.ranges.unbind(1)
-        left = (dest - 1).clamp(min=0)
-        on_left = torch.where(dest > 0, self.shards.rows_before(left, hi) - self.shards.rows_before(left, lo), 0)
+        dest, _, lo, hi = self.ranges.numpy().T
+        left = np.maximum(dest - 1, 0)
+        on_left = np.where(dest > 0, self.shards.rows_before(left, hi) - self.shards.rows_before(left, lo), 0)
         return bool((self._range_needed == on_left).all())
 
     # ---- one rank's transfers -------------------------------------------------------------------------
@@ -112,19 +112,18 @@ class ExchangePlan:
         return got
 
     def _spans_from(self, rank: int) -> Tensor:
-        r = self.ranges[self.ranges[:, 0] != rank]
-        runs = self.shards.rank_runs(rank)
-        runs = runs[torch.argsort(runs[:, 1])]
-        r_start, r_end = runs[:, 1].contiguous(), (runs[:, 1] + runs[:, 2]).contiguous()
-        dest, row, lo, hi = r.t().contiguous()  # contiguous columns: searchsorted copies strided values
-        i0 = torch.searchsorted(r_end, lo, right=True)  # first run ending after lo
-        n = (torch.searchsorted(r_start, hi) - i0).clamp(min=0)  # ... up to the last starting before hi
-        k = torch.repeat_interleave(torch.arange(r.shape[0]), n)
-        run = interval_ranges(i0, n)
-        a = torch.maximum(lo[k], r_start[run])
-        b = torch.minimum(hi[k], r_end[run])
-        src = torch.full_like(a, rank)
-        return torch.stack([dest[k], src, row[k], a, b - a, runs[run, 3] + a - r_start[run]], 1)
+        ranges = self.ranges.numpy()
+        dest, row, lo, hi = ranges[ranges[:, 0] != rank].T
+        runs = self.shards.rank_runs(rank).numpy()
+        runs = runs[np.argsort(runs[:, 1], kind="stable")]
+        r_start, r_end = runs[:, 1], runs[:, 1] + runs[:, 2]
+        i0 = np.searchsorted(r_end, lo, side="right")  # first run ending after lo
+        n = np.maximum(np.searchsorted(r_start, hi) - i0, 0)  # ... up to the last starting before hi
+        k = np.repeat(np.arange(n.size), n)
+        run = ragged_ranges(i0, n)
+        a = np.maximum(lo[k], r_start[run])
+        b = np.minimum(hi[k], r_end[run])
+        return torch.from_numpy(np.stack([dest[k], np.full_like(a, rank), row[k], a, b - a, runs[run, 3] + a - r_start[run]], 1))
 
     def recv_counts(self, rank: int) -> list[int]:
         """Tokens ``rank`` receives from each rank (a needed-only exchange's receive splits)."""
@@ -229,19 +228,19 @@ def needed_ranges(docs: DocPlan, window_left: int) -> Tensor:
 
 def _cut(ranges: Tensor, shards: ShardPlan) -> Tensor:
     """Ranges ``[K, 4]`` cut at the shard's runs into spans ``[K', 6]``, the destination's own positions dropped
-    (runs sorted by position tile ``[0, Sp)``)."""
-    runs = shards.by_position
-    run_start = runs[:, 1].contiguous()
-    dest, row, lo, hi = ranges.t().contiguous()  # contiguous columns: searchsorted copies strided values
-    r0 = torch.searchsorted(run_start, lo, right=True) - 1
-    n = torch.searchsorted(run_start, hi - 1, right=True) - r0
-    k = torch.repeat_interleave(torch.arange(ranges.shape[0]), n)
-    run = interval_ranges(r0, n)
+    (runs sorted by position tile ``[0, Sp)``); numpy (a dozen calls on a few hundred ranges)."""
+    runs = shards.by_position.numpy()
+    run_start = runs[:, 1]
+    dest, row, lo, hi = ranges.numpy().T
+    r0 = np.searchsorted(run_start, lo, side="right") - 1
+    n = np.searchsorted(run_start, hi - 1, side="right") - r0
+    k = np.repeat(np.arange(n.size), n)
+    run = ragged_ranges(r0, n)
     src = runs[run, 0]
-    a = torch.maximum(lo[k], runs[run, 1])
-    b = torch.minimum(hi[k], runs[run, 1] + runs[run, 2])
-    spans = torch.stack([dest[k], src, row[k], a, b - a, runs[run, 3] + a - runs[run, 1]], 1)
-    return spans[src != dest[k]]
+    a = np.maximum(lo[k], run_start[run])
+    b = np.minimum(hi[k], run_start[run] + runs[run, 2])
+    spans = np.stack([dest[k], src, row[k], a, b - a, runs[run, 3] + a - run_start[run]], 1).reshape(-1, 6)
+    return torch.from_numpy(np.ascontiguousarray(spans[src != dest[k]]))
 
 
 def plan_exchange(layout: DocLayout, shards: ShardPlan, window_left: int = -1, *, docs: DocPlan | None = None) -> ExchangePlan:

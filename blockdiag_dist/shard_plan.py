@@ -100,23 +100,27 @@ class ShardPlan:
         return self.runs[torch.argsort(self.runs[:, 1])]
 
     @cached_property
-    def _by_rank_position(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(keys rank * (Sp + 1) + start, starts, lengths, rows of the rank before each run), runs sorted by key."""
-        runs = self.runs
+    def _by_rank_position(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(keys rank * (Sp + 1) + start, ranks, starts, lengths, rows of the rank before each run), runs sorted by
+        key; numpy (its calls cost a microsecond where torch's cost tens, and plans are many small calls)."""
+        runs = self.runs.numpy()
         key = runs[:, 0] * (self.padded_len + 1) + runs[:, 1]
-        order = torch.argsort(key)
-        key, runs = key[order].contiguous(), runs[order]
-        before = torch.cumsum(runs[:, 2], 0) - runs[:, 2]
-        base = before[torch.searchsorted(key, torch.arange(self.world) * (self.padded_len + 1))]
-        return key, runs[:, 1], runs[:, 2], before - base[runs[:, 0]]
+        order = np.argsort(key, kind="stable")
+        key, runs = key[order], runs[order]
+        before = np.cumsum(runs[:, 2]) - runs[:, 2]
+        base = before[np.searchsorted(key, np.arange(self.world) * (self.padded_len + 1))]
+        return key, runs[:, 0], runs[:, 1], runs[:, 2], before - base[runs[:, 0]]
 
-    def rows_before(self, rank: Tensor, x: Tensor) -> Tensor:
-        """int64: how many of the positions ``< x`` rank ``rank`` holds (elementwise), from its runs."""
-        key, start, length, before = self._by_rank_position
-        j = torch.searchsorted(key, rank * (self.padded_len + 1) + x, right=True) - 1
-        jc = j.clamp(min=0)
-        mine = (j >= 0) & (key[jc] // (self.padded_len + 1) == rank)
-        return torch.where(mine, before[jc] + torch.minimum(x - start[jc], length[jc]), 0)
+    def rows_before(self, rank: Tensor | np.ndarray, x: Tensor | np.ndarray) -> Tensor | np.ndarray:
+        """int64: how many of the positions ``< x`` rank ``rank`` holds (elementwise), from its runs (a tensor
+        for a tensor ``x``, an array for an array)."""
+        key, run_rank, start, length, before = self._by_rank_position
+        r = rank.numpy() if isinstance(rank, Tensor) else np.asarray(rank)
+        xs = x.numpy() if isinstance(x, Tensor) else x
+        j = np.searchsorted(key, r * (self.padded_len + 1) + xs, side="right") - 1  # every rank holds a run
+        jc = np.maximum(j, 0)
+        out = np.where((j >= 0) & (run_rank[jc] == r), before[jc] + np.minimum(xs - start[jc], length[jc]), 0)
+        return torch.from_numpy(out) if isinstance(x, Tensor) else out
 
     def locate(self, p: Tensor) -> tuple[Tensor, Tensor]:
         """``(owner rank, local row)`` of positions ``p`` (any shape), from the runs."""

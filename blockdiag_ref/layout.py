@@ -146,15 +146,15 @@ class DocLayout:
         change = np.empty(B * S, dtype=bool)
         np.not_equal(a[1:], a[:-1], out=change[1:])
         change[::S] = True
-        run_start = torch.from_numpy(np.flatnonzero(change))
-        run_id = flat[run_start]
-        if bool((run_id < 0).any()):  # every id is some run's id, so this checks them all
+        run_start = np.flatnonzero(change)
+        run_id = a[run_start]
+        if (run_id < 0).any():  # every id is some run's id, so this checks them all
             raise ValueError(f"doc_ids: expected ids >= 0 (0 = padding), got a negative id {int(run_id.min())}")
-        run_end = torch.cat([run_start[1:], torch.tensor([B * S])])
+        run_end = np.append(run_start[1:], B * S)
         real = run_id != 0
         start, end = run_start[real], run_end[real]
         row = start // S
-        self.segments: Tensor = torch.stack([row, start - row * S, end - row * S], 1)
+        self.segments: Tensor = torch.from_numpy(np.stack([row, start - row * S, end - row * S], 1).astype(np.int64, copy=False))
 
     @cached_property
     def segment_ids(self) -> Tensor:
