@@ -239,7 +239,7 @@ def _cut(ranges: Tensor, shards: ShardPlan) -> Tensor:
     src = runs[run, 0]
     a = np.maximum(lo[k], run_start[run])
     b = np.minimum(hi[k], run_start[run] + runs[run, 2])
-    spans = np.stack([dest[k], src, row[k], a, b - a, runs[run, 3] + a - run_start[run]], 1).reshape(-1, 6)
+    spans = np.stack([dest[k], src, row[k], a, b - a, runs[run, 3] + a - run_start[run]], 1)
     return torch.from_numpy(np.ascontiguousarray(spans[src != dest[k]]))
 
 

@@ -292,7 +292,7 @@ def plan_varlen_pieces(
             return dataclasses.replace(meta, plain=plain, _cache={})
     p_start, p_len, p_flat0, p_dstart = pieces.unbind(1)
     p_qfirst = p_flat0 % padded_len
-    p_kfirst = p_dstart if window_left < 0 else torch.maximum(p_dstart, p_qfirst - window_left)
+    p_kfirst = _window_start(p_dstart, p_qfirst, window_left)
     # whole blocks: the keys start where the window or the furthest block does (the masked plan masks the rest)
     k_first = p_kfirst if block_start is None or labels is None else torch.minimum(p_kfirst, block_start)
     p_klen = (p_qfirst + p_len if key_end is None else key_end) - k_first
@@ -314,13 +314,18 @@ def plan_varlen_pieces(
     )
 
 
+def _window_start(doc_start: Tensor, first: Tensor, left: int) -> Tensor:
+    """The first key a piece's first query ``first`` sees: its document's start, or ``left`` positions back."""
+    return doc_start if left < 0 else torch.maximum(doc_start, first - left)
+
+
 def _maskless_plan(meta: VarlenMeta) -> BucketPlan:
     """The maskless blocks of the pieces of ``meta`` (see :func:`_block_plan`), checked to give every real query
     row a block and no padding row one."""
     p_start, p_len = meta.piece_q.unbind(1)
     p_flat0, p_dstart, left, Tq = meta.piece_flat, meta.piece_doc_start, meta.window_left, meta.num_queries
     p_qfirst = p_flat0 % meta.padded_len
-    p_kfirst = p_dstart if left < 0 else torch.maximum(p_dstart, p_qfirst - left)
+    p_kfirst = _window_start(p_dstart, p_qfirst, left)
     blocks = _block_plan(p_start, p_len, p_flat0, p_qfirst, p_dstart, p_kfirst, meta.key_lut, Tq, left, meta.band_min)
     real = torch.zeros(Tq, dtype=torch.bool)
     real[interval_ranges(p_start, p_len)] = True
