@@ -8,11 +8,13 @@ Every rank plans every step in the batch function before any GPU work. Two parts
 - ``scan``: the part of ``replicated`` that reads the doc ids once to find the documents
   (``DocLayout.from_doc_ids``), the floor any planning from per-token doc ids pays;
 - ``rank``: this rank's own part, built from the replicated plan in the batch function: its window plan (key
-  buffer, send rows, the varlen kernel's pieces) and its documents' view (``state.docs``). Its send rows and
-  local ids grow with ``S / CP``, the tokens the rank holds, which the collective consumes;
-- ``gathers``: the varlen kernel's maskless blocks (``VarlenMeta.blocks``: one gather index per query and key
-  slot of this rank), built on the step's first attention call that runs them (the CPU path; flash-attn on
-  CUDA takes the pieces' ``cu_seqlens`` instead and never builds them). Reported apart, not in ``total``.
+  buffer, the runs of the rows it sends, the varlen kernel's pieces) and its documents' view (``state.docs``).
+  Its local ids grow with ``S / CP``, the tokens the rank holds;
+- ``first_call``: the token-level indices the step's first attention call builds, for this rank only: the
+  varlen kernel's maskless blocks (``VarlenMeta.blocks``: one gather index per query and key slot; the CPU path
+  runs them, flash-attn on CUDA takes the pieces' ``cu_seqlens`` instead and never builds them) and the index of
+  the rows it sends (``WindowPlan.send_rows``, one per token sent under halo or a2a, built on the rank's device).
+  Reported apart, not in ``total``.
 
 One packed row of documents with exponential lengths: ``few`` = 64 documents, ``many`` = 8,192 documents (a fixed
 count at every S, so the growth ratio ``time(16M) / time(1M)`` compares equal document counts), and ``mean2k``
@@ -22,7 +24,7 @@ Run ``python -m bench --only plan`` (or :func:`time_plan` for one case)::
 
     >>> from bench.plan import time_plan
     >>> row = time_plan(1 << 17, 8, "few", "contiguous", reps=1)
-    >>> sorted(row) == ['S', 'cp', 'docs', 'gathers_ms', 'layout', 'mix', 'rank_ms', 'replicated_ms', 'scan_ms', 'total_ms']
+    >>> sorted(row) == ['S', 'cp', 'docs', 'first_call_ms', 'layout', 'mix', 'rank_ms', 'replicated_ms', 'scan_ms', 'total_ms']
     True
 
 The section ends with the goal lines (:func:`plan_goals`): per layout, the worst case at S = 1M / CP 64 (<= 20 ms),
@@ -79,7 +81,7 @@ def time_plan(S: int, world: int, mix: str, layout: str, reps: int = 3, rank: in
     contiguous sharding)."""
     ids = doc_ids_of(S, mix)
     rank = world - 1 if rank is None else rank
-    rep_t, rank_t, scan_t, gather_t = [], [], [], []
+    rep_t, rank_t, scan_t, first_t = [], [], [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         DocLayout.from_doc_ids(ids)
@@ -90,13 +92,14 @@ def time_plan(S: int, world: int, mix: str, layout: str, reps: int = 3, rank: in
         wp = _rank(plan, rank)
         t2 = time.perf_counter()
         wp.kernel_meta.blocks  # noqa: B018
-        gather_t.append(time.perf_counter() - t2)
+        wp.send_rows  # noqa: B018
+        first_t.append(time.perf_counter() - t2)
         rep_t.append(t1 - t0)
         rank_t.append(t2 - t1)
     rep, rk = min(rep_t) * 1e3, min(rank_t) * 1e3
     return {"S": S, "cp": world, "mix": mix, "docs": int(ids.max()), "layout": layout, "replicated_ms": rep,
             "rank_ms": rk, "total_ms": rep + rk, "scan_ms": min(scan_t) * 1e3,
-            "gathers_ms": min(gather_t) * 1e3}
+            "first_call_ms": min(first_t) * 1e3}
 
 
 def bench_plan(sizes, cps, mixes=tuple(MIXES), layouts=LAYOUTS, reps: int = 3, extra=(), threads: int = 1) -> dict:

@@ -274,19 +274,26 @@ def _chunk_runs(owned: np.ndarray, chunk_start: np.ndarray, chunk_len: np.ndarra
     return _runs(rank[keep], start[keep], length[keep])
 
 
-def interval_ranges(starts: Tensor, lengths: Tensor) -> Tensor:
-    """Concatenation of ``arange(s, s + n)`` for each ``(s, n)``: intervals to the tokens they hold.
+def interval_ranges(starts: Tensor, lengths: Tensor, total: int | None = None) -> Tensor:
+    """Concatenation of ``arange(s, s + n)`` for each ``(s, n)``: intervals to the tokens they hold. On a device,
+    ``total`` (the sum of ``lengths``, when the caller knows it) spares reading the sum back to the host.
 
     >>> interval_ranges(torch.tensor([5, 0]), torch.tensor([2, 3])).tolist()
     [5, 6, 0, 1, 2]
     """
     if starts.device.type != "cpu" or lengths.device.type != "cpu":
-        total = int(lengths.sum()) if lengths.numel() else 0
-        offsets = torch.arange(total, device=starts.device) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-        return torch.repeat_interleave(starts, lengths) + offsets
+        return torch_ranges(starts, lengths, total)
     # numpy on the host: a few calls of a microsecond each where torch's cost tens (plans are many small calls)
     return torch.from_numpy(ragged_ranges(starts.numpy().astype(np.int64, copy=False),
                                           lengths.numpy().astype(np.int64, copy=False)))
+
+
+def torch_ranges(starts: Tensor, lengths: Tensor, total: int | None = None) -> Tensor:
+    """:func:`interval_ranges` in torch ops, on the inputs' device (two kernels and no read-back given ``total``)."""
+    if total is None:
+        total = int(lengths.sum()) if lengths.numel() else 0
+    shift = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
+    return torch.arange(total, device=starts.device) + shift
 
 
 def ragged_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

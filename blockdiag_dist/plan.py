@@ -143,13 +143,17 @@ class ExchangePlan:
         mine = self.spans_to(rank)
         return self._flat_of(mine[torch.sort(mine[:, 1], stable=True).indices])
 
-    def send_rows(self, rank: int, dest: int | None = None) -> Tensor:
-        """Local token indices (``b * L + l``) that ``rank`` sends, grouped by destination in rank order (or
-        only those for ``dest``), each group in the order its destination expects."""
+    def send_runs(self, rank: int, dest: int | None = None) -> tuple[Tensor, Tensor]:
+        """:meth:`send_rows` as runs ``(first local index, length)``, int64 ``[K_s]`` each (``O(spans)``)."""
         s = self.spans_from(rank)
         if dest is not None:
             s = s[s[:, 0] == dest]
-        return interval_ranges(s[:, 2] * self.shards.local_len + s[:, 5], s[:, 4])
+        return s[:, 2] * self.shards.local_len + s[:, 5], s[:, 4]
+
+    def send_rows(self, rank: int, dest: int | None = None) -> Tensor:
+        """Local token indices (``b * L + l``) that ``rank`` sends, grouped by destination in rank order (or
+        only those for ``dest``), each group in the order its destination expects (token-level)."""
+        return interval_ranges(*self.send_runs(rank, dest))
 
     # ---- every rank (built when asked) ----------------------------------------------------------------
     @cached_property

@@ -29,7 +29,7 @@ from .exchange.allgather import all_gather_tensor
 from .kernels.dense import DenseMeta, plan_dense
 from .kernels.varlen import VarlenMeta, plan_varlen_pieces
 from .plan import ExchangePlan, StepPlan
-from .shard_plan import FlatIndex
+from .shard_plan import FlatIndex, interval_ranges
 
 __all__ = [
     "AttentionNotRoutedError",
@@ -66,15 +66,26 @@ class WindowPlan:
     mode: str  # "local" | "allgather" | "halo" | "a2a"
     reason: str
     key_index: FlatIndex  # the key buffer's rows by flat id (host), from its runs
-    send_rows: Tensor | None  # int64, on the device (halo / a2a)
+    send_runs: tuple[Tensor, Tensor] | None  # halo / a2a: the rows sent as runs (first local index, length), host
     send_splits: list[int]
     recv_splits: list[int]
     kernel_meta: DenseMeta | VarlenMeta  # on the device
+    device: torch.device
 
     @cached_property
     def key_flat_ids(self) -> Tensor:
         """int64 ``[Tk]`` (host): the flat id held by each row of the key buffer (token-level; built when asked)."""
         return self.key_index.flat_ids()
+
+    @cached_property
+    def send_rows(self) -> Tensor | None:
+        """int64 ``[sum(send_splits)]`` on the device: the local rows this rank sends (halo / a2a), grouped by
+        destination; None for the other exchanges. Token-level, so built from :attr:`send_runs` on the device by the
+        first exchange that sends, never by the batch function."""
+        if self.send_runs is None:
+            return None
+        starts, lengths = (t.to(self.device) for t in self.send_runs)
+        return interval_ranges(starts, lengths, total=sum(self.send_splits))
 
 
 class StepState:
@@ -264,7 +275,7 @@ class StepState:
             xplan = exchange_plan(plan, window_left, blocks, whole_blocks)
         mode, reason = choose_exchange(xplan, self.kv_exchange)
         local = self.plan.local_flat_ids(self.rank)
-        send_rows, send_splits, recv_splits = None, [], []
+        send_runs, send_splits, recv_splits = None, [], []
         B, L, sp = self.batch_size, self.local_len, self.plan.shards.padded_len
         shards = self.plan.shards
         if mode == "allgather":  # the buffer is (rank, row, local row): every rank's runs, row after row
@@ -282,14 +293,13 @@ class StepState:
                 got = got[torch.sort(got[:, 1], stable=True).indices]
                 starts.append(got[:, 2] * sp + got[:, 3])
                 lengths.append(got[:, 4])
-                send_rows = xplan.send_rows(self.rank)  # halo: all of them go to rank + 1
+                send_runs = xplan.send_runs(self.rank)  # halo: all of them go to rank + 1
                 if mode == "a2a":
                     send_splits = xplan.send_counts(self.rank)
                     recv_splits = xplan.recv_counts(self.rank)
                 else:  # halo
-                    send_splits = [send_rows.numel()]
+                    send_splits = [int(send_runs[1].sum())]
                     recv_splits = [xplan.recv_counts(self.rank)[self.rank - 1] if self.rank > 0 else 0]
-                send_rows = send_rows.to(self.device)
             key_index = FlatIndex.from_runs(torch.cat(starts), torch.cat(lengths), space=B * sp)
         labels = None if blocks is None else blocks.labels
         if self.kernel == "dense":
@@ -308,10 +318,11 @@ class StepState:
             mode=mode,
             reason=reason,
             key_index=key_index,
-            send_rows=send_rows,
+            send_runs=send_runs,
             send_splits=send_splits,
             recv_splits=recv_splits,
             kernel_meta=meta.to(self.device),
+            device=self.device,
         )
 
     # ---- mixers' plans ----------------------------------------------------------------------------------

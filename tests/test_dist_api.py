@@ -139,6 +139,24 @@ def test_the_varlen_gathers_are_built_on_the_first_attention_call_only():
     assert meta.piece_q.shape[0] == 0 and "blocks" not in meta._cache and bool((out == 0).all())
 
 
+@pytest.mark.parametrize("mode", ["a2a", "halo"])
+def test_the_send_index_is_built_on_the_first_exchange_only(mode):
+    """A window plan keeps the rows a rank sends as runs (O(spans)); the token-level index waits for the first
+    exchange, equals the exchange plan's send rows, and fills the send splits exactly."""
+    from blockdiag_dist.plan import plan_step
+    from blockdiag_dist.state import StepState
+
+    ids = torch.tensor([[1] * 9 + [2] * 7 + [3] * 8, [4] * 5 + [5] * 15 + [0] * 4])
+    plan = plan_step(ids, 3, "contiguous")
+    for rank in range(3):
+        wp = StepState(plan, rank=rank, group=None, device=torch.device("cpu"), kv_exchange=mode,
+                       kernel="varlen").window_plan(3)
+        assert wp.mode == mode and "send_rows" not in wp.__dict__
+        assert torch.equal(wp.send_rows, plan.exchange(3).send_rows(rank)) and "send_rows" in wp.__dict__
+        assert wp.send_rows.numel() == sum(wp.send_splits) == plan.exchange(3).sent_tokens()[rank]
+    assert sum(plan.exchange(3).sent_tokens()) > 0  # the layout makes ranks send
+
+
 def test_window_without_context_is_a_causal_band():
     q, k, v = qkv(Hkv=4)
     band = DocLayout.from_seqlens([7]).materialize_mask(window_size=(2, 0))[0, 0]

@@ -331,12 +331,15 @@ def test_round_lpt_equals_one_chunk_at_a_time(world, per_rank, data):
 @given(spans=st.lists(st.tuples(st.integers(-50, 50), st.integers(0, 6)), max_size=12))
 def test_interval_ranges_equal_concatenated_aranges(spans):
     """interval_ranges (one running sum of steps) is the concatenation of ``arange(s, s + n)``, empty intervals,
-    negative starts and backward jumps included."""
+    negative starts and backward jumps included; so are the torch ops a device runs (torch_ranges), with and
+    without the total given."""
+    from blockdiag_dist.balance import torch_ranges
+
     starts = torch.tensor([s for s, _ in spans], dtype=torch.int64)
     lengths = torch.tensor([n for _, n in spans], dtype=torch.int64)
     want = [p for s, n in spans for p in range(s, s + n)]
-    got = interval_ranges(starts, lengths)
-    assert got.dtype == torch.int64 and got.tolist() == want
+    for got in (interval_ranges(starts, lengths), torch_ranges(starts, lengths), torch_ranges(starts, lengths, len(want))):
+        assert got.dtype == torch.int64 and got.tolist() == want
 
 
 def sequential_snap(edges, allowed, reach: int, S: int, nearest=None):
