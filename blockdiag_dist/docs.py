@@ -292,6 +292,9 @@ class RankDocs:
     - ``token_index`` int64 ``[T]`` (device): the local token (``b * L + l``) of each real token, pieces
       concatenated in local order, and ``cu_pieces`` (device) / ``cu_pieces_cpu`` int64 ``[Pr + 1]``: their
       boundaries in that packed stream (what a varlen kernel over this rank's pieces takes).
+
+    The per-row tensors (``doc_index``, ``doc_position``, ``token_index``: ``O(B * L)``) are built on first use,
+    by the mixers and positions that read them; a step of attention alone never builds them.
     """
 
     def __init__(self, plan: DocPlan, rank: int, device: torch.device) -> None:
@@ -304,23 +307,44 @@ class RankDocs:
         self.cu_seqlens_cpu: Tensor = plan.cu_seqlens
         self.segment_doc: Tensor = plan.segment_doc
         self.doc_spans: Tensor = plan.doc_spans
-        L = plan.shards.local_len
         mine = plan.rank_pieces(rank)
-        t = {k: v[mine] for k, v in plan.table.items()}
-        length = t["length"]
-        tokens = interval_ranges(t["row"] * L + t["local_start"], length)
-        index = torch.full((plan.batch_size * L,), -1, dtype=torch.int64)
-        position = torch.full((plan.batch_size * L,), -1, dtype=torch.int64)
-        index[tokens] = torch.repeat_interleave(t["doc"], length)
-        position[tokens] = interval_ranges(t["start"] - t["doc_start"], length)
-        self.cu_pieces_cpu: Tensor = torch.nn.functional.pad(torch.cumsum(length, 0), (1, 0))
-        self._token_index_cpu = tokens
-        self.token_index: Tensor = tokens.to(device)
+        self._table = {k: v[mine] for k, v in plan.table.items()}  # this rank's rows of the piece table
+        self.cu_pieces_cpu: Tensor = torch.nn.functional.pad(torch.cumsum(self._table["length"], 0), (1, 0))
         self.cu_pieces: Tensor = self.cu_pieces_cpu.to(device)
         self.cu_seqlens: Tensor = plan.cu_seqlens.to(device)
-        self.doc_index: Tensor = index.view(plan.batch_size, L).to(device)
-        self.doc_position_cpu: Tensor = position.view(plan.batch_size, L)
-        self.doc_position: Tensor = self.doc_position_cpu.to(device)
+
+    # ---- per-row tensors, built on first use ------------------------------------------------------------
+    @cached_property
+    def _token_index_cpu(self) -> Tensor:
+        t = self._table
+        return interval_ranges(t["row"] * self.local_len + t["local_start"], t["length"])
+
+    @cached_property
+    def token_index(self) -> Tensor:
+        return self._token_index_cpu.to(self.device)
+
+    @cached_property
+    def _rows_cpu(self) -> tuple[Tensor, Tensor]:
+        """(document, position in it) of each local row, int64 ``[B, L]`` each, -1 on padding (host)."""
+        t, tokens = self._table, self._token_index_cpu
+        shape = (self.batch_size, self.local_len)
+        index = torch.full((self.batch_size * self.local_len,), -1, dtype=torch.int64)
+        position = torch.full_like(index, -1)
+        index[tokens] = torch.repeat_interleave(t["doc"], t["length"])
+        position[tokens] = interval_ranges(t["start"] - t["doc_start"], t["length"])
+        return index.view(shape), position.view(shape)
+
+    @cached_property
+    def doc_index(self) -> Tensor:
+        return self._rows_cpu[0].to(self.device)
+
+    @cached_property
+    def doc_position_cpu(self) -> Tensor:
+        return self._rows_cpu[1]
+
+    @cached_property
+    def doc_position(self) -> Tensor:
+        return self.doc_position_cpu.to(self.device)
 
     @property
     def world(self) -> int:

@@ -274,7 +274,6 @@ class StepState:
                 raise ValueError(f"bidirectional_blocks: expected no chunked attention with them, got chunk_size={chunk}")
             xplan = exchange_plan(plan, window_left, blocks, whole_blocks)
         mode, reason = choose_exchange(xplan, self.kv_exchange)
-        local = self.plan.local_flat_ids(self.rank)
         send_runs, send_splits, recv_splits = None, [], []
         B, L, sp = self.batch_size, self.local_len, self.plan.shards.padded_len
         shards = self.plan.shards
@@ -302,13 +301,14 @@ class StepState:
                     recv_splits = [xplan.recv_counts(self.rank)[self.rank - 1] if self.rank > 0 else 0]
             key_index = FlatIndex.from_runs(torch.cat(starts), torch.cat(lengths), space=B * sp)
         labels = None if blocks is None else blocks.labels
-        if self.kernel == "dense":
-            meta = plan_dense(local, key_index.flat_ids(), plan.segments, sp, window_left, labels, whole_blocks)
+        if self.kernel == "dense":  # token-level by design: the dense kernel's mask is [Tq, Tk]
+            meta = plan_dense(self.plan.local_flat_ids(self.rank), key_index.flat_ids(), plan.segments, sp, window_left,
+                              labels, whole_blocks)
         else:  # this rank's pieces, from the step's piece table: no per-token tensor of the whole batch
             mine = plan.documents.rank_pieces(self.rank)
             key_end = None if blocks is None else blocks.piece_key_end[mine]
             block_start = blocks.piece_block_start[mine] if whole_blocks else None
-            meta = plan_varlen_pieces(plan.documents.kernel_pieces(self.rank), local.numel(), key_index, sp, window_left,
+            meta = plan_varlen_pieces(plan.documents.kernel_pieces(self.rank), B * L, key_index, sp, window_left,
                                       key_end=key_end, labels=labels, block_start=block_start)
         _log_once(f"kv_exchange={mode} (window left={window_left}{_chunk_text(chunk)}): {reason}")
         return WindowPlan(

@@ -157,6 +157,24 @@ def test_the_send_index_is_built_on_the_first_exchange_only(mode):
     assert sum(plan.exchange(3).sent_tokens()) > 0  # the layout makes ranks send
 
 
+def test_a_step_of_attention_alone_builds_no_per_row_tensor_of_its_documents():
+    """The batch function plans the rank's pieces; the documents' per-row tensors (read by mixers and positions)
+    and the kernel's padding rows wait for their first reader, and equal the per-token definitions then."""
+    ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [3, 3, 0, 3, 4, 4, 4]])
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of(ids=ids), kernel="varlen")
+    docs, meta = ctx.state.docs, ctx.state.window_plan(-1).kernel_meta
+    lazy = ("token_index", "doc_index", "doc_position", "doc_position_cpu")
+    assert not set(lazy) & set(vars(docs)) and "pad_rows" not in meta._cache
+    q, k, v = qkv()
+    with ctx():
+        cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    assert not set(lazy) & set(vars(docs)) and torch.equal(meta.pad_rows, (ids.flatten() == 0).nonzero().flatten())
+    layout = DocLayout.from_doc_ids(ids)
+    assert torch.equal(docs.doc_index, layout.segment_ids - 1)
+    assert torch.equal(docs.doc_position, torch.where(ids != 0, torch.arange(7) - layout.doc_starts, -1))
+    assert torch.equal(docs.token_index, (ids.flatten() != 0).nonzero().flatten())
+
+
 def test_window_without_context_is_a_causal_band():
     q, k, v = qkv(Hkv=4)
     band = DocLayout.from_seqlens([7]).materialize_mask(window_size=(2, 0))[0, 0]

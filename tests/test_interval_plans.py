@@ -175,6 +175,7 @@ def test_varlen_pieces_from_the_table_equal_those_from_per_token_segments(ids, w
         new = plan_varlen_pieces(plan.documents.kernel_pieces(r), local.numel(), FlatIndex(key_flat), sp, left)
         for name_ in ("piece_q", "piece_k", "piece_flat", "pad_rows"):
             assert torch.equal(getattr(old, name_), getattr(new, name_)), name_
+        assert torch.equal(new.pad_rows, (plan.segments[local] == 0).nonzero().flatten())  # the padding queries
         assert torch.equal(old.blocks.k_gather, new.blocks.k_gather) and torch.equal(old.blocks.out_rows, new.blocks.out_rows)
 
 

@@ -135,7 +135,6 @@ class VarlenMeta:
     first use, for this rank only: :attr:`blocks` (the maskless plan), :meth:`masked`, :meth:`flash_meta`,
     :meth:`self_keys`. A path never taken costs nothing (flash-attn on CUDA never builds the maskless plan)."""
 
-    pad_rows: Tensor  # int64: local rows of padding queries (their outputs are 0)
     piece_q: Tensor  # int64 [P, 2] (first local query row, length), on the host
     piece_k: Tensor  # int64 [P, 2] (first key flat id, length), on the host
     piece_flat: Tensor  # int64 [P] flat id of each piece's first query, on the host
@@ -165,14 +164,22 @@ class VarlenMeta:
             cached = self._cache.setdefault("blocks", _maskless_plan(self).to(self.device))
         return cached
 
+    @property
+    def pad_rows(self) -> Tensor:
+        """int64, ascending: the local rows outside this meta's pieces (padding queries: their outputs are 0),
+        built on first use on :attr:`device` from the gaps between the pieces (``O(those rows)``)."""
+        cached = self._cache.get("pad_rows")
+        if cached is None:
+            cached = self._cache.setdefault("pad_rows", _rows_outside(self.piece_q, self.num_queries, self.device))
+        return cached
+
     def with_blocks(self, blocks: BucketPlan) -> VarlenMeta:
         """This meta with another maskless plan (tests of the kernel's paths)."""
         return dataclasses.replace(self, _cache={"blocks": blocks})
 
     def to(self, device: torch.device) -> VarlenMeta:
-        built = self._cache.get("blocks")
+        built = {k: self._cache[k].to(device) for k in ("blocks", "pad_rows") if k in self._cache}
         return VarlenMeta(
-            pad_rows=self.pad_rows.to(device),
             piece_q=self.piece_q,
             piece_k=self.piece_k,
             piece_flat=self.piece_flat,
@@ -186,7 +193,7 @@ class VarlenMeta:
             whole_blocks=self.whole_blocks,
             band_min=self.band_min,
             device=torch.device(device),
-            _cache={} if built is None else {"blocks": built.to(device)},
+            _cache=built,
         )
 
     def masked(self, device: torch.device) -> BucketPlan:
@@ -296,10 +303,7 @@ def plan_varlen_pieces(
     # whole blocks: the keys start where the window or the furthest block does (the masked plan masks the rest)
     k_first = p_kfirst if block_start is None or labels is None else torch.minimum(p_kfirst, block_start)
     p_klen = (p_qfirst + p_len if key_end is None else key_end) - k_first
-    real = torch.zeros(Tq, dtype=torch.bool)
-    real[interval_ranges(p_start, p_len)] = True
     return VarlenMeta(
-        pad_rows=(~real).nonzero().flatten(),
         piece_q=torch.stack([p_start, p_len], 1),
         piece_k=torch.stack([p_flat0 - p_qfirst + k_first, p_klen], 1),
         piece_flat=p_flat0,
@@ -312,6 +316,17 @@ def plan_varlen_pieces(
         whole_blocks=block_start is not None and labels is not None,
         band_min=band_min,
     )
+
+
+def _rows_outside(piece_q: Tensor, num_rows: int, device: torch.device) -> Tensor:
+    """int64, ascending: the rows of ``[0, num_rows)`` in no piece of ``piece_q`` (``[P, 2]`` first row, length;
+    disjoint), from the gaps between the pieces, expanded on ``device``."""
+    start, length = piece_q[:, 0], piece_q[:, 1]
+    order = torch.argsort(start)
+    start, end = start[order], (start + length)[order]
+    gap_start = torch.cat([start.new_zeros(1), end])
+    gap_len = torch.cat([start, start.new_full((1,), num_rows)]) - gap_start
+    return interval_ranges(gap_start.to(device), gap_len.to(device), total=num_rows - int(length.sum()))
 
 
 def _window_start(doc_start: Tensor, first: Tensor, left: int) -> Tensor:
