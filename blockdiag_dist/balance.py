@@ -284,8 +284,10 @@ def interval_ranges(starts: Tensor, lengths: Tensor, total: int | None = None) -
     if starts.device.type != "cpu" or lengths.device.type != "cpu":
         return torch_ranges(starts, lengths, total)
     # numpy on the host: a few calls of a microsecond each where torch's cost tens (plans are many small calls)
-    return torch.from_numpy(ragged_ranges(starts.numpy().astype(np.int64, copy=False),
-                                          lengths.numpy().astype(np.int64, copy=False)))
+    out = ragged_ranges(starts.numpy().astype(np.int64, copy=False), lengths.numpy().astype(np.int64, copy=False))
+    if total is not None and out.size != total:  # what a device would trust unchecked is checked here
+        raise ValueError(f"interval_ranges: expected total = sum(lengths) = {out.size}, got total={total}")
+    return torch.from_numpy(out)
 
 
 def torch_ranges(starts: Tensor, lengths: Tensor, total: int | None = None) -> Tensor:

@@ -163,7 +163,7 @@ def test_a_step_of_attention_alone_builds_no_per_row_tensor_of_its_documents():
     ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [3, 3, 0, 3, 4, 4, 4]])
     ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch_of(ids=ids), kernel="varlen")
     docs, meta = ctx.state.docs, ctx.state.window_plan(-1).kernel_meta
-    lazy = ("token_index", "doc_index", "doc_position", "doc_position_cpu")
+    lazy = ("token_index", "doc_index", "doc_position", "doc_position_cpu", "_token_index_cpu", "_rows_cpu")
     assert not set(lazy) & set(vars(docs)) and "pad_rows" not in meta._cache
     q, k, v = qkv()
     with ctx():

@@ -6,6 +6,7 @@ comparisons with the reference mask stay in test_dist_plan.py and test_docs_plan
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -339,8 +340,11 @@ def test_interval_ranges_equal_concatenated_aranges(spans):
     starts = torch.tensor([s for s, _ in spans], dtype=torch.int64)
     lengths = torch.tensor([n for _, n in spans], dtype=torch.int64)
     want = [p for s, n in spans for p in range(s, s + n)]
-    for got in (interval_ranges(starts, lengths), torch_ranges(starts, lengths), torch_ranges(starts, lengths, len(want))):
+    for got in (interval_ranges(starts, lengths), interval_ranges(starts, lengths, len(want)),
+                torch_ranges(starts, lengths), torch_ranges(starts, lengths, len(want))):
         assert got.dtype == torch.int64 and got.tolist() == want
+    with pytest.raises(ValueError, match="expected total"):  # the host checks the total a device would trust
+        interval_ranges(starts, lengths, len(want) + 1)
 
 
 def sequential_snap(edges, allowed, reach: int, S: int, nearest=None):
