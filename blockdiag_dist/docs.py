@@ -30,7 +30,7 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-from .balance import ragged_ranges
+from .balance import overlaps
 from .shard_plan import ShardPlan, interval_ranges
 
 __all__ = ["DocPlan", "Piece", "RankDocs", "piece_table", "plan_documents"]
@@ -237,12 +237,8 @@ def piece_table(layout: DocLayout, shards: ShardPlan) -> dict[str, Tensor]:
     r_rank, r_start, r_len, r_local = (np.tile(runs[:, k], B) for k in range(4))
     r_row = np.repeat(np.arange(B, dtype=np.int64), runs.shape[0])
     x0 = r_row * sp + r_start
-    first = np.searchsorted(f_end, x0, side="right")  # first document ending after the run starts
-    count = np.maximum(np.searchsorted(f_start, x0 + r_len) - first, 0)  # ... up to the last starting before it ends
-    run = np.repeat(np.arange(x0.size, dtype=np.int64), count)
-    doc = ragged_ranges(first, count)
-    start = np.maximum(d_start[doc], r_start[run])
-    end = np.minimum(d_end[doc], r_start[run] + r_len[run])
+    run, doc, a, b = overlaps(x0, x0 + r_len, f_start, f_end)  # flat: every run against the documents it meets
+    start, end = a - r_row[run] * sp, b - r_row[run] * sp
     order = np.argsort(doc * sp + start, kind="stable")  # (document, start): distinct for distinct pieces
     doc, run, start, end = doc[order], run[order], start[order], end[order]
     table = {"rank": r_rank[run], "doc": doc, "row": r_row[run], "start": start, "length": end - start,

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-from .balance import CumulativeWork, doc_interiors, ragged_ranges, snapped_runs
+from .balance import CumulativeWork, doc_interiors, overlaps, snapped_runs
 from .docs import DocPlan, plan_documents
 from .shard_plan import ShardPlan, interval_ranges, padded_doc_starts, padded_segments, plan_shards
 
@@ -116,14 +116,8 @@ class ExchangePlan:
         dest, row, lo, hi = ranges[ranges[:, 0] != rank].T
         runs = self.shards.rank_runs(rank).numpy()
         runs = runs[np.argsort(runs[:, 1], kind="stable")]
-        r_start, r_end = runs[:, 1], runs[:, 1] + runs[:, 2]
-        i0 = np.searchsorted(r_end, lo, side="right")  # first run ending after lo
-        n = np.maximum(np.searchsorted(r_start, hi) - i0, 0)  # ... up to the last starting before hi
-        k = np.repeat(np.arange(n.size), n)
-        run = ragged_ranges(i0, n)
-        a = np.maximum(lo[k], r_start[run])
-        b = np.minimum(hi[k], r_end[run])
-        return torch.from_numpy(np.stack([dest[k], np.full_like(a, rank), row[k], a, b - a, runs[run, 3] + a - r_start[run]], 1))
+        k, run, a, b = overlaps(lo, hi, runs[:, 1], runs[:, 1] + runs[:, 2])
+        return torch.from_numpy(np.stack([dest[k], np.full_like(a, rank), row[k], a, b - a, runs[run, 3] + a - runs[run, 1]], 1))
 
     def recv_counts(self, rank: int) -> list[int]:
         """Tokens ``rank`` receives from each rank (a needed-only exchange's receive splits)."""
@@ -234,16 +228,10 @@ def _cut(ranges: Tensor, shards: ShardPlan) -> Tensor:
     """Ranges ``[K, 4]`` cut at the shard's runs into spans ``[K', 6]``, the destination's own positions dropped
     (runs sorted by position tile ``[0, Sp)``); numpy (a dozen calls on a few hundred ranges)."""
     runs = shards.by_position.numpy()
-    run_start = runs[:, 1]
     dest, row, lo, hi = ranges.numpy().T
-    r0 = np.searchsorted(run_start, lo, side="right") - 1
-    n = np.searchsorted(run_start, hi - 1, side="right") - r0
-    k = np.repeat(np.arange(n.size), n)
-    run = ragged_ranges(r0, n)
+    k, run, a, b = overlaps(lo, hi, runs[:, 1], runs[:, 1] + runs[:, 2])
     src = runs[run, 0]
-    a = np.maximum(lo[k], run_start[run])
-    b = np.minimum(hi[k], run_start[run] + runs[run, 2])
-    spans = np.stack([dest[k], src, row[k], a, b - a, runs[run, 3] + a - run_start[run]], 1)
+    spans = np.stack([dest[k], src, row[k], a, b - a, runs[run, 3] + a - runs[run, 1]], 1)
     return torch.from_numpy(np.ascontiguousarray(spans[src != dest[k]]))
 
 
