@@ -270,12 +270,10 @@ def test_flat_index_equals_a_lookup_table(space, data):
 
 def heap_assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[list[list[int]], list[float]]:
     """The longest-processing-time assignment one chunk at a time from a heap of ``(load, rank)`` (the oracle of
-    ``balance._lpt``), then the same pairwise swaps as ``balance._assign``."""
+    ``balance._lpt``), then the pairwise swaps one at a time (:func:`swap_one_at_a_time`)."""
     import heapq
 
     import numpy as np
-
-    from blockdiag_dist.balance import _MAX_SWAPS
 
     w = np.asarray(chunk_work, dtype=np.float64)
     owned: list[list[int]] = [[] for _ in range(world)]
@@ -288,6 +286,19 @@ def heap_assign(chunk_work: list[float], world: int, per_rank: int) -> tuple[lis
         else:
             heapq.heappop(heap)
     loads = np.array([sum((chunk_work[k] for k in ks), 0.0) for ks in owned], dtype=np.float64)
+    return swap_one_at_a_time(w, owned, loads)
+
+
+def swap_one_at_a_time(w, owned: list[list[int]], loads) -> tuple[list[list[int]], list[float]]:
+    """The oracle of ``balance._swaps``: while one lowers the larger load, swap the pair of chunks of the most
+    loaded rank (ties: the lowest) and the least loaded (ties: the lowest) that lowers it the most (ties: the
+    first pair), one swap at a time, at most ``_MAX_SWAPS``."""
+    import numpy as np
+
+    from blockdiag_dist.balance import _MAX_SWAPS
+
+    loads = np.array(loads, dtype=np.float64)
+    owned = [list(ks) for ks in owned]
     for _ in range(_MAX_SWAPS):
         hi, lo = int(np.argmax(loads)), int(np.argmin(loads))
         a_idx, b_idx = np.array(owned[hi]), np.array(owned[lo])
@@ -327,6 +338,127 @@ def test_round_lpt_equals_one_chunk_at_a_time(world, per_rank, data):
     work = [pattern[(i * 7 + i // 3) % len(pattern)] * (1 + (i % 5 == 0) * data.draw(st.integers(0, 3), label="bump"))
             if i < 12 else pattern[(i * 7 + i // 3) % len(pattern)] for i in range(n)]
     assert _assign(work, world, per_rank) == heap_assign(work, world, per_rank)
+
+
+@SETTINGS
+@given(world=st.integers(2, 300), per_rank=st.sampled_from([1, 2, 3, 8]), data=st.data())
+def test_swaps_decided_in_batches_equal_one_at_a_time(world, per_rank, data):
+    """balance._swaps (steps decided k at a time) takes every swap the one-at-a-time search takes, with bit-equal
+    loads, from arbitrary starting assignments: they run to the step limit or a stop, through ties and zeros."""
+    import numpy as np
+
+    from blockdiag_dist.balance import _swaps
+
+    n = world * per_rank
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    rng = np.random.default_rng(seed)
+    kind = data.draw(st.sampled_from(["ties", "exponential", "long tail", "squares", "sparse"]))
+    w = {"ties": lambda: rng.integers(0, 5, n).astype(np.float64),
+         "exponential": lambda: rng.exponential(1.0, n),
+         "long tail": lambda: rng.choice([0.0, 1.0, 3.0, 1e5], n),
+         "squares": lambda: np.floor(rng.exponential(100.0, n)) ** 2,
+         "sparse": lambda: rng.random(n) * (rng.random(n) < 0.3)}[kind]()
+    owned = rng.permutation(n).reshape(world, per_rank)
+    loads = np.array([sum(w[k] for k in ks) for ks in owned.tolist()], dtype=np.float64)
+    want = swap_one_at_a_time(w, owned.tolist(), loads)
+    _swaps(w[owned], owned, loads, per_rank)
+    assert (owned.tolist(), loads.tolist()) == want
+
+
+@SETTINGS
+@given(n=st.integers(1, 300), data=st.data())
+def test_by_decreasing_is_the_stable_sort(n, data):
+    """balance._by_decreasing (an introsort, ties then put in index order) equals numpy's stable argsort of -w."""
+    import numpy as np
+
+    from blockdiag_dist.balance import _by_decreasing
+
+    w = np.array(data.draw(st.lists(st.sampled_from([0.0, -0.0, 1.0, 2.5, 3.0, 1e9]) | st.floats(0, 10), min_size=n,
+                                    max_size=n)))
+    assert _by_decreasing(w).tolist() == np.argsort(-w, kind="stable").tolist()
+
+
+@SETTINGS
+@given(world=st.integers(1, 12), per_rank=st.sampled_from([1, 2, 3, 8]), data=st.data())
+def test_heaviest_rank_floor_bounds_every_assignment(world, per_rank, data):
+    """balance._heaviest_rank_floor is at most the largest per-rank sum of any assignment of exactly
+    ``per_rank`` chunks per rank (integers: the sums are exact in float64), and equals it for some."""
+    import numpy as np
+
+    from blockdiag_dist.balance import _heaviest_rank_floor
+
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    x = rng.choice([0.0, 1.0, 2.0, 7.0, 1000.0], world * per_rank)
+    floor = _heaviest_rank_floor(x, per_rank)
+    for _ in range(20):
+        assert x[rng.permutation(x.size).reshape(world, per_rank)].sum(1).max() >= floor
+    # the bound's own assignment: the largest chunk with the smallest ones, the rest in any way
+    top = int(x.argmax())
+    rest = np.delete(np.arange(x.size), top)
+    rest = rest[np.argsort(x[rest], kind="stable")]
+    first = np.concatenate([[top], rest[:per_rank - 1]])
+    if world == 1 or x[rest[per_rank - 1:]].max(initial=0.0) <= x[top]:  # then no other rank can sum more
+        owned = np.concatenate([first, rest[per_rank - 1:]]).reshape(world, per_rank)
+        assert x[owned].sum(1).max() >= floor and x[first].sum() == floor
+
+
+def long_tail_layout(n_docs: int, S: int, seed: int) -> DocLayout:
+    """One row of ``n_docs`` documents with exponential lengths (a few long ones among many short), ``S`` tokens."""
+    import numpy as np
+
+    w = np.random.default_rng(seed).exponential(1.0, n_docs)
+    lengths = np.maximum(1, np.floor(w / w.sum() * S)).astype(np.int64)
+    lengths[-1] += S - lengths.sum()
+    while lengths[-1] < 1:  # the rounding took too much from the last one: give it back from the longest
+        k = int(np.argmax(lengths[:-1]))
+        lengths[k] -= 1
+        lengths[-1] += 1
+    return DocLayout.from_seqlens([lengths.tolist()])
+
+
+@settings(max_examples=30, deadline=None)
+@given(n_docs=st.integers(1, 120), S=st.integers(200, 4000), world=st.integers(2, 24), seed=st.integers(0, 99))
+def test_snapped_search_skips_only_assignments_that_cannot_qualify(n_docs, S, world, seed):
+    """The snapped search skips a candidate whose :func:`balance._heaviest_rank_floor` (of its work or its rows)
+    already breaks the targets; it chooses the same layout as the search that assigns every candidate."""
+    from unittest import mock
+
+    from blockdiag_dist import balance
+
+    layout = long_tail_layout(min(n_docs, S // 2), S, seed)
+    work, interiors = CumulativeWork(layout), doc_interiors(layout)
+    got = snapped_runs(work, world, interiors)
+    with mock.patch.object(balance, "_heaviest_rank_floor", lambda x, per_rank: -float("inf")):
+        want = snapped_runs(work, world, interiors)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert got[0] == want[0] and torch.equal(got[1], want[1]) and got[2] == want[2]
+
+
+def test_the_snapped_search_skips_assignments_at_scale():
+    """At 1M tokens, 8,192 documents, CP 64 (the plan benchmark's case) the floor skips assignments and the
+    layout is the one every assignment gives."""
+    from unittest import mock
+
+    from blockdiag_dist import balance
+
+    layout = long_tail_layout(8192, 1 << 20, 0)
+    work, interiors = CumulativeWork(layout), doc_interiors(layout)
+    assigned = []
+
+    def counting(w, world, per_rank, real=balance._assign_array):
+        assigned.append(w.size)
+        return real(w, world, per_rank)
+
+    with mock.patch.object(balance, "_assign_array", counting):
+        got = snapped_runs(work, 64, interiors)
+        pruned = len(assigned)
+        with mock.patch.object(balance, "_heaviest_rank_floor", lambda x, per_rank: -float("inf")):
+            want = snapped_runs(work, 64, interiors)
+    assert pruned < len(assigned) - pruned, (pruned, len(assigned) - pruned)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert got[0] == want[0] and torch.equal(got[1], want[1]) and got[2] == want[2]
 
 
 @SETTINGS
