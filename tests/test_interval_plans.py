@@ -366,19 +366,6 @@ def test_swaps_decided_in_batches_equal_one_at_a_time(world, per_rank, data):
 
 
 @SETTINGS
-@given(n=st.integers(1, 300), data=st.data())
-def test_by_decreasing_is_the_stable_sort(n, data):
-    """balance._by_decreasing (an introsort, ties then put in index order) equals numpy's stable argsort of -w."""
-    import numpy as np
-
-    from blockdiag_dist.balance import _by_decreasing
-
-    w = np.array(data.draw(st.lists(st.sampled_from([0.0, -0.0, 1.0, 2.5, 3.0, 1e9]) | st.floats(0, 10), min_size=n,
-                                    max_size=n)))
-    assert _by_decreasing(w).tolist() == np.argsort(-w, kind="stable").tolist()
-
-
-@SETTINGS
 @given(world=st.integers(1, 12), per_rank=st.sampled_from([1, 2, 3, 8]), data=st.data())
 def test_heaviest_rank_floor_bounds_every_assignment(world, per_rank, data):
     """balance._heaviest_rank_floor is at most the largest per-rank sum of any assignment of exactly
