@@ -227,7 +227,8 @@ def _swaps(owned_w: np.ndarray, owned: np.ndarray, loads: np.ndarray, per_rank: 
 _PLAIN_SWAPS = 4  # plain swap steps before the first batch, and after a batch that held for one step only
 
 
-_LPT_MIN_ROUND = 16  # a round deciding fewer chunks than this hands the next ``world`` chunks to the heap
+_LPT_MIN_ROUND = 16  # a round deciding fewer chunks than this hands the next ``world`` chunks to the heap, and
+# fewer ranks with room than this hand all the rest
 
 
 def _lpt(w: np.ndarray, world: int, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -238,16 +239,16 @@ def _lpt(w: np.ndarray, world: int, per_rank: int) -> tuple[np.ndarray, np.ndarr
     ``r_0, r_1, ...`` and the next chunks ``k_0, k_1, ...``, chunk ``k_j`` goes to ``r_j`` as long as ``r_j``'s
     load is below every ``load(r_i) + work(k_i)`` (``i < j``, ``r_i`` not full): then no rank served earlier in
     the round has become the smaller one. Where rounds decide little (loads far apart), a heap takes the next
-    ``world`` chunks one by one, and it hands out all the rest once fewer than ``_LPT_MIN_ROUND`` ranks have room
-    (then every round would be small). Either way every choice is the one-at-a-time choice and every load is summed in
-    the same order, so the result equals a heap's exactly (tests: ``test_interval_plans``)."""
+    ``world`` chunks one by one, and it hands out all the rest once fewer than ``_LPT_MIN_ROUND`` ranks have
+    room (then every round would be small). Either way every choice is the one-at-a-time choice and every load is
+    summed in the same order, so the result equals a heap's exactly (tests: ``test_interval_plans``)."""
     order = np.argsort(-w, kind="stable")  # timsort: fast on the runs that chunks inside long documents make
     n_chunks = order.size
     loads = np.zeros(world, dtype=np.float64)
     count = np.zeros(world, dtype=np.int64)
     rank_of = np.empty(n_chunks, dtype=np.int64)  # the rank of the i-th chunk handed out
     i = 0
-    while i < n_chunks:  # (array methods, not numpy's functions: their wrappers cost more than a round's work)
+    while i < n_chunks:  # (array methods: numpy's functions add a Python wrapper of microseconds to each call)
         room = (count < per_rank).nonzero()[0]
         stop = n_chunks  # the last few ranks with room: the heap hands out the rest
         if room.size >= _LPT_MIN_ROUND:
@@ -578,8 +579,9 @@ def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, Tensor, float] |
             lens = np.diff(e)
             if _hopeless(chunk_work, world, SNAP_TARGET) or int(lens.max()) > SNAP_TARGET * local_len:
                 continue  # the largest chunk alone breaks the work or the row target: its assignment would too
+            mean_work = float(chunk_work.sum()) / world
             if (_heaviest_rank_floor(lens, per_rank) > SNAP_TARGET * local_len
-                    or _heaviest_rank_floor(chunk_work, per_rank) > SNAP_TARGET * (float(chunk_work.sum()) / world) * (1 + 1e-9)):
+                    or _heaviest_rank_floor(chunk_work, per_rank) > SNAP_TARGET * mean_work * (1 + 1e-9)):
                 continue  # so does the rank holding it, with the smallest chunks beside it (margin as _hopeless)
             owned, loads = _assign_array(chunk_work, world, per_rank)
             load = loads.tolist()
