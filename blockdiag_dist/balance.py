@@ -400,28 +400,62 @@ def _positions_of(runs: Tensor, world: int, local_len: int) -> Tensor:
 
 
 def _balanced(work, world: int) -> tuple[int, int, np.ndarray, float]:
-    """``(local_len, chunk_len, chunks owned per rank [world, per_rank] ascending, max/mean work)``."""
+    """``(local_len, chunk_len, chunks owned per rank [world, per_rank] ascending, max/mean work)``.
+
+    The chunk counts are tried coarsest first; the first whose assignment reaches ``TARGET`` wins, else the one of
+    least max/mean work. A count whose :func:`_heaviest_rank_floor` already exceeds ``TARGET`` cannot end the
+    search: it waits for the next count's assignment, and where that one's max/mean is below the floor (with a
+    margin far above rounding) it can neither win nor change the winner, and its own assignment is skipped. The
+    choice is the one of trying every count in turn (tests: ``test_interval_plans``)."""
     S = work.seq_len
-    best = None
+    sizes = []  # (per_rank, local_len, chunk_len), coarsest first
     for per_rank in CHUNKS_PER_RANK:
         chunks = per_rank * world
-        if best is not None and chunks > S:
+        if sizes and chunks > S:
             break  # chunks of less than one real token only add padding
         local_len = per_rank * -(-S // chunks)
-        chunk_len = local_len // per_rank
-        chunk_work = work.equal_chunks(chunks, chunk_len)
+        sizes.append((per_rank, local_len, local_len // per_rank))
+    best = None
+
+    def consider(per_rank, local_len, chunk_len, chunk_work, assigned=None):
+        nonlocal best
         if best is not None and _hopeless(chunk_work, world, best[0] - 1e-12):
-            continue  # cannot beat the best so far, which did not reach TARGET either
-        owned, loads = _assign_array(chunk_work, world, per_rank)
-        load = loads.tolist()
-        mean = sum(load) / world
-        imbalance = max(load) / mean if mean > 0 else 1.0
+            return  # cannot beat the best so far, which did not reach TARGET either
+        imbalance, owned = assigned or _imbalance(chunk_work, world, per_rank)
         if best is None or imbalance < best[0] - 1e-12:
             best = (imbalance, local_len, chunk_len, np.sort(owned, 1))
+
+    waiting = []  # counts that cannot reach TARGET, waiting for the next count's max/mean
+    for j, (per_rank, local_len, chunk_len) in enumerate(sizes):
+        chunk_work = work.equal_chunks(per_rank * world, chunk_len)
+        floor = _floor_ratio(chunk_work, world, per_rank)
+        if floor > TARGET * (1 + 1e-9) and j + 1 < len(sizes):
+            waiting.append((per_rank, local_len, chunk_len, chunk_work, floor))
+            continue
+        assigned = _imbalance(chunk_work, world, per_rank)
+        for w_per_rank, w_local_len, w_chunk_len, w_chunk_work, w_floor in waiting:
+            if w_floor <= assigned[0] * (1 + 1e-9) + 1e-12:  # not beaten for sure: tried in its turn
+                consider(w_per_rank, w_local_len, w_chunk_len, w_chunk_work)
+        waiting.clear()
+        consider(per_rank, local_len, chunk_len, chunk_work, assigned)
         if best[0] <= TARGET:
             break
     imbalance, local_len, chunk_len, owned = best
     return local_len, chunk_len, owned, imbalance
+
+
+def _imbalance(chunk_work: np.ndarray, world: int, per_rank: int) -> tuple[float, np.ndarray]:
+    """``(max/mean work, owned)`` of the assignment of ``chunk_work`` (1 where there is no work)."""
+    owned, loads = _assign_array(chunk_work, world, per_rank)
+    load = loads.tolist()
+    mean = sum(load) / world
+    return (max(load) / mean if mean > 0 else 1.0), owned
+
+
+def _floor_ratio(chunk_work: np.ndarray, world: int, per_rank: int) -> float:
+    """:func:`_heaviest_rank_floor` over the mean work per rank (1 where there is no work)."""
+    mean = float(chunk_work.sum()) / world
+    return _heaviest_rank_floor(chunk_work, per_rank) / mean if mean > 0 else 1.0
 
 
 def _equal_chunk_runs(owned: np.ndarray, chunk_len: int, local_len: int) -> Tensor:

@@ -398,28 +398,51 @@ def long_tail_layout(n_docs: int, S: int, seed: int) -> DocLayout:
     return DocLayout.from_seqlens([lengths.tolist()])
 
 
-@settings(max_examples=30, deadline=None)
-@given(n_docs=st.integers(1, 120), S=st.integers(200, 4000), world=st.integers(2, 24), seed=st.integers(0, 99))
-def test_snapped_search_skips_only_assignments_that_cannot_qualify(n_docs, S, world, seed):
-    """The snapped search skips a candidate whose :func:`balance._heaviest_rank_floor` (of its work or its rows)
-    already breaks the targets; it chooses the same layout as the search that assigns every candidate."""
+def without_floors():
+    """The searches as they were without the floors: every candidate assigned, every chunk count in turn."""
     from unittest import mock
 
     from blockdiag_dist import balance
 
+    return mock.patch.object(balance, "_heaviest_rank_floor", lambda x, per_rank: -float("inf"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(n_docs=st.integers(1, 120), S=st.integers(200, 4000), world=st.integers(2, 24), seed=st.integers(0, 99))
+def test_searches_skip_only_assignments_that_cannot_win(n_docs, S, world, seed):
+    """The snapped search skips a candidate whose :func:`balance._heaviest_rank_floor` (of its work or its rows)
+    already breaks the targets, and the balanced search a chunk count whose floor the next count's assignment
+    beats; both choose the layout of the searches that assign every candidate."""
     layout = long_tail_layout(min(n_docs, S // 2), S, seed)
     work, interiors = CumulativeWork(layout), doc_interiors(layout)
-    got = snapped_runs(work, world, interiors)
-    with mock.patch.object(balance, "_heaviest_rank_floor", lambda x, per_rank: -float("inf")):
-        want = snapped_runs(work, world, interiors)
+    got, got_balanced = snapped_runs(work, world, interiors), balanced_runs(work, world)
+    got_positions = balanced_positions(position_work(layout), world)
+    with without_floors():
+        want, want_balanced = snapped_runs(work, world, interiors), balanced_runs(work, world)
+        want_positions = balanced_positions(position_work(layout), world)
     assert (got is None) == (want is None)
     if got is not None:
         assert got[0] == want[0] and torch.equal(got[1], want[1]) and got[2] == want[2]
+    for a, b in ((got_balanced, want_balanced), (got_positions, want_positions)):
+        assert a[0] == b[0] and torch.equal(a[1], b[1]) and a[2] == b[2]
 
 
-def test_the_snapped_search_skips_assignments_at_scale():
-    """At 1M tokens, 8,192 documents, CP 64 (the plan benchmark's case) the floor skips assignments and the
-    layout is the one every assignment gives."""
+@settings(max_examples=200, deadline=None)
+@given(work=st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0, 40.0]), min_size=2, max_size=160),
+       world=st.integers(2, 5))
+def test_balanced_search_skips_only_chunk_counts_that_cannot_win(work, world):
+    """Per-position works of any shape (spikes where a coarser chunk count balances better than a finer one): the
+    balanced search that skips a count beaten by the next one's assignment chooses as the one that tries each."""
+    work = torch.tensor(work, dtype=torch.float64)
+    got = balanced_positions(work, world)
+    with without_floors():
+        want = balanced_positions(work, world)
+    assert got[0] == want[0] and torch.equal(got[1], want[1]) and got[2] == want[2]
+
+
+def test_the_searches_skip_assignments_at_scale():
+    """At 1M tokens, 8,192 documents, CP 64 (the plan benchmark's case) the floors skip assignments of both
+    searches and the layouts are the ones every assignment gives."""
     from unittest import mock
 
     from blockdiag_dist import balance
@@ -433,14 +456,19 @@ def test_the_snapped_search_skips_assignments_at_scale():
         return real(w, world, per_rank)
 
     with mock.patch.object(balance, "_assign_array", counting):
-        got = snapped_runs(work, 64, interiors)
-        pruned = len(assigned)
-        with mock.patch.object(balance, "_heaviest_rank_floor", lambda x, per_rank: -float("inf")):
-            want = snapped_runs(work, 64, interiors)
-    assert pruned < len(assigned) - pruned, (pruned, len(assigned) - pruned)
-    assert (got is None) == (want is None)
-    if got is not None:
-        assert got[0] == want[0] and torch.equal(got[1], want[1]) and got[2] == want[2]
+        counts = []
+        for search in (lambda: snapped_runs(work, 64, interiors), lambda: balanced_runs(work, 64)):
+            assigned.clear()
+            got = search()
+            skipping = len(assigned)
+            with without_floors():
+                want = search()
+            counts.append((skipping, len(assigned) - skipping))
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert got[0] == want[0] and torch.equal(got[1], want[1]) and got[2] == want[2]
+    (snapped_with, snapped_without), (balanced_with, balanced_without) = counts
+    assert snapped_with < snapped_without and balanced_with < balanced_without, counts
 
 
 @SETTINGS
