@@ -533,13 +533,15 @@ class _Allowed:
         self.starts, self.ends = interiors
 
     def nearest(self, x: Tensor) -> Tensor:
-        """The allowed position nearest to each ``x`` (ties: the lower one)."""
+        """The allowed position nearest to each ``x`` (ties: the lower one). numpy on the host: the snapped search
+        asks once per chunk count, a few torch calls' worth of overhead each."""
         if self.starts.numel() == 0:
             return x
-        j = (torch.searchsorted(self.starts, x, right=True) - 1).clamp(min=0)
-        a, b = self.starts[j] - 1, self.ends[j]
-        inside = (x > a) & (x < b)
-        return torch.where(inside, torch.where(x - a <= b - x, a, b), x)
+        xs, starts = x.numpy(), self.starts.numpy()
+        j = np.maximum(np.searchsorted(starts, xs, side="right") - 1, 0)
+        a, b = starts[j] - 1, self.ends.numpy()[j]
+        inside = (xs > a) & (xs < b)
+        return torch.from_numpy(np.where(inside, np.where(xs - a <= b - xs, a, b), xs))
 
 
 def _snap(edges: Tensor, allowed: _Allowed, reach: int, S: int, nearest: Tensor | None = None) -> Tensor:
@@ -550,15 +552,15 @@ def _snap(edges: Tensor, allowed: _Allowed, reach: int, S: int, nearest: Tensor 
     The rule is sequential (each edge depends on the one before), but an edge whose candidate passes the edge
     before it lands on its candidate, and from there on the edges follow their candidates until one does not pass
     the one before: only the stretches that start at such an edge, up to the first edge back on its candidate,
-    are walked one by one (the order-preserving case, the common one, walks none)."""
-    x = edges[1:-1]
-    best = allowed.nearest(x) if nearest is None else nearest
-    cand = torch.where((x < S) & ((best - x).abs() <= reach), best, x)
-    full = torch.cat([edges[:1], cand, edges[-1:]])
-    if bool((full[1:] > full[:-1]).all()):  # every move keeps the order: the sequential rule changes nothing
-        return full
-    out = full.numpy().copy()
+    are walked one by one (the order-preserving case, the common one, walks none). numpy inside: the search
+    calls this up to 20 times per step."""
     xs = edges.numpy()
+    x = xs[1:-1]
+    best = (allowed.nearest(edges[1:-1]) if nearest is None else nearest).numpy()
+    cand = np.where((x < S) & (np.abs(best - x) <= reach), best, x)
+    out = np.concatenate([xs[:1], cand, xs[-1:]])
+    if (out[1:] > out[:-1]).all():  # every move keeps the order: the sequential rule changes nothing
+        return torch.from_numpy(out)
     n = out.size - 1  # out[n], the last edge, stays
     bad = np.flatnonzero(out[1:n] <= out[:n - 1]) + 1  # interior edges whose candidate does not pass the one before
     j = 0
