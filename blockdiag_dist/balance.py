@@ -171,10 +171,7 @@ def _swaps(owned_w: np.ndarray, owned: np.ndarray, loads: np.ndarray, per_rank: 
             hi, lo = int(loads.argmax()), int(loads.argmin())
             l_hi, l_lo = loads[hi], loads[lo]
             d = owned_w[hi][:, None] - owned_w[lo]
-            # the larger of the two loads after each swap; inf where a swap would not narrow the gap (d <= 0 or
-            # d >= gap): then no swap is taken (inf >= l_hi)
-            new_max = np.maximum(l_hi - d, l_lo + d)
-            new_max[(d <= 0) | (d >= l_hi - l_lo)] = np.inf
+            new_max = _after_swap(l_hi, l_lo, d)
             i = int(new_max.argmin())  # the first best pair, row-major over (owned[hi], owned[lo])
             if new_max.flat[i] >= l_hi:
                 return
@@ -190,10 +187,7 @@ def _swaps(owned_w: np.ndarray, owned: np.ndarray, loads: np.ndarray, per_rank: 
         top, bot = (-loads).argsort(kind="stable")[:k], loads.argsort(kind="stable")[:k]
         l_hi, l_lo = loads[top], loads[bot]
         d = owned_w[top][:, :, None] - owned_w[bot][:, None, :]  # [k, per_rank, per_rank]
-        hi, lo = l_hi[:, None, None], l_lo[:, None, None]
-        new_max = np.maximum(hi - d, lo + d)  # as in the plain step, k at once
-        new_max[(d <= 0) | (d >= hi - lo)] = np.inf
-        flat = new_max.reshape(k, -1)
+        flat = _after_swap(l_hi[:, None, None], l_lo[:, None, None], d).reshape(k, -1)
         i = flat.argmin(1)
         rows = np.arange(k)
         dd = d.reshape(k, -1)[rows, i]
@@ -222,6 +216,16 @@ def _swaps(owned_w: np.ndarray, owned: np.ndarray, loads: np.ndarray, per_rank: 
             k = m
         else:
             k, plain = 2, _PLAIN_SWAPS
+
+
+def _after_swap(l_hi, l_lo, d: np.ndarray) -> np.ndarray:
+    """The larger of the two loads after each swap of work difference ``d`` between a rank of load ``l_hi`` and
+    one of ``l_lo`` (scalars, or ``[k, 1, 1]`` beside ``d [k, p, p]``); inf where a swap would not narrow the gap
+    (``d <= 0`` or ``d >= gap``): then no swap is taken (``inf >= l_hi``). One rule for the plain and the batched
+    steps, so that both compute the same floats."""
+    new_max = np.maximum(l_hi - d, l_lo + d)
+    new_max[(d <= 0) | (d >= l_hi - l_lo)] = np.inf
+    return new_max
 
 
 _PLAIN_SWAPS = 4  # plain swap steps before the first batch, and after a batch that held for one step only
@@ -613,17 +617,13 @@ def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, Tensor, float] |
                 at = work.at(edge_t).numpy()
             chunk_work = np.diff(at)
             lens = np.diff(e)
-            if _hopeless(chunk_work, world, SNAP_TARGET) or int(lens.max()) > SNAP_TARGET * local_len:
-                continue  # the largest chunk alone breaks the work or the row target: its assignment would too
-            mean_work = float(chunk_work.sum()) / world
+            # the rank holding the largest chunk, with the smallest beside it, already breaks the row or the work
+            # target (margin as _hopeless): so would the assignment
             if (_heaviest_rank_floor(lens, per_rank) > SNAP_TARGET * local_len
-                    or _heaviest_rank_floor(chunk_work, per_rank) > SNAP_TARGET * mean_work * (1 + 1e-9)):
-                continue  # so does the rank holding it, with the smallest chunks beside it (margin as _hopeless)
-            owned, loads = _assign_array(chunk_work, world, per_rank)
-            load = loads.tolist()
+                    or _floor_ratio(chunk_work, world, per_rank) > SNAP_TARGET * (1 + 1e-9)):
+                continue
+            imbalance, owned = _imbalance(chunk_work, world, per_rank)
             rows = lens[owned].sum(1).tolist()  # every rank owns exactly per_rank chunks
-            mean = sum(load) / world
-            imbalance = max(load) / mean if mean > 0 else 1.0
             if imbalance <= SNAP_TARGET and max(rows) <= SNAP_TARGET * local_len:
                 L = max(rows)
                 return L, _chunk_runs(np.sort(owned, 1), edge_t.numpy()[:-1], lens, L, padded_len), imbalance

@@ -238,7 +238,8 @@ def piece_table(layout: DocLayout, shards: ShardPlan) -> dict[str, Tensor]:
     r_row = np.repeat(np.arange(B, dtype=np.int64), runs.shape[0])
     x0 = r_row * sp + r_start
     run, doc, a, b = overlaps(x0, x0 + r_len, f_start, f_end)  # flat: every run against the documents it meets
-    start, end = a - r_row[run] * sp, b - r_row[run] * sp
+    shift = r_row[run] * sp
+    start, end = a - shift, b - shift
     order = np.argsort(doc * sp + start, kind="stable")  # (document, start): distinct for distinct pieces
     doc, run, start, end = doc[order], run[order], start[order], end[order]
     table = {"rank": r_rank[run], "doc": doc, "row": r_row[run], "start": start, "length": end - start,
