@@ -10,6 +10,11 @@ Every rank plans every step in the batch function before any GPU work. Two parts
 - ``rank``: this rank's own part, built from the replicated plan in the batch function: its window plan (key
   buffer, the runs of the rows it sends, the varlen kernel's pieces) and its documents' view (``state.docs``),
   all from intervals;
+- ``step``: the whole batch function of this rank (``make_cp_blockdiag_batch_and_ctx`` without its process
+  group): a collator's batch (``input_ids``, ``labels``, per-document ``position_ids``) in, the rank's shard and step
+  state out. It reads the documents from the positions in one pass (``read``: :func:`blockdiag_ref.layout_from_batch`,
+  no doc-id tensor), plans (``replicated`` and ``rank``, less the scan), and shards each tensor (this rank's rows
+  only) and the padding mask (from the plan). Reported apart, not in ``total``;
 - ``first_use``: the token-level tensors of this rank, each built by its first reader: the varlen kernel's
   maskless blocks and padding rows (``VarlenMeta.blocks``, ``pad_rows``: the CPU path's; flash-attn on CUDA takes
   the pieces' ``cu_seqlens`` instead and never builds the blocks), the index of the rows it sends
@@ -25,7 +30,8 @@ Run ``python -m bench --only plan`` (or :func:`time_plan` for one case)::
 
     >>> from bench.plan import time_plan
     >>> row = time_plan(1 << 17, 8, "few", "contiguous", reps=1)
-    >>> sorted(row) == ['S', 'cp', 'docs', 'first_use_ms', 'layout', 'mix', 'rank_ms', 'replicated_ms', 'scan_ms', 'total_ms']
+    >>> sorted(row) == ['S', 'cp', 'docs', 'first_use_ms', 'layout', 'mix', 'rank_ms', 'read_ms', 'replicated_ms',
+    ...                 'scan_ms', 'step_ms', 'total_ms']
     True
 
 The section ends with the goal lines (:func:`plan_goals`): per layout, the worst case at S = 1M / CP 64 (<= 20 ms),
@@ -35,13 +41,16 @@ at S = 16M / CP 1,024 (<= 100 ms) and the worst growth ``time(16M) / time(1M)`` 
 from __future__ import annotations
 
 import time
+from functools import lru_cache
 
 import numpy as np
 import torch
 
+from blockdiag_dist import CPOptions
+from blockdiag_dist.batch import _step
 from blockdiag_dist.plan import plan_step
 from blockdiag_dist.state import StepState
-from blockdiag_ref import DocLayout
+from blockdiag_ref import DocLayout, layout_from_batch
 
 MIXES = {"few": 64, "many": 8192}  # documents per row, at every S
 LAYOUTS = ("contiguous", "balanced", "auto")
@@ -60,6 +69,14 @@ def doc_ids_of(S: int, mix: str, seed: int = 0) -> torch.Tensor:
         lengths[-1] += 1
     ids = torch.repeat_interleave(torch.arange(1, n + 1), torch.from_numpy(lengths))
     return ids[None]
+
+
+@lru_cache(maxsize=1)
+def collated_batch(S: int, mix: str) -> dict[str, torch.Tensor]:
+    """What a flattening collator gives for the row of :func:`doc_ids_of`: ``input_ids``, ``labels`` and the
+    per-document ``position_ids`` (one row, no padding)."""
+    ids = doc_ids_of(S, mix)
+    return {"input_ids": ids, "labels": ids, "position_ids": DocLayout.from_doc_ids(ids).doc_positions}
 
 
 def _replicated(ids: torch.Tensor, world: int, layout: str):
@@ -86,10 +103,18 @@ def time_plan(S: int, world: int, mix: str, layout: str, reps: int = 3, rank: in
     """Best of ``reps`` milliseconds of one rank's planning of one step, each part timed on its own (the noise of a
     shared machine only ever adds time; ``rank``: default the last rank, which holds the most document ends under
     contiguous sharding)."""
-    ids = doc_ids_of(S, mix)
+    batch = collated_batch(S, mix)
+    ids = batch["input_ids"]
     rank = world - 1 if rank is None else rank
-    rep_t, rank_t, scan_t, first_t = [], [], [], []
+    options = CPOptions(layout=layout, kv_exchange="auto", kernel="varlen", check_consensus=False)
+    rep_t, rank_t, scan_t, first_t, read_t, step_t = [], [], [], [], [], []
     for _ in range(reps):
+        t0 = time.perf_counter()
+        layout_from_batch(batch, S, 1)
+        read_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        _step(dict(batch), None, options, None, world, rank)  # the batch is read, never written into
+        step_t.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         DocLayout.from_doc_ids(ids)
         scan_t.append(time.perf_counter() - t0)
@@ -105,7 +130,7 @@ def time_plan(S: int, world: int, mix: str, layout: str, reps: int = 3, rank: in
     rep, rk = min(rep_t) * 1e3, min(rank_t) * 1e3
     return {"S": S, "cp": world, "mix": mix, "docs": int(ids.max()), "layout": layout, "replicated_ms": rep,
             "rank_ms": rk, "total_ms": rep + rk, "scan_ms": min(scan_t) * 1e3,
-            "first_use_ms": min(first_t) * 1e3}
+            "first_use_ms": min(first_t) * 1e3, "read_ms": min(read_t) * 1e3, "step_ms": min(step_t) * 1e3}
 
 
 def bench_plan(sizes, cps, mixes=tuple(MIXES), layouts=LAYOUTS, reps: int = 3, extra=(), threads: int = 1) -> dict:

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from blockdiag_ref import doc_ids_from_batch, normalize_window
+from blockdiag_ref import DocLayout, doc_ids_from_batch, layout_from_batch, normalize_window
+from blockdiag_ref.batch import positions_name_documents
 
 from .options import CPOptions, kernel_substitution
 from .plan import plan_step
@@ -111,7 +112,8 @@ def _validate_batch(batch: Any, loss_mask: Tensor | None) -> tuple[str, int, int
         ):
             got = tuple(pos.shape) if isinstance(pos, Tensor) else type(pos).__name__
             raise ValueError(f"position_ids: expected [B, S] = {[B, S]} or [n, B, S] (e.g. 3 for mRoPE), got {got}")
-        _check_positions(pos)
+        if not positions_name_documents(batch, S, B):  # else they are checked where they are read for documents
+            _check_positions(pos)
     labels = batch.get("labels")
     if labels is not None and (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):
         raise ValueError(f"labels: expected integer token ids [B, S] (next-token targets, -100 = ignored), got dtype "
@@ -144,7 +146,7 @@ def _check_positions(pos: Tensor) -> None:
         raise ValueError(f"position_ids: expected positions >= 0, got {int(pos.min())}")
 
 
-def _validate_deepstack(batch: MutableMapping, doc_ids: Tensor) -> None:
+def _validate_deepstack(batch: MutableMapping, layout: DocLayout) -> None:
     """``_deepstack_visual_embeds`` holds one row per visual token of ``visual_pos_masks`` at every level."""
     deepstack = batch.get(DEEPSTACK_KEY)
     if deepstack is None:
@@ -155,7 +157,7 @@ def _validate_deepstack(batch: MutableMapping, doc_ids: Tensor) -> None:
             f"{DEEPSTACK_KEY}: expected visual_pos_masks [B, S] beside it (the positions its rows belong to), got none"
         )
     check_visual_rows(deepstack, vpm, DEEPSTACK_KEY, lambda: f", one row per visual token of visual_pos_masks "
-                      f"({_visual_tokens_per_document(vpm, doc_ids)})")
+                      f"({_visual_tokens_per_document(vpm, layout.doc_ids)})")
 
 
 def _visual_tokens_per_document(vpm: Tensor, doc_ids: Tensor) -> str:
@@ -276,6 +278,17 @@ def make_cp_blockdiag_batch_and_ctx(
         expect_attention=expect_attention, shard_primary=shard_primary, shard_vision=shard_vision,
         conv_widths=conv_widths, padding_token_id=padding_token_id,
     ))
+    if not opts.shard_primary:
+        from .integrations import vlm  # noqa: F401  (registers the scan visitor that hooks decoder entries)
+    group, world, rank = _mesh_info(cp_mesh)
+    return _step(batch, loss_mask, opts, group, world, rank, bidirectional_blocks)
+
+
+def _step(batch: Any, loss_mask: Tensor | None, opts: CPOptions, group: dist.ProcessGroup | None, world: int,
+          rank: int, bidirectional_blocks: Tensor | None = None) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
+    """The batch function once the CP group is known: check the batch, plan the step from its documents (read
+    once, without a doc-id tensor where 2-D positions name them), build the state, shard. ``group=None`` with
+    ``world > 1`` is one rank's planning without a group (the bench's; no consensus check is possible)."""
     kv_exchange, layout, padding_token_id = opts.resolved_exchange(), opts.layout, opts.padding_token_id
     kernel_name, kernel_requested = opts.resolved_kernel()
     expect_attention, shard_primary, shard_vision = opts.expect_attention, opts.shard_primary, opts.shard_vision
@@ -284,16 +297,13 @@ def make_cp_blockdiag_batch_and_ctx(
     else:
         lefts = sorted({normalize_window(w) for w in opts.window_sizes})
     check_consensus, conv_widths = opts.check_consensus, opts.conv_widths
-    if not shard_primary:
-        from .integrations import vlm  # noqa: F401  (registers the scan visitor that hooks decoder entries)
-    group, world, rank = _mesh_info(cp_mesh)
     key, B, S, device = _validate_batch(batch, loss_mask)
-    doc_ids = _cp_blockdiag_doc_ids(batch, S, device, B)
-    _validate_deepstack(batch, doc_ids)
     if check_consensus is None:
         check_consensus = os.environ.get("BLOCKDIAG_CHECK_CONSENSUS", "1") not in ("", "0")
 
-    plan = plan_step(doc_ids, world, layout)
+    doc_layout = layout_from_batch(batch, S, B)
+    _validate_deepstack(batch, doc_layout)
+    plan = plan_step(doc_layout, world, layout)
     state = StepState(
         plan, rank=rank, group=group, device=device, kv_exchange=kv_exchange, kernel=kernel_name,
         check_consensus=check_consensus, expect_attention=expect_attention, shard_primary=shard_primary,
@@ -316,9 +326,9 @@ def make_cp_blockdiag_batch_and_ctx(
     # ---- mutation starts here: everything above may raise, nothing below does ---------------------------
     shards = plan.shards
     batch.pop("attention_mask", None)
+    batch.pop("padding_mask", None)  # set below, from the plan, for this rank's rows only
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
-    batch["padding_mask"] = doc_ids == 0
     if shard_primary and batch.get(DEEPSTACK_KEY) is not None:  # before visual_pos_masks is sharded
         vpm = batch["visual_pos_masks"]
         batch[DEEPSTACK_KEY] = [shard_visual_tokens(t, vpm, shards, rank) for t in batch[DEEPSTACK_KEY]]
@@ -332,6 +342,7 @@ def make_cp_blockdiag_batch_and_ctx(
             batch[k] = shard_tensor(t, 2, pad, shards, rank)
         elif t.dim() >= 2 and tuple(t.shape[:2]) == (B, S):
             batch[k] = shard_tensor(t, 1, pad, shards, rank)
+    batch["padding_mask"] = state.docs.padding_mask  # True on the batch's padding and CP's
 
     def train_ctx() -> ContextManager:
         return activate(state)

@@ -336,6 +336,20 @@ class RankDocs:
         return index.view(shape), position.view(shape)
 
     @cached_property
+    def padding_mask(self) -> Tensor:
+        """bool ``[B, L]`` on the device: True on the local rows that hold no document's token (the batch's
+        padding and CP's), what ``doc_ids == 0`` of the full rows, padded with True and sharded, gives.
+        From the pieces' bounds: a batch output, it leaves the documents' per-row tensors below unbuilt."""
+        t = self._table
+        start = t["row"] * self.local_len + t["local_start"]
+        one = torch.ones_like(start)
+        inside = torch.zeros(self.batch_size * self.local_len + 1, dtype=torch.int64)
+        inside.index_put_((start,), one, accumulate=True)
+        inside.index_put_((start + t["length"],), -one, accumulate=True)
+        mask = torch.cumsum(inside[:-1], 0) == 0
+        return mask.view(self.batch_size, self.local_len).to(self.device)
+
+    @cached_property
     def doc_index(self) -> Tensor:
         return self._rows_cpu[0].to(self.device)
 

@@ -309,7 +309,7 @@ class StepPlan:
     def fingerprint(self) -> bytes:
         h = hashlib.sha256()
         h.update(self.layout.segments.numpy().tobytes())
-        h.update(f"|{tuple(self.layout.doc_ids.shape)}|{self.shards.world}|{self.shards.layout}|".encode())
+        h.update(f"|{(self.layout.batch_size, self.layout.seq_len)}|{self.shards.world}|{self.shards.layout}|".encode())
         h.update(self.shards.runs.numpy().tobytes())
         return h.digest()
 
@@ -381,11 +381,12 @@ def choose_layout(doc_layout: DocLayout, world: int, only: str | None = None, *,
     return plans[best], costs
 
 
-def plan_step(doc_ids: Tensor, world: int, layout: str = "contiguous") -> StepPlan:
-    """The step plan for full doc ids ``[B, S]`` on ``world`` ranks (pure). ``layout="auto"`` picks the
-    cheapest of contiguous, balanced and snapped (see :func:`choose_layout`); the plan's ``shards.layout``
-    then reads ``auto:<choice>``."""
-    doc_layout = DocLayout.from_doc_ids(doc_ids.cpu())
+def plan_step(doc_ids: Tensor | DocLayout, world: int, layout: str = "contiguous") -> StepPlan:
+    """The step plan for full doc ids ``[B, S]`` (or their :class:`DocLayout`, e.g. from
+    :func:`blockdiag_ref.layout_from_batch`, which reads no doc-id tensor) on ``world`` ranks (pure).
+    ``layout="auto"`` picks the cheapest of contiguous, balanced and snapped (see :func:`choose_layout`); the
+    plan's ``shards.layout`` then reads ``auto:<choice>``."""
+    doc_layout = doc_ids if isinstance(doc_ids, DocLayout) else DocLayout.from_doc_ids(doc_ids.cpu())
     if layout == "auto":
         return choose_layout(doc_layout, world, every_cost=False)[0]
     if layout.startswith("auto:"):  # one candidate of auto, forced (tests, benchmarks)

@@ -36,10 +36,16 @@ def shard_tensor(t: Tensor, dim: int, pad_value: object, shards: ShardPlan, rank
         pad_shape = list(t.shape)
         pad_shape[dim] = L - real
         return torch.cat([piece, torch.full(pad_shape, pad_value, dtype=t.dtype, device=t.device)], dim=dim)
-    pad_shape = list(t.shape)
-    pad_shape[dim] = shards.padded_len - S
-    padded = torch.cat([t, torch.full(pad_shape, pad_value, dtype=t.dtype, device=t.device)], dim=dim)
-    return padded.index_select(dim, shards.rank_positions(rank).to(t.device))
+    positions = shards.rank_positions(rank)
+    beyond = positions >= S  # CP padding: rows past the end of the batch's rows
+    if not bool(beyond.any()):
+        return t.index_select(dim, positions.to(t.device))
+    # this rank's rows alone (never a padded copy of the whole row), CP padding filled in after
+    rows = t.index_select(dim, positions.clamp(max=S - 1).to(t.device))
+    shape = [1] * t.dim()
+    shape[dim] = positions.numel()
+    fill = torch.full((), pad_value, dtype=t.dtype, device=t.device)
+    return torch.where(beyond.view(shape).to(t.device), fill, rows)
 
 
 def local_visual_index(mask: Tensor, shards: ShardPlan, rank: int) -> Tensor:

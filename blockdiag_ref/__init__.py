@@ -1,7 +1,7 @@
 """blockdiag_ref — the single-device truth for block-diagonal (per-document causal) attention.
 
 Main entries: :class:`DocLayout` (documents of packed rows), :func:`doc_ids_from_batch` (doc ids from a
-training batch) and :func:`reference_attention` (float64 per-document causal attention); for hybrid models
+training batch; :func:`layout_from_batch` its documents) and :func:`reference_attention` (float64 per-document causal attention); for hybrid models
 :func:`reference_causal_conv`, :func:`reference_gated_delta_rule`, :func:`reference_kda`, :func:`reference_lightning_attention`, :func:`reference_ssd`,
 :func:`reference_mamba2_mixer`, :func:`reference_selective_scan` and :func:`reference_mamba1_mixer` (float64, token by
 token per document); for indexer-selected sparse attention (DeepSeek-V3.2's DSA) :func:`reference_dsa_attention`
@@ -11,7 +11,7 @@ token per document); for indexer-selected sparse attention (DeepSeek-V3.2's DSA)
 
 from .attention import reference_attention, temperature_scale
 from .compressed import reference_compressed_attention, reference_pool_windows
-from .batch import doc_ids_from_4d_mask, doc_ids_from_batch, doc_ids_from_position_ids
+from .batch import doc_ids_from_4d_mask, doc_ids_from_batch, doc_ids_from_position_ids, layout_from_batch
 from .layout import DocLayout, normalize_chunk, normalize_temperature, normalize_window
 from .recurrence import (
     reference_causal_conv,
@@ -30,6 +30,7 @@ __all__ = [
     "doc_ids_from_4d_mask",
     "doc_ids_from_batch",
     "doc_ids_from_position_ids",
+    "layout_from_batch",
     "normalize_chunk",
     "normalize_temperature",
     "normalize_window",

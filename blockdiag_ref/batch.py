@@ -24,12 +24,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .layout import DocLayout, _check_doc_ids
 
-__all__ = ["doc_ids_from_4d_mask", "doc_ids_from_batch", "doc_ids_from_position_ids"]
+__all__ = ["doc_ids_from_4d_mask", "doc_ids_from_batch", "doc_ids_from_position_ids", "layout_from_batch"]
 
 ADDITIVE_MASKED_AT_MOST = -1e4
 
@@ -190,3 +191,37 @@ def doc_ids_from_batch(
         ids = doc_ids_from_position_ids(positions)
         return ids.to(device) if device is not None else ids
     return torch.ones(batch_size, seq_len, dtype=torch.int64, device=device)
+
+
+def positions_name_documents(batch: Mapping[str, Any], seq_len: int, batch_size: int) -> bool:
+    """Whether the documents of ``batch`` come from 2-D integer ``position_ids [B, S]`` alone (no doc ids, no
+    mask): then :func:`layout_from_batch` reads them in one pass, checking them as it goes."""
+    positions = batch.get("position_ids")
+    return (batch.get("_packed_seq_ids") is None and batch.get("attention_mask") is None
+            and isinstance(positions, Tensor) and positions.dim() == 2
+            and tuple(positions.shape) == (batch_size, seq_len) and seq_len >= 1 and batch_size >= 1
+            and not (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool))
+
+
+def layout_from_batch(batch: Mapping[str, Any], seq_len: int, batch_size: int) -> DocLayout:
+    """The :class:`DocLayout` of ``batch``: the documents :func:`doc_ids_from_batch` gives, by the same precedence.
+
+    Where they come from 2-D ``position_ids`` alone (no ``_packed_seq_ids``, no ``attention_mask``: what
+    transformers' ``DataCollatorWithFlattening`` and TRL's packing give), the documents are read from where the
+    positions are 0 in one pass, and no doc-id tensor is built (the layout builds one if it is read).
+
+    >>> layout_from_batch({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}, 9, 1).seqlens
+    [[3, 2, 4]]
+    """
+    if not positions_name_documents(batch, seq_len, batch_size):
+        return DocLayout.from_doc_ids(doc_ids_from_batch(batch, seq_len, batch_size))  # its checks, its errors
+    flat = batch["position_ids"].detach().cpu().reshape(-1).numpy()
+    at_most_0 = np.flatnonzero(flat <= 0)  # one pass finds the starts and checks the positions
+    values = flat[at_most_0]
+    if (values < 0).any():
+        raise ValueError(f"position_ids: expected positions >= 0, got {int(values.min())}")
+    run_start = np.union1d(at_most_0, np.arange(0, flat.size, seq_len))  # and every row's first token
+    run_end = np.append(run_start[1:], flat.size)
+    row = run_start // seq_len
+    return DocLayout._of_segments(np.stack([row, run_start - row * seq_len, run_end - row * seq_len], 1),
+                                  batch_size, seq_len)

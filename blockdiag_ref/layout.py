@@ -106,9 +106,11 @@ def _check_doc_ids(doc_ids: object, what: str = "doc_ids", check_values: bool = 
 class DocLayout:
     """Block-diagonal causal layout of ``B`` packed rows (in the spirit of xformers' ``BlockDiagonalMask``).
 
-    Build it with :meth:`from_seqlens` or :meth:`from_doc_ids`. Everything else is derived:
+    Build it with :meth:`from_doc_ids` (one read of the ids), or from the documents themselves with
+    :meth:`from_seqlens` or :meth:`from_segments` (no per-token tensor: what the planning reads costs what the
+    documents cost, and the per-token tensors below are built on first use). Everything else is derived:
 
-    - ``doc_ids``        int64 ``[B, S]``, 0 = padding, as given
+    - ``doc_ids``        int64 ``[B, S]``, 0 = padding, as given (from documents: ``1, 2, ...`` in each row)
     - ``segment_ids``    int64 ``[B, S]``, documents numbered ``1..N`` over all rows (row-major), 0 = padding;
                          unique across rows, so "same segment" implies "same row, same document"
     - ``padding_mask``   bool ``[B, S]``, True = padding
@@ -138,8 +140,9 @@ class DocLayout:
 
     def __init__(self, doc_ids: Tensor):
         ids = _check_doc_ids(doc_ids, check_values=False)
-        self.doc_ids: Tensor = ids
+        self.__dict__["doc_ids"] = ids  # the cached_property's slot: as given, never rebuilt
         B, S = ids.shape
+        self._shape = (B, S)
         # runs of one id: a new run wherever the id changes, and at every row start (one pass over the ids)
         flat = ids.flatten()
         a = flat.numpy()  # numpy: its comparison and flatnonzero read the ids about twice as fast as torch's ops
@@ -157,15 +160,25 @@ class DocLayout:
         self.segments: Tensor = torch.from_numpy(np.stack([row, start - row * S, end - row * S], 1).astype(np.int64, copy=False))
 
     @cached_property
+    def doc_ids(self) -> Tensor:
+        """int64 ``[B, S]``: as given to :meth:`from_doc_ids`; built on first use for a layout made from its
+        documents (``1, 2, ...`` in each row, 0 on padding)."""
+        row = self.segments[:, 0].contiguous()
+        first = torch.searchsorted(row, row)  # each row's first document
+        return self._fill(torch.arange(self.num_docs) - first + 1)
+
+    def _fill(self, values: Tensor) -> Tensor:
+        """int64 ``[B, S]``: ``values[i]`` on the positions of document ``i``, 0 on padding (one pass)."""
+        B, S = self._shape
+        delta = torch.zeros(B * S + 1, dtype=torch.int64)
+        flat = self.segments[:, 0] * S
+        delta.index_put_((flat + self.segments[:, 1],), values, accumulate=True)
+        delta.index_put_((flat + self.segments[:, 2],), -values, accumulate=True)
+        return torch.cumsum(delta[:-1], 0).view(B, S)
+
+    @cached_property
     def segment_ids(self) -> Tensor:
-        seg = torch.zeros(self.doc_ids.numel() + 1, dtype=torch.int64)
-        flat = self.segments[:, 0] * self.seq_len
-        seg.index_put_((flat + self.segments[:, 1],), torch.ones(self.num_docs, dtype=torch.int64), accumulate=True)
-        seg.index_put_((flat + self.segments[:, 2],), -torch.ones(self.num_docs, dtype=torch.int64), accumulate=True)
-        inside = torch.cumsum(seg[:-1], 0).view_as(self.doc_ids)  # 1 inside a document, 0 on padding
-        starts = torch.zeros(self.doc_ids.numel(), dtype=torch.int64)
-        starts[flat + self.segments[:, 1]] = 1
-        return torch.cumsum(starts, 0).view_as(self.doc_ids) * inside
+        return self._fill(torch.arange(1, self.num_docs + 1))
 
     @cached_property
     def padding_mask(self) -> Tensor:
@@ -209,10 +222,51 @@ class DocLayout:
         seq_len = max(sum(row) + p for row, p in zip(rows, pads))
         if seq_len < 1:
             raise ValueError(f"seqlens/pad: expected a sequence length >= 1, got rows {rows} with pad {pads}")
-        ids = torch.zeros(len(rows), seq_len, dtype=torch.int64)
-        for b, row in enumerate(rows):
-            ids[b, : sum(row)] = torch.repeat_interleave(torch.arange(1, len(row) + 1), torch.tensor(row, dtype=torch.int64))
-        return cls(ids)
+        lengths = np.fromiter((n for row in rows for n in row), dtype=np.int64, count=sum(map(len, rows)))
+        row_of = np.repeat(np.arange(len(rows), dtype=np.int64), [len(row) for row in rows])
+        ends = np.cumsum(lengths)
+        first = np.searchsorted(row_of, row_of)  # each row's first document
+        ends -= np.concatenate([[0], ends])[first]  # ends within the row
+        return cls._of_segments(np.stack([row_of, ends - lengths, ends], 1), len(rows), seq_len)
+
+    @classmethod
+    def from_segments(cls, segments: Tensor | np.ndarray, batch_size: int, seq_len: int) -> DocLayout:
+        """Layout from its documents, int ``[N, 3]`` ``(row, start, end)`` (``end`` exclusive), in row-major
+        order, each non-empty and inside ``[0, seq_len)``, none overlapping the next (adjacent ones are two
+        documents); every other position is padding. ``O(N)``: no per-token tensor is built until one is read.
+
+        >>> lay = DocLayout.from_segments(torch.tensor([[0, 0, 3], [0, 3, 5], [1, 1, 4]]), batch_size=2, seq_len=6)
+        >>> lay.doc_ids.tolist(), lay.seqlens
+        ([[1, 1, 1, 2, 2, 0], [0, 1, 1, 1, 0, 0]], [[3, 2], [3]])
+        """
+        seg = segments.numpy() if isinstance(segments, Tensor) else np.asarray(segments)
+        if seg.ndim != 2 or seg.shape[1] != 3 or not np.issubdtype(seg.dtype, np.integer):
+            raise ValueError(f"segments: expected an integer array [N, 3] of (row, start, end), got {seg.dtype} of "
+                             f"shape {tuple(seg.shape)}")
+        for name, n in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {n!r}")
+        seg = seg.astype(np.int64, copy=False)
+        row, start, end = seg[:, 0], seg[:, 1], seg[:, 2]
+        bad = (row < 0) | (row >= batch_size) | (start < 0) | (end <= start) | (end > seq_len)
+        key_start, key_end = row * seq_len + start, row * seq_len + end
+        bad[1:] |= key_start[1:] < key_end[:-1]  # out of order, or overlapping the one before
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"segments: expected non-empty (row, start, end) with 0 <= row < {batch_size}, 0 <= start < end <= "
+                f"{seq_len}, in row-major order and not overlapping; got segment {i} = {seg[i].tolist()}"
+                + (f" after {seg[i - 1].tolist()}" if i else "")
+            )
+        return cls._of_segments(seg, int(batch_size), int(seq_len))
+
+    @classmethod
+    def _of_segments(cls, segments: np.ndarray, batch_size: int, seq_len: int) -> DocLayout:
+        """A layout of checked documents ``[N, 3]`` int64, without a doc-id tensor."""
+        layout = cls.__new__(cls)
+        layout._shape = (batch_size, seq_len)
+        layout.segments = torch.from_numpy(np.ascontiguousarray(segments, dtype=np.int64).reshape(-1, 3))
+        return layout
 
     @classmethod
     def from_doc_ids(cls, doc_ids: Tensor) -> DocLayout:
@@ -221,11 +275,11 @@ class DocLayout:
 
     @property
     def batch_size(self) -> int:
-        return self.doc_ids.shape[0]
+        return self._shape[0]
 
     @property
     def seq_len(self) -> int:
-        return self.doc_ids.shape[1]
+        return self._shape[1]
 
     @property
     def num_docs(self) -> int:
@@ -336,9 +390,9 @@ class DocLayout:
         [[0, 1, 1, 2, 0, 0]]
         """
         ids = bidirectional_blocks
-        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.is_complex() or tuple(ids.shape) != tuple(self.doc_ids.shape):
+        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.is_complex() or tuple(ids.shape) != self._shape:
             got = (tuple(ids.shape), ids.dtype) if isinstance(ids, Tensor) else type(ids).__name__
-            raise ValueError(f"bidirectional_blocks: expected an integer or bool tensor [B, S] = {list(self.doc_ids.shape)}, got {got}")
+            raise ValueError(f"bidirectional_blocks: expected an integer or bool tensor [B, S] = {list(self._shape)}, got {got}")
         ids = ids.detach().to("cpu", torch.int64)
         if ids.numel() and int(ids.min()) < 0:
             raise ValueError(f"bidirectional_blocks: expected block ids >= 0 (0 = no block), got {int(ids.min())}")

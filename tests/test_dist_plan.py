@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from blockdiag_dist.balance import SNAP_TARGET, TARGET, CumulativeWork, balanced_positions, doc_boundaries, position_work, snapped_positions
 from blockdiag_dist.kernels.dense import plan_dense
@@ -448,3 +449,27 @@ def test_the_pruned_choice_skips_a_candidate_that_cannot_win():
     _, costs = choose_layout(layout, 8)
     _, some = choose_layout(layout, 8, every_cost=False)
     assert "contiguous" in costs and "contiguous" not in some, (costs, some)
+
+
+@pytest.mark.parametrize("ids", LAYOUTS)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_a_rank_shard_and_padding_mask_equal_the_padded_full_row_sharded(ids, world, sharding):
+    """shard_tensor takes this rank's rows alone (no padded copy of the whole row), and the batch function's
+    padding_mask comes from the plan: both equal the definitions over the full rows, gradients included."""
+    plan = plan_step(ids, world, sharding)
+    shards, (B, S) = plan.shards, ids.shape
+    pad = shards.padded_len - S
+    x = torch.randn(B, S, 3, dtype=torch.float64, requires_grad=True)
+    mrope = torch.arange(3 * B * S).view(3, B, S)
+    for rank in range(world):
+        rows = shards.rank_positions(rank)
+        got = shard_tensor(x, 1, 0.5, shards, rank)
+        want = F.pad(x, (0, 0, 0, pad), value=0.5)[:, rows]
+        assert torch.equal(got, want)
+        g = torch.randn_like(got)
+        assert torch.equal(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0])
+        assert torch.equal(shard_tensor(mrope, 2, -7, shards, rank), F.pad(mrope, (0, pad), value=-7)[:, :, rows])
+        assert torch.equal(shard_tensor(ids == 0, 1, True, shards, rank), F.pad(ids == 0, (0, pad), value=True)[:, rows])
+        docs = StepState(plan, rank=rank, group=None, device=torch.device("cpu"), kv_exchange="a2a", kernel="varlen").docs
+        assert torch.equal(docs.padding_mask, F.pad(ids == 0, (0, pad), value=True)[:, rows])

@@ -124,3 +124,33 @@ def test_batch_errors_name_expected_and_got(batch, match):
 def test_4d_mask_must_be_block_causal(mask, match):
     with pytest.raises(ValueError, match=match):
         doc_ids_from_4d_mask(mask)
+
+
+def test_layout_from_batch_equals_the_layout_of_the_batchs_doc_ids():
+    """Every source of documents, and positions read in one pass where they name them alone (no doc-id tensor)."""
+    from blockdiag_ref import layout_from_batch
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        B, S = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 30, (1,), generator=gen))
+        ids = torch.repeat_interleave(torch.randint(0, 4, (B * S,), generator=gen),
+                                      torch.randint(1, 6, (B * S,), generator=gen))[: B * S].view(B, S)
+        pos = DocLayout.from_doc_ids(ids).doc_positions.clamp(min=0)  # restarts at 0; padding reads 0 too
+        pos[:, 0] += trial % 2 * 5  # a row may start inside a document: its first token starts one all the same
+        pos = pos.to((torch.int64, torch.int32, torch.int16)[trial % 3])
+        batches = [{"position_ids": pos}, {"_packed_seq_ids": ids}, {"position_ids": pos, "attention_mask": (ids != 0).long()},
+                   {"_packed_seq_ids": ids, "position_ids": pos}, {}]
+        for batch in batches:
+            got, want = layout_from_batch(batch, S, B), DocLayout.from_doc_ids(doc_ids_from_batch(batch, S, B))
+            assert torch.equal(got.segments, want.segments) and (got.batch_size, got.seq_len) == (B, S)
+            assert torch.equal(got.doc_ids, want.doc_ids)
+        assert "doc_ids" not in layout_from_batch({"position_ids": pos}, S, B).__dict__
+
+
+@pytest.mark.parametrize("positions", [torch.tensor([[0, 1, -3, 0, 1, 2]]), torch.tensor([[-1, 0, 1, 2, 3, 4]])])
+def test_layout_from_batch_refuses_negative_positions_as_doc_ids_from_batch_does(positions):
+    from blockdiag_ref import layout_from_batch
+
+    for read in (layout_from_batch, doc_ids_from_batch):
+        with pytest.raises(ValueError, match=f"expected positions >= 0, got {int(positions.min())}"):
+            read({"position_ids": positions}, 6, 1)

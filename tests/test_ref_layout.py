@@ -115,6 +115,13 @@ def test_mask_on_selected_positions_is_a_submatrix():
         pytest.param(lambda: DocLayout.from_seqlens([2], pad=-1), "padding count >= 0", id="negative-pad"),
         pytest.param(lambda: DocLayout.from_seqlens([[]]), "sequence length >= 1", id="empty-row"),
         pytest.param(lambda: DocLayout.from_seqlens([3]).materialize_mask(torch.tensor([3])), r"positions in \[0, 3\)", id="position-out-of-range"),
+        pytest.param(lambda: DocLayout.from_segments(torch.tensor([[0, 0, 2]]), 1, 1), r"end <= 1.*got segment 0 = \[0, 0, 2\]", id="segment-past-the-row"),
+        pytest.param(lambda: DocLayout.from_segments(torch.tensor([[0, 2, 2]]), 1, 4), "non-empty", id="empty-segment"),
+        pytest.param(lambda: DocLayout.from_segments(torch.tensor([[0, 0, 3], [0, 2, 4]]), 1, 4), r"not overlapping; got segment 1 = \[0, 2, 4\] after \[0, 0, 3\]", id="overlapping-segments"),
+        pytest.param(lambda: DocLayout.from_segments(torch.tensor([[1, 0, 1], [0, 0, 1]]), 2, 4), "row-major order", id="segments-out-of-order"),
+        pytest.param(lambda: DocLayout.from_segments(torch.tensor([[2, 0, 1]]), 2, 4), "0 <= row < 2", id="segment-row-out-of-range"),
+        pytest.param(lambda: DocLayout.from_segments(torch.tensor([0, 0, 1]), 1, 4), r"\[N, 3\]", id="segments-1-d"),
+        pytest.param(lambda: DocLayout.from_segments(torch.zeros(0, 3, dtype=torch.long), 1, 0), "seq_len: expected an int >= 1", id="segments-S=0"),
     ],
 )
 def test_layout_errors_name_expected_and_got(make, match):
@@ -140,3 +147,34 @@ def test_bool_and_int32_ids_are_accepted():
 def test_window_errors(window, match):
     with pytest.raises(ValueError, match=match):
         normalize_window(window)
+
+
+def random_doc_ids(gen, B, S):
+    """Runs of random ids 0..3 (reused ids and padding anywhere): every kind of document boundary."""
+    lengths = torch.randint(1, 6, (B * S,), generator=gen)
+    ids = torch.repeat_interleave(torch.randint(0, 4, (B * S,), generator=gen), lengths)[: B * S]
+    return ids.view(B, S)
+
+
+def test_a_layout_from_its_documents_equals_the_layout_from_its_ids():
+    """from_segments and from_seqlens build no per-token tensor; what they build on first use equals what the
+    scan of the ids gives, and so does every tensor derived from it."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        B, S = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 40, (1,), generator=gen))
+        scanned = DocLayout.from_doc_ids(random_doc_ids(gen, B, S))
+        built = DocLayout.from_segments(scanned.segments, B, S)
+        assert "doc_ids" not in built.__dict__ and "segment_ids" not in built.__dict__
+        assert (built.batch_size, built.seq_len, built.num_docs) == (B, S, scanned.num_docs)
+        assert torch.equal(built.segments, scanned.segments)
+        assert torch.equal(DocLayout.from_doc_ids(built.doc_ids).segments, scanned.segments)
+        for name in ("segment_ids", "padding_mask", "unpad_indices", "cu_seqlens", "doc_starts", "doc_positions"):
+            assert torch.equal(getattr(built, name), getattr(scanned, name)), name
+        assert built.seqlens == scanned.seqlens
+        pads = [S - sum(row) for row in scanned.seqlens]
+        packed = DocLayout.from_seqlens(scanned.seqlens, pad=pads)  # each row's documents packed from its start
+        ids = torch.zeros(B, S, dtype=torch.long)
+        for b, row in enumerate(scanned.seqlens):  # the per-row construction from_seqlens replaced
+            ids[b, : sum(row)] = torch.repeat_interleave(torch.arange(1, len(row) + 1), torch.tensor(row, dtype=torch.long))
+        assert torch.equal(packed.doc_ids, ids)
+        assert torch.equal(packed.segments, DocLayout.from_doc_ids(ids).segments)
