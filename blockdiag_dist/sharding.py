@@ -24,28 +24,40 @@ __all__ = [
 ]
 
 
+MAX_SLICES = 64  # runs of a rank copied slice by slice; beyond, one gather (index_select) of its positions
+
+
 def shard_tensor(t: Tensor, dim: int, pad_value: object, shards: ShardPlan, rank: int) -> Tensor:
-    """Pad ``t`` along ``dim`` to ``W * L`` with ``pad_value`` and take this rank's rows (differentiable)."""
-    S, L = shards.seq_len, shards.local_len
-    if shards.layout in ("contiguous", "auto:contiguous"):
-        start = rank * L
-        real = max(0, min(S, start + L) - start)
-        piece = t.narrow(dim, min(start, S), real)
-        if real == L:
-            return piece
-        pad_shape = list(t.shape)
-        pad_shape[dim] = L - real
-        return torch.cat([piece, torch.full(pad_shape, pad_value, dtype=t.dtype, device=t.device)], dim=dim)
-    positions = shards.rank_positions(rank)
-    beyond = positions >= S  # CP padding: rows past the end of the batch's rows
-    if not bool(beyond.any()):
-        return t.index_select(dim, positions.to(t.device))
-    # this rank's rows alone (never a padded copy of the whole row), CP padding filled in after
-    rows = t.index_select(dim, positions.clamp(max=S - 1).to(t.device))
-    shape = [1] * t.dim()
-    shape[dim] = positions.numel()
-    fill = torch.full((), pad_value, dtype=t.dtype, device=t.device)
-    return torch.where(beyond.view(shape).to(t.device), fill, rows)
+    """This rank's rows of ``t`` along ``dim``, in its local order, the rows past the end of ``t`` (CP padding up to
+    ``W * L``) filled with ``pad_value`` (differentiable). Only the rank's rows are copied, never a padded copy of
+    the whole row: its runs as slices (a view where one run of real rows is all it holds), or one gather where it
+    holds more than ``MAX_SLICES`` runs."""
+    S = shards.seq_len
+    runs = shards.rank_runs(rank)
+    if runs.shape[0] > MAX_SLICES:
+        positions = shards.rank_positions(rank)
+        beyond = positions >= S
+        if not bool(beyond.any()):
+            return t.index_select(dim, positions.to(t.device))
+        rows = t.index_select(dim, positions.clamp(max=S - 1).to(t.device))
+        shape = [1] * t.dim()
+        shape[dim] = positions.numel()
+        fill = torch.full((), pad_value, dtype=t.dtype, device=t.device)
+        return torch.where(beyond.view(shape).to(t.device), fill, rows)
+    parts, padding = [], False
+    for start, length in runs[:, 1:3].tolist():
+        real = max(0, min(S, start + length) - start)
+        if real:
+            parts.append(t.narrow(dim, start, real))
+        if real < length:
+            pad_shape = list(t.shape)
+            pad_shape[dim] = length - real
+            parts.append(torch.full(pad_shape, pad_value, dtype=t.dtype, device=t.device))
+            padding = True
+    if len(parts) == 1 and not padding:
+        return parts[0]  # one run of real rows: a view, as a contiguous shard is
+    # (a rank of padding alone still returns a function of t, with zero gradient, as any other shard)
+    return torch.cat([t.narrow(dim, 0, 0), *parts], dim=dim)
 
 
 def local_visual_index(mask: Tensor, shards: ShardPlan, rank: int) -> Tensor:

@@ -175,6 +175,24 @@ def test_a_step_of_attention_alone_builds_no_per_row_tensor_of_its_documents():
     assert torch.equal(docs.token_index, (ids.flatten() != 0).nonzero().flatten())
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "balanced", "auto"])
+def test_a_collated_batch_is_read_once_and_its_full_rows_are_never_rebuilt(layout):
+    """Documents from a flattening collator's positions: the plan's layout holds no doc-id tensor, and the
+    batch's shards and padding mask equal those of the same batch given its doc ids."""
+    lengths = [[5, 1, 6, 3], [2, 9, 4]]
+    layout_of = DocLayout.from_seqlens(lengths, pad=[0, 0])
+    ids = layout_of.doc_ids
+    g = torch.Generator().manual_seed(1)
+    base = {"input_ids": torch.randint(1, 50, ids.shape, generator=g), "labels": torch.randint(0, 50, ids.shape, generator=g),
+            "position_ids": layout_of.doc_positions}
+    ctx, got = make_cp_blockdiag_batch_and_ctx(None, None, dict(base), layout=layout)
+    assert "doc_ids" not in vars(ctx.state.plan.layout) and "segment_ids" not in vars(ctx.state.plan.layout)
+    assert ctx.state.plan.layout.seqlens == lengths
+    _, want = make_cp_blockdiag_batch_and_ctx(None, None, dict(base, _packed_seq_ids=ids), layout=layout)
+    for key in ("input_ids", "labels", "position_ids", "padding_mask"):
+        assert torch.equal(got[key], want[key]), key
+
+
 def test_window_without_context_is_a_causal_band():
     q, k, v = qkv(Hkv=4)
     band = DocLayout.from_seqlens([7]).materialize_mask(window_size=(2, 0))[0, 0]

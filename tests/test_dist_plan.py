@@ -454,9 +454,12 @@ def test_the_pruned_choice_skips_a_candidate_that_cannot_win():
 @pytest.mark.parametrize("ids", LAYOUTS)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("sharding", SHARDINGS)
-def test_a_rank_shard_and_padding_mask_equal_the_padded_full_row_sharded(ids, world, sharding):
-    """shard_tensor takes this rank's rows alone (no padded copy of the whole row), and the batch function's
-    padding_mask comes from the plan: both equal the definitions over the full rows, gradients included."""
+@pytest.mark.parametrize("max_slices", [0, 64], ids=["gather", "slices"])
+def test_a_rank_shard_and_padding_mask_equal_the_padded_full_row_sharded(ids, world, sharding, max_slices, monkeypatch):
+    """shard_tensor takes this rank's rows alone (no padded copy of the whole row; by slices of its runs, or one
+    gather past MAX_SLICES runs), and the batch function's padding_mask comes from the plan: both equal the
+    definitions over the full rows, gradients included."""
+    monkeypatch.setattr("blockdiag_dist.sharding.MAX_SLICES", max_slices)
     plan = plan_step(ids, world, sharding)
     shards, (B, S) = plan.shards, ids.shape
     pad = shards.padded_len - S
