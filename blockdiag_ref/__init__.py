@@ -1,7 +1,8 @@
 """blockdiag_ref — the single-device truth for block-diagonal (per-document causal) attention.
 
 Main entries: :class:`DocLayout` (documents of packed rows), :func:`doc_ids_from_batch` (doc ids from a
-training batch; :func:`layout_from_batch` its documents) and :func:`reference_attention` (float64 per-document causal attention); for hybrid models
+training batch; :func:`layout_from_batch` its documents) and :func:`reference_attention` (float64 per-document
+causal attention); for hybrid models
 :func:`reference_causal_conv`, :func:`reference_gated_delta_rule`, :func:`reference_kda`, :func:`reference_lightning_attention`, :func:`reference_ssd`,
 :func:`reference_mamba2_mixer`, :func:`reference_selective_scan` and :func:`reference_mamba1_mixer` (float64, token by
 token per document); for indexer-selected sparse attention (DeepSeek-V3.2's DSA) :func:`reference_dsa_attention`

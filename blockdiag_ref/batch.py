@@ -203,6 +203,20 @@ def positions_name_documents(batch: Mapping[str, Any], seq_len: int, batch_size:
             and not (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool))
 
 
+def _at_most_0(flat: Tensor, on_host: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, values) of the positions ``<= 0`` of ``flat``, one pass: the documents' starts, and any negative
+    position. On the host by numpy (its comparison and ``flatnonzero`` read about twice as fast as torch's); on a
+    device there, so that only the starts are copied to the host, not the positions."""
+    if on_host is None:
+        on_host = flat.device.type == "cpu"
+    if on_host:
+        a = flat.cpu().numpy()
+        index = np.flatnonzero(a <= 0)
+        return index, a[index]
+    index = torch.nonzero(flat <= 0).flatten()
+    return index.cpu().numpy(), flat[index].cpu().numpy()
+
+
 def layout_from_batch(batch: Mapping[str, Any], seq_len: int, batch_size: int) -> DocLayout:
     """The :class:`DocLayout` of ``batch``: the documents :func:`doc_ids_from_batch` gives, by the same precedence.
 
@@ -215,13 +229,12 @@ def layout_from_batch(batch: Mapping[str, Any], seq_len: int, batch_size: int) -
     """
     if not positions_name_documents(batch, seq_len, batch_size):
         return DocLayout.from_doc_ids(doc_ids_from_batch(batch, seq_len, batch_size))  # its checks, its errors
-    flat = batch["position_ids"].detach().cpu().reshape(-1).numpy()
-    at_most_0 = np.flatnonzero(flat <= 0)  # one pass finds the starts and checks the positions
-    values = flat[at_most_0]
+    at_most_0, values = _at_most_0(batch["position_ids"].detach().reshape(-1))
     if (values < 0).any():
         raise ValueError(f"position_ids: expected positions >= 0, got {int(values.min())}")
-    run_start = np.union1d(at_most_0, np.arange(0, flat.size, seq_len))  # and every row's first token
-    run_end = np.append(run_start[1:], flat.size)
+    size = batch_size * seq_len
+    run_start = np.union1d(at_most_0, np.arange(0, size, seq_len))  # and every row's first token
+    run_end = np.append(run_start[1:], size)
     row = run_start // seq_len
     return DocLayout._of_segments(np.stack([row, run_start - row * seq_len, run_end - row * seq_len], 1),
                                   batch_size, seq_len)
