@@ -203,17 +203,22 @@ def positions_name_documents(batch: Mapping[str, Any], seq_len: int, batch_size:
             and not (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool))
 
 
-def _at_most_0(flat: Tensor, on_host: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(indices, values) of the positions ``<= 0`` of ``flat``, one pass: the documents' starts, and any negative
-    position. On the host by numpy (its comparison and ``flatnonzero`` read about twice as fast as torch's); on a
-    device there, so that only the starts are copied to the host, not the positions."""
+def _starts(flat: Tensor, seq_len: int, on_host: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, values) of the positions of ``flat`` (rows of ``seq_len``, concatenated) that start a document:
+    those ``<= 0`` (so any negative one is among them) and every row's first. One pass: on the host by numpy (its
+    comparison and ``flatnonzero`` read about twice as fast as torch's), on a device there, so that only the
+    starts are copied to the host, not the positions."""
     if on_host is None:
         on_host = flat.device.type == "cpu"
     if on_host:
         a = flat.cpu().numpy()
-        index = np.flatnonzero(a <= 0)
+        mask = a <= 0
+        mask[::seq_len] = True
+        index = np.flatnonzero(mask)
         return index, a[index]
-    index = torch.nonzero(flat <= 0).flatten()
+    mask = flat <= 0
+    mask[::seq_len] = True
+    index = torch.nonzero(mask).flatten()
     return index.cpu().numpy(), flat[index].cpu().numpy()
 
 
@@ -229,12 +234,10 @@ def layout_from_batch(batch: Mapping[str, Any], seq_len: int, batch_size: int) -
     """
     if not positions_name_documents(batch, seq_len, batch_size):
         return DocLayout.from_doc_ids(doc_ids_from_batch(batch, seq_len, batch_size))  # its checks, its errors
-    at_most_0, values = _at_most_0(batch["position_ids"].detach().reshape(-1))
+    run_start, values = _starts(batch["position_ids"].detach().reshape(-1), seq_len)
     if (values < 0).any():
         raise ValueError(f"position_ids: expected positions >= 0, got {int(values.min())}")
-    size = batch_size * seq_len
-    run_start = np.union1d(at_most_0, np.arange(0, size, seq_len))  # and every row's first token
-    run_end = np.append(run_start[1:], size)
+    run_end = np.append(run_start[1:], batch_size * seq_len)
     row = run_start // seq_len
     return DocLayout._of_segments(np.stack([row, run_start - row * seq_len, run_end - row * seq_len], 1),
                                   batch_size, seq_len)

@@ -157,13 +157,15 @@ def test_layout_from_batch_refuses_negative_positions_as_doc_ids_from_batch_does
 
 
 def test_the_starts_are_found_alike_on_the_host_and_as_on_a_device():
-    """layout_from_batch finds the positions <= 0 by numpy on the host and by torch on a device (only the starts
-    are copied back): both give the same indices and values (the torch path run on the CPU here)."""
-    from blockdiag_ref.batch import _at_most_0
+    """layout_from_batch finds the starts (positions <= 0, and each row's first) by numpy on the host and by torch on
+    a device (only the starts are copied back): both give the same indices and values (the torch path run on the
+    CPU here)."""
+    from blockdiag_ref.batch import _starts
 
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.int64, torch.int32, torch.int16):
         flat = torch.randint(-2, 4, (500,), generator=gen).to(dtype)
-        host, device = _at_most_0(flat, on_host=True), _at_most_0(flat, on_host=False)
+        host, device = _starts(flat, 50, on_host=True), _starts(flat, 50, on_host=False)
         assert (host[0] == device[0]).all() and (host[1] == device[1]).all()
-        assert host[0].tolist() == (flat <= 0).nonzero().flatten().tolist()
+        want = ((flat <= 0) | (torch.arange(500) % 50 == 0)).nonzero().flatten()
+        assert host[0].tolist() == want.tolist() and host[1].tolist() == flat[want].tolist()
