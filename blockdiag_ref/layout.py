@@ -239,14 +239,14 @@ class DocLayout:
         >>> lay.doc_ids.tolist(), lay.seqlens
         ([[1, 1, 1, 2, 2, 0], [0, 1, 1, 1, 0, 0]], [[3, 2], [3]])
         """
-        seg = segments.numpy() if isinstance(segments, Tensor) else np.asarray(segments)
+        seg = segments.detach().cpu().numpy() if isinstance(segments, Tensor) else np.asarray(segments)
         if seg.ndim != 2 or seg.shape[1] != 3 or not np.issubdtype(seg.dtype, np.integer):
             raise ValueError(f"segments: expected an integer array [N, 3] of (row, start, end), got {seg.dtype} of "
                              f"shape {tuple(seg.shape)}")
         for name, n in (("batch_size", batch_size), ("seq_len", seq_len)):
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {n!r}")
-        seg = seg.astype(np.int64, copy=False)
+        seg = seg.astype(np.int64)  # a copy: the layout never shares the caller's array
         row, start, end = seg[:, 0], seg[:, 1], seg[:, 2]
         bad = (row < 0) | (row >= batch_size) | (start < 0) | (end <= start) | (end > seq_len)
         key_start, key_end = row * seq_len + start, row * seq_len + end
