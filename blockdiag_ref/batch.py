@@ -233,7 +233,8 @@ def layout_from_batch(batch: Mapping[str, Any], seq_len: int, batch_size: int) -
     [[3, 2, 4]]
     """
     if not positions_name_documents(batch, seq_len, batch_size):
-        return DocLayout.from_doc_ids(doc_ids_from_batch(batch, seq_len, batch_size))  # its checks, its errors
+        # its checks, its errors; the ids read on the host, wherever the batch lives
+        return DocLayout.from_doc_ids(doc_ids_from_batch(batch, seq_len, batch_size, device="cpu"))
     run_start, values = _starts(batch["position_ids"].detach().reshape(-1), seq_len)
     if (values < 0).any():
         raise ValueError(f"position_ids: expected positions >= 0, got {int(values.min())}")
