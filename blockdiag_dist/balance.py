@@ -46,7 +46,7 @@ from blockdiag_ref import DocLayout
 
 __all__ = [
     "SNAP_TARGET", "TARGET", "CumulativeWork", "balanced_positions", "balanced_runs", "doc_boundaries",
-    "doc_interiors", "interval_ranges", "position_work", "snapped_positions", "snapped_runs",
+    "doc_interiors", "interval_ranges", "position_work", "rows_outside", "snapped_positions", "snapped_runs",
 ]
 
 TARGET = 1.02  # max/mean attention work accepted before trying finer chunks
@@ -375,6 +375,20 @@ def torch_ranges(starts: Tensor, lengths: Tensor, total: int | None = None) -> T
         total = int(lengths.sum()) if lengths.numel() else 0
     shift = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
     return torch.arange(total, device=starts.device) + shift
+
+
+def rows_outside(start: Tensor, length: Tensor, num_rows: int, device: torch.device | str) -> Tensor:
+    """int64, ascending: the rows of ``[0, num_rows)`` in no interval ``[start, start + length)`` (disjoint), from
+    the gaps between the intervals, expanded on ``device`` (the varlen kernel's padding rows, a rank's padding).
+
+    >>> rows_outside(torch.tensor([4, 0]), torch.tensor([2, 1]), 8, "cpu").tolist()
+    [1, 2, 3, 6, 7]
+    """
+    order = torch.argsort(start)
+    start, end = start[order], (start + length)[order]
+    gap_start = torch.cat([start.new_zeros(1), end])
+    gap_len = torch.cat([start, start.new_full((1,), num_rows)]) - gap_start
+    return interval_ranges(gap_start.to(device), gap_len.to(device), total=num_rows - int(length.sum()))
 
 
 def ragged_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

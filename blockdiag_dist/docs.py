@@ -30,7 +30,7 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-from .balance import overlaps
+from .balance import overlaps, rows_outside
 from .shard_plan import ShardPlan, interval_ranges
 
 __all__ = ["DocPlan", "Piece", "RankDocs", "piece_table", "plan_documents"]
@@ -339,16 +339,12 @@ class RankDocs:
     def padding_mask(self) -> Tensor:
         """bool ``[B, L]`` on the device: True on the local rows that hold no document's token (the batch's
         padding and CP's), what ``doc_ids == 0`` of the full rows, padded with True and sharded, gives.
-        Built on the device from the pieces' bounds (``O(pieces)`` copied, not ``O(B * L)``); a batch output, it
-        leaves the documents' per-row tensors below unbuilt."""
-        t = self._table
-        start = (t["row"] * self.local_len + t["local_start"]).to(self.device)
-        end = start + t["length"].to(self.device)
-        one = torch.ones_like(start)
-        inside = torch.zeros(self.batch_size * self.local_len + 1, dtype=torch.int64, device=self.device)
-        inside.index_put_((start,), one, accumulate=True)  # integer sums: exact in any order
-        inside.index_put_((end,), -one, accumulate=True)
-        return (torch.cumsum(inside[:-1], 0) == 0).view(self.batch_size, self.local_len)
+        Built on the device from the gaps between the pieces (``O(pieces)`` copied, not ``O(B * L)``), as the
+        varlen kernel's padding rows are; a batch output, it leaves the documents' per-row tensors below unbuilt."""
+        t, rows = self._table, self.batch_size * self.local_len
+        mask = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        mask[rows_outside(t["row"] * self.local_len + t["local_start"], t["length"], rows, self.device)] = True
+        return mask.view(self.batch_size, self.local_len)
 
     @cached_property
     def doc_index(self) -> Tensor:

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from .._stock import stock_sdpa
-from ..balance import interval_ranges
+from ..balance import interval_ranges, rows_outside
 from .explicit import explicit_attention
 
 __all__ = ["VarlenMeta", "flash_unusable_reason", "fused_unusable_reason", "plan_varlen", "size_class", "varlen_attention"]
@@ -170,7 +170,8 @@ class VarlenMeta:
         built on first use on :attr:`device` from the gaps between the pieces (``O(those rows)``)."""
         cached = self._cache.get("pad_rows")
         if cached is None:
-            cached = self._cache.setdefault("pad_rows", _rows_outside(self.piece_q, self.num_queries, self.device))
+            rows = rows_outside(*self.piece_q.unbind(1), self.num_queries, self.device)
+            cached = self._cache.setdefault("pad_rows", rows)
         return cached
 
     def with_blocks(self, blocks: BucketPlan) -> VarlenMeta:
@@ -316,17 +317,6 @@ def plan_varlen_pieces(
         whole_blocks=block_start is not None and labels is not None,
         band_min=band_min,
     )
-
-
-def _rows_outside(piece_q: Tensor, num_rows: int, device: torch.device) -> Tensor:
-    """int64, ascending: the rows of ``[0, num_rows)`` in no piece of ``piece_q`` (``[P, 2]`` first row, length;
-    disjoint), from the gaps between the pieces, expanded on ``device``."""
-    start, length = piece_q[:, 0], piece_q[:, 1]
-    order = torch.argsort(start)
-    start, end = start[order], (start + length)[order]
-    gap_start = torch.cat([start.new_zeros(1), end])
-    gap_len = torch.cat([start, start.new_full((1,), num_rows)]) - gap_start
-    return interval_ranges(gap_start.to(device), gap_len.to(device), total=num_rows - int(length.sum()))
 
 
 def _window_start(doc_start: Tensor, first: Tensor, left: int) -> Tensor:
