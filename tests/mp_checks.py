@@ -9,6 +9,13 @@ from blockdiag_dist import PlanMismatchError, cp_blockdiag_sdpa, make_cp_blockdi
 from verify.pool import worker_info
 
 
+def worker_origin(name: str) -> tuple[int, str | None]:
+    """This worker's OS parent and the value of the environment variable ``name``."""
+    import os
+
+    return os.getppid(), os.environ.get(name)
+
+
 def _batch(ids: torch.Tensor) -> dict:
     return {"inputs_embeds": torch.zeros(*ids.shape, 3), "_packed_seq_ids": ids}
 

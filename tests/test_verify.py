@@ -387,6 +387,27 @@ def test_cli_exit_codes_for_a_failing_impl_and_a_missing_module():
     assert p.returncode == 2 and "cannot use --impl no_such_module_here" in p.stdout
 
 
+@pytest.mark.skipif("forkserver" not in __import__("multiprocessing").get_all_start_methods(),
+                    reason="needs multiprocessing's forkserver (POSIX): elsewhere every pool spawns its workers")
+def test_cpu_workers_fork_from_one_server_with_the_parents_environment(monkeypatch):
+    """CPU workers fork from a server that imported torch once; each pool's workers run with the parent's
+    environment of their own start (not the server's, which started with the first pool), as spawned workers do;
+    BLOCKDIAG_POOL_START=spawn spawns them."""
+    name = "BLOCKDIAG_TEST_POOL_ENV"
+    monkeypatch.delenv(name, raising=False)
+    with WorkerPool(1) as first:  # starts the server, if no earlier test has
+        (server, seen), = first.run(mp_checks.worker_origin, args=(name,), timeout=60)
+    assert seen is None
+    monkeypatch.setenv(name, "set after the server started")
+    with WorkerPool(2) as pool:
+        got = pool.run(mp_checks.worker_origin, args=(name,), timeout=60)
+    assert got == [(server, "set after the server started")] * 2 and server != os.getpid()
+    monkeypatch.setenv("BLOCKDIAG_POOL_START", "spawn")
+    with WorkerPool(1) as pool:
+        (parent, seen), = pool.run(mp_checks.worker_origin, args=(name,), timeout=60)
+    assert (parent, seen) == (os.getpid(), "set after the server started")
+
+
 def test_workers_exit_when_their_parent_dies():
     """A killed verifier leaves no worker behind: each worker watches its parent."""
     script = (

@@ -72,17 +72,37 @@ def worker_info() -> dict[str, Any]:
     return _worker_env
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not gone, not a zombie waiting to be reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:  # no /proc: the signal test alone
+        return True
+
+
 def _watch_parent(parent_pid: int) -> None:
-    """Exit when the parent is gone, so that no worker outlives its run."""
+    """Exit when the parent is gone, so that no worker outlives its run (a forked worker's own parent is the fork
+    server, so the pool's parent is watched by its pid)."""
     while True:
-        if os.getppid() != parent_pid:
+        if not _alive(parent_pid):
             os._exit(3)
         time.sleep(0.5)
 
 
 def _worker_main(rank: int, world: int, store_path: str, backend: str, conn: Connection, progress, threads: int,
-                 parent_pid: int, timeout_s: float, init: Callable[[], None] | None, device_type: str) -> None:
+                 parent_pid: int, timeout_s: float, init: Callable[[], None] | None, device_type: str,
+                 environ: dict[str, str]) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    # the parent's environment when the pool started (a forked worker would otherwise see the fork server's)
+    os.environ.clear()
+    os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
@@ -119,6 +139,26 @@ def _worker_main(rank: int, world: int, store_path: str, backend: str, conn: Con
 
 # ---- parent side ----------------------------------------------------------------------------------------
 _STOP = object()
+
+# What the fork server imports once, so that a worker forked from it does not (see _start_context): the third-party
+# modules every worker imports, about 4 s of CPU (torch._dynamo: the project's runtime and non-reentrant
+# checkpoints import it). None of the project's: an error in its code is raised in a worker and reaches the
+# parent's report, as under spawn, instead of stopping the server.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy")
+
+
+def _start_context(device: str):
+    """How a pool's workers start. On the CPU they are forked from multiprocessing's fork server: one process of
+    this parent's that imported :data:`PRELOAD` once and holds no thread but OpenBLAS's idle one (fork-safe). For
+    CUDA, and with ``BLOCKDIAG_POOL_START=spawn``, each worker is a fresh interpreter (multiprocessing's
+    ``spawn``). Either way a worker runs with the parent's environment and ``sys.path`` of the pool's start and
+    imports the parent's main module, as a spawned one does."""
+    if (device != "cpu" or "forkserver" not in mp.get_all_start_methods()
+            or os.environ.get("BLOCKDIAG_POOL_START", "") == "spawn"):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts, on the first fork
+    return ctx
 
 
 def _feeder(feed: queue.SimpleQueue, conn: Connection) -> None:
@@ -170,7 +210,7 @@ class WorkerPool:
         self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world)
         self.start_timeout = start_timeout
         self.collective_timeout = collective_timeout
-        self._ctx = mp.get_context("spawn")
+        self._ctx = mp.get_context("spawn")  # chosen again at each start (see _start_context)
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._feeds: list[queue.SimpleQueue] = []
@@ -193,6 +233,7 @@ class WorkerPool:
         """Spawn the group (if not running) and wait until every rank has joined it."""
         if self._procs:
             return
+        self._ctx = _start_context(self.device)
         self._dir = tempfile.mkdtemp(prefix="blockdiag-pool-")  # private (0700): the rendezvous file lives here
         store = os.path.join(self._dir, "store")
         self._progress = self._ctx.Array("q", [-1] * self.world, lock=False)
@@ -201,7 +242,7 @@ class WorkerPool:
             p = self._ctx.Process(
                 target=_worker_main,
                 args=(rank, self.world, store, self.backend, child_conn, self._progress, self.threads, os.getpid(),
-                      self.collective_timeout, self.init, self.device),
+                      self.collective_timeout, self.init, self.device, dict(os.environ)),
                 daemon=True,
                 name=f"blockdiag-rank{rank}",
             )
