@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -387,7 +388,7 @@ def test_cli_exit_codes_for_a_failing_impl_and_a_missing_module():
     assert p.returncode == 2 and "cannot use --impl no_such_module_here" in p.stdout
 
 
-@pytest.mark.skipif("forkserver" not in __import__("multiprocessing").get_all_start_methods(),
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(),
                     reason="needs multiprocessing's forkserver (POSIX): elsewhere every pool spawns its workers")
 def test_cpu_workers_fork_from_one_server_with_the_parents_environment(monkeypatch):
     """CPU workers fork from a server that imported torch once; each pool's workers run with the parent's
