@@ -210,7 +210,6 @@ class WorkerPool:
         self.threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world)
         self.start_timeout = start_timeout
         self.collective_timeout = collective_timeout
-        self._ctx = mp.get_context("spawn")  # chosen again at each start (see _start_context)
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._feeds: list[queue.SimpleQueue] = []
@@ -230,19 +229,20 @@ class WorkerPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def start(self) -> None:
-        """Spawn the group (if not running) and wait until every rank has joined it."""
+        """Start the group (if not running) and wait until every rank has joined it."""
         if self._procs:
             return
-        self._ctx = _start_context(self.device)
+        ctx = _start_context(self.device)  # chosen at each start: the environment may have changed
         self._dir = tempfile.mkdtemp(prefix="blockdiag-pool-")  # private (0700): the rendezvous file lives here
         store = os.path.join(self._dir, "store")
-        self._progress = self._ctx.Array("q", [-1] * self.world, lock=False)
+        self._progress = ctx.Array("q", [-1] * self.world, lock=False)
+        environ = dict(os.environ)  # one snapshot for every rank
         for rank in range(self.world):
-            parent_conn, child_conn = self._ctx.Pipe()
-            p = self._ctx.Process(
+            parent_conn, child_conn = ctx.Pipe()
+            p = ctx.Process(
                 target=_worker_main,
                 args=(rank, self.world, store, self.backend, child_conn, self._progress, self.threads, os.getpid(),
-                      self.collective_timeout, self.init, self.device, dict(os.environ)),
+                      self.collective_timeout, self.init, self.device, environ),
                 daemon=True,
                 name=f"blockdiag-rank{rank}",
             )
