@@ -85,6 +85,8 @@ class CumulativeWork:
         self._end = row * self.seq_len + end
         n = end - start
         self._before = np.concatenate([[0], np.cumsum(n * (n + 1) // 2)]).astype(np.int64)  # [N + 1]
+        self._rows = np.arange(self.batch_size, dtype=np.int64)[:, None] * self.seq_len
+        self._row_base = self._flat(self._rows)  # [B, 1]: the work of the rows before each row (0 for row 0)
 
     def _flat(self, y: np.ndarray) -> np.ndarray:
         """int64 work of the flat positions before ``y`` (rows flattened)."""
@@ -98,20 +100,25 @@ class CumulativeWork:
 
     def at(self, edges: Tensor) -> Tensor:
         """float64 ``[E]``: the work of positions ``< edges`` (edges past ``S`` count as ``S``)."""
-        x = np.clip(edges.numpy().astype(np.int64, copy=False), 0, self.seq_len)
-        rows = np.arange(self.batch_size, dtype=np.int64)[:, None] * self.seq_len
-        return torch.from_numpy((self._flat(rows + x[None]) - self._flat(rows)).sum(0).astype(np.float64))
+        return torch.from_numpy(self.before(edges.numpy()))
+
+    def before(self, edges: np.ndarray) -> np.ndarray:
+        """:meth:`at` on a numpy array (what the searches call: no tensor between their numpy steps)."""
+        x = np.clip(edges.astype(np.int64, copy=False), 0, self.seq_len)
+        if self.batch_size == 1:  # the rows before row 0 carry no work
+            return self._flat(x).astype(np.float64)
+        return (self._flat(self._rows + x[None]) - self._row_base).sum(0).astype(np.float64)
 
     def per_rank(self, runs: Tensor, world: int) -> np.ndarray:
         """float64 ``[world]``: the work of each rank's positions, from shard runs ``[R, 4]`` (rank, start,
         length, local start): equal to ``StepPlan.work_per_rank()`` (the pairs of the rank's real queries)."""
         r = runs.numpy()
-        ends = self.at(torch.from_numpy(np.concatenate([r[:, 1], r[:, 1] + r[:, 2]]))).numpy()
+        ends = self.before(np.concatenate([r[:, 1], r[:, 1] + r[:, 2]]))
         return np.bincount(r[:, 0], weights=ends[r.shape[0]:] - ends[:r.shape[0]], minlength=world)
 
     def equal_chunks(self, chunks: int, chunk_len: int) -> np.ndarray:
         """float64: the work of ``chunks`` consecutive chunks of ``chunk_len`` positions from 0."""
-        return np.diff(self.at(torch.arange(chunks + 1) * chunk_len).numpy())
+        return np.diff(self.before(np.arange(chunks + 1, dtype=np.int64) * chunk_len))
 
 
 class _TensorWork:
@@ -125,6 +132,9 @@ class _TensorWork:
         if self._cum is None:
             self._cum = torch.nn.functional.pad(torch.cumsum(self.work, 0), (1, 0))
         return self._cum[edges.clamp(0, self.seq_len)]
+
+    def before(self, edges: np.ndarray) -> np.ndarray:
+        return self.at(torch.from_numpy(edges)).numpy()
 
     def equal_chunks(self, chunks: int, chunk_len: int) -> np.ndarray:
         padded = torch.nn.functional.pad(self.work, (0, chunks * chunk_len - self.seq_len))
@@ -247,22 +257,25 @@ def _lpt(w: np.ndarray, world: int, per_rank: int) -> tuple[np.ndarray, np.ndarr
     room (then every round would be small). Either way every choice is the one-at-a-time choice and every load is
     summed in the same order, so the result equals a heap's exactly (tests: ``test_interval_plans``)."""
     order = np.argsort(-w, kind="stable")  # timsort: fast on the runs that chunks inside long documents make
+    ws = w[order]  # the chunks' work in the order they are handed out
     n_chunks = order.size
     loads = np.zeros(world, dtype=np.float64)
     count = np.zeros(world, dtype=np.int64)
     rank_of = np.empty(n_chunks, dtype=np.int64)  # the rank of the i-th chunk handed out
+    room = np.arange(world)  # the ranks with room, ascending
+    near_full = per_rank <= 1  # whether a rank with room lacks one chunk only (until then no rank fills up)
     i = 0
     while i < n_chunks:  # (array methods: numpy's functions add a Python wrapper of microseconds to each call)
-        room = (count < per_rank).nonzero()[0]
         stop = n_chunks  # the last few ranks with room: the heap hands out the rest
         if room.size >= _LPT_MIN_ROUND:
-            ranks = room[loads[room].argsort(kind="stable")]  # by (load, rank): room is ascending
-            m0 = min(ranks.size, n_chunks - i)
-            ranks = ranks[:m0]
-            ks = order[i:i + m0]
-            new = loads[ranks] + w[ks]
-            served = np.where(count[ranks] + 1 >= per_rank, np.inf, new)  # a full rank leaves the race
-            ok = loads[ranks[1:]] < np.minimum.accumulate(served)[:-1]
+            room_loads = loads[room]
+            by_load = room_loads.argsort(kind="stable")  # by (load, rank): room is ascending
+            m0 = min(room.size, n_chunks - i)
+            by_load = by_load[:m0]
+            ranks, before = room[by_load], room_loads[by_load]
+            new = before + ws[i:i + m0]
+            served = np.where(count[ranks] + 1 >= per_rank, np.inf, new) if near_full else new  # a full rank
+            ok = before[1:] < np.minimum.accumulate(served)[:-1]  # leaves the race
             m = m0 if ok.all() else int(ok.argmin()) + 1
             if m >= min(_LPT_MIN_ROUND, m0):
                 ranks = ranks[:m]
@@ -270,13 +283,17 @@ def _lpt(w: np.ndarray, world: int, per_rank: int) -> tuple[np.ndarray, np.ndarr
                 count[ranks] += 1
                 rank_of[i:i + m] = ranks
                 i += m
+                if near_full:
+                    room = (count < per_rank).nonzero()[0]
+                else:
+                    near_full = int(count.max()) + 1 >= per_rank
                 continue
             stop = min(n_chunks, i + world)  # the round decided little: the heap takes the next `world` chunks
         # one at a time from a heap
         heap = [(float(loads[r]), int(r)) for r in room]
         heapq.heapify(heap)
         cnt = count.tolist()
-        wl = w[order[i:stop]].tolist()
+        wl = ws[i:stop].tolist()
         for k in range(stop - i):
             load, r = heap[0]
             rank_of[i] = r
@@ -288,6 +305,8 @@ def _lpt(w: np.ndarray, world: int, per_rank: int) -> tuple[np.ndarray, np.ndarr
             loads[r] = load + wl[k]
             i += 1
         count = np.asarray(cnt, dtype=np.int64)
+        room = (count < per_rank).nonzero()[0]
+        near_full = bool(room.size) and int(count[room].max()) + 1 >= per_rank
     # chunks grouped by rank, each rank's in the order they came: a stable sort of small integers, which numpy
     # sorts by radix (linear) in 16 bits and by merging in 64
     keys = rank_of.astype(np.int16) if world <= np.iinfo(np.int16).max else rank_of
@@ -311,9 +330,9 @@ def _heaviest_rank_floor(x: np.ndarray, per_rank: int) -> float:
     """
     if per_rank == 1:
         return float(x.max())
-    top = int(x.argmax())
-    rest = np.delete(x, top)
-    return float(x[top]) + float(np.partition(rest, per_rank - 2)[:per_rank - 1].sum())
+    # the smallest per_rank - 1 of all chunks are those of the others: where they hold the largest chunk, every
+    # chunk from the (per_rank - 1)-th smallest up equals it, and so does one of the others'
+    return float(x.max()) + float(np.partition(x, per_rank - 2)[:per_rank - 1].sum())
 
 
 def runs_of(intervals: list[list[tuple[int, int]]]) -> Tensor:
@@ -549,20 +568,22 @@ class _Allowed:
             d = torch.diff(bad)
             interiors = ((d == 1).nonzero().flatten(), (d == -1).nonzero().flatten())
         self.starts, self.ends = interiors
+        self._starts, self._ends = self.starts.numpy(), self.ends.numpy()
 
-    def nearest(self, x: Tensor) -> Tensor:
-        """The allowed position nearest to each ``x`` (ties: the lower one). numpy on the host: the snapped search
-        asks once per chunk count, a few torch calls' worth of overhead each."""
-        if self.starts.numel() == 0:
-            return x
-        xs, starts = x.numpy(), self.starts.numpy()
-        j = np.maximum(np.searchsorted(starts, xs, side="right") - 1, 0)
-        a, b = starts[j] - 1, self.ends.numpy()[j]
+    def nearest(self, x: Tensor | np.ndarray) -> np.ndarray:
+        """int64: the allowed position nearest to each ``x`` (ties: the lower one). numpy on the host: the snapped
+        search asks once per chunk count, a few torch calls' worth of overhead each."""
+        xs = np.asarray(x, dtype=np.int64)
+        if self._starts.size == 0:
+            return xs
+        j = np.maximum(self._starts.searchsorted(xs, side="right") - 1, 0)
+        a, b = self._starts[j] - 1, self._ends[j]
         inside = (xs > a) & (xs < b)
-        return torch.from_numpy(np.where(inside, np.where(xs - a <= b - xs, a, b), xs))
+        return np.where(inside, np.where(xs - a <= b - xs, a, b), xs)
 
 
-def _snap(edges: Tensor, allowed: _Allowed, reach: int, S: int, nearest: Tensor | None = None) -> Tensor:
+def _snap(edges: Tensor | np.ndarray, allowed: _Allowed, reach: int, S: int,
+          nearest: np.ndarray | None = None) -> np.ndarray:
     """Move each interior edge below ``S`` to the nearest allowed boundary within ``reach`` (kept strictly
     increasing: an edge that would not pass the one before keeps its place, or moves one past it). ``nearest``:
     ``allowed.nearest`` of the interior edges, when the caller has it (one search for every ``reach``).
@@ -572,13 +593,13 @@ def _snap(edges: Tensor, allowed: _Allowed, reach: int, S: int, nearest: Tensor 
     the one before: only the stretches that start at such an edge, up to the first edge back on its candidate,
     are walked one by one (the order-preserving case, the common one, walks none). numpy inside: the search
     calls this up to 20 times per step."""
-    xs = edges.numpy()
+    xs = np.asarray(edges, dtype=np.int64)
     x = xs[1:-1]
-    best = (allowed.nearest(edges[1:-1]) if nearest is None else nearest).numpy()
+    best = allowed.nearest(x) if nearest is None else nearest
     cand = np.where((x < S) & (np.abs(best - x) <= reach), best, x)
     out = np.concatenate([xs[:1], cand, xs[-1:]])
     if (out[1:] > out[:-1]).all():  # every move keeps the order: the sequential rule changes nothing
-        return torch.from_numpy(out)
+        return out
     n = out.size - 1  # out[n], the last edge, stays
     bad = np.flatnonzero(out[1:n] <= out[:n - 1]) + 1  # interior edges whose candidate does not pass the one before
     j = 0
@@ -594,7 +615,7 @@ def _snap(edges: Tensor, allowed: _Allowed, reach: int, S: int, nearest: Tensor 
             out[i] = prev
             i += 1
         j = i
-    return torch.from_numpy(out)
+    return out
 
 
 def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, Tensor, float] | None:
@@ -610,15 +631,14 @@ def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, Tensor, float] |
         local_len = per_rank * -(-S // chunks)
         chunk_len = local_len // per_rank
         padded_len = world * local_len
-        edges = torch.arange(chunks + 1) * chunk_len
-        nearest = allowed.nearest(edges[1:-1])  # the same search for every tolerance
+        edges = np.arange(chunks + 1, dtype=np.int64) * chunk_len
+        inner_edges = edges[1:-1]
+        inner_nearest = allowed.nearest(inner_edges)  # the same search for every tolerance
         # the work before every edge a tolerance can produce without a walk: the unsnapped edges and their
-        # nearest boundaries (``work.at`` is elementwise, so picking from these equals computing it anew)
-        at_edges, at_nearest = work.at(edges).numpy(), work.at(nearest).numpy()
-        inner_edges, inner_nearest = edges[1:-1].numpy(), nearest.numpy()
+        # nearest boundaries (``work.before`` is elementwise, so picking from these equals computing it anew)
+        at_edges, at_nearest = work.before(edges), work.before(inner_nearest)
         for tolerance in SNAP_TOLERANCES:
-            edge_t = _snap(edges, allowed, int(tolerance * chunk_len), S, nearest)
-            e = edge_t.numpy()
+            e = np.asarray(_snap(edges, allowed, int(tolerance * chunk_len), S, inner_nearest))
             key = (per_rank, e.tobytes())
             if key in tried:  # the same edges as a tolerance already tried: the same outcome
                 continue
@@ -628,7 +648,7 @@ def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, Tensor, float] |
             if np.all(on_nearest | (inner == inner_edges)):
                 at = np.concatenate([at_edges[:1], np.where(on_nearest, at_nearest, at_edges[1:-1]), at_edges[-1:]])
             else:  # the walk placed some edges elsewhere
-                at = work.at(edge_t).numpy()
+                at = work.before(e)
             chunk_work = np.diff(at)
             lens = np.diff(e)
             # the rank holding the largest chunk, with the smallest beside it, already breaks the row or the work
@@ -640,7 +660,7 @@ def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, Tensor, float] |
             rows = lens[owned].sum(1).tolist()  # every rank owns exactly per_rank chunks
             if imbalance <= SNAP_TARGET and max(rows) <= SNAP_TARGET * local_len:
                 L = max(rows)
-                return L, _chunk_runs(np.sort(owned, 1), edge_t.numpy()[:-1], lens, L, padded_len), imbalance
+                return L, _chunk_runs(np.sort(owned, 1), e[:-1], lens, L, padded_len), imbalance
     return None
 
 

@@ -286,7 +286,8 @@ class RankDocs:
 
     - ``cu_seqlens`` (device) / ``cu_seqlens_cpu`` int64 ``[G + 1]``, ``segment_doc`` ``[G]``, ``doc_spans``
       ``[N, 3]``: see :class:`DocPlan`;
-    - ``pieces``: this rank's :class:`Piece` s, local order; ``plan``: every rank's (:class:`DocPlan`);
+    - ``pieces``: this rank's :class:`Piece` s, local order (built on first use); ``plan``: every rank's
+      (:class:`DocPlan`);
     - ``doc_index`` int64 ``[B, L]`` (device): the document of each local row, -1 on padding;
     - ``doc_position`` int64 ``[B, L]`` (device) / ``doc_position_cpu`` (host): each local row's position inside
       its document, -1 on padding;
@@ -304,7 +305,6 @@ class RankDocs:
         self.plan = plan
         self.rank = rank
         self.device = device
-        self.pieces: tuple[Piece, ...] = plan.pieces_of(rank)
         self.cu_seqlens_cpu: Tensor = plan.cu_seqlens
         self.segment_doc: Tensor = plan.segment_doc
         self.doc_spans: Tensor = plan.doc_spans
@@ -313,6 +313,12 @@ class RankDocs:
         self.cu_pieces_cpu: Tensor = torch.nn.functional.pad(torch.cumsum(self._table["length"], 0), (1, 0))
         self.cu_pieces: Tensor = self.cu_pieces_cpu.to(device)
         self.cu_seqlens: Tensor = plan.cu_seqlens.to(device)
+
+    @cached_property
+    def pieces(self) -> tuple[Piece, ...]:
+        """This rank's :class:`Piece` s in local order (Python objects: built on first use, by the mixers that walk
+        them)."""
+        return self.plan.pieces_of(self.rank)
 
     # ---- per-row tensors, built on first use ------------------------------------------------------------
     @cached_property
