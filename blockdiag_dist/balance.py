@@ -544,19 +544,20 @@ def doc_interiors(layout: DocLayout) -> tuple[Tensor, Tensor]:
     >>> doc_interiors(DocLayout.from_seqlens([[3, 2], [4, 1]]))  # row 0: [1, 3) and [4, 5); row 1: [1, 4)
     (tensor([1]), tensor([5]))
     """
-    a, b = layout.segments[:, 1] + 1, layout.segments[:, 2]
+    seg = layout.segments.numpy()
+    a, b = seg[:, 1] + 1, seg[:, 2]
     keep = a < b
     a, b = a[keep], b[keep]
-    if a.numel() == 0:
-        return a, b
-    order = torch.argsort(a)
-    a, b = a[order], b[order]
-    reach = torch.cummax(b, 0).values  # the furthest end so far
-    new = torch.ones_like(a, dtype=torch.bool)
-    new[1:] = a[1:] > reach[:-1]  # touching intervals merge: the position between them is interior to both
-    group = torch.cumsum(new, 0) - 1
-    ends = torch.zeros(int(new.sum()), dtype=torch.int64).scatter_reduce(0, group, b, "amax", include_self=False)
-    return a[new], ends
+    if a.size and layout.batch_size > 1:  # one row's documents come in order; rows interleave
+        order = np.argsort(a, kind="stable")
+        a, b = a[order], b[order]
+    # touching intervals merge (the position between them is interior to both): a new one starts past the
+    # furthest end so far
+    new = np.ones(a.size, dtype=bool)
+    new[1:] = a[1:] > np.maximum.accumulate(b)[:-1]
+    first = np.flatnonzero(new)
+    ends = np.maximum.reduceat(b, first) if a.size else b
+    return torch.from_numpy(a[first]), torch.from_numpy(ends)
 
 
 class _Allowed:
