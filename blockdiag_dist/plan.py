@@ -337,6 +337,25 @@ def modelled_cost(plan: StepPlan) -> float:
     return max(w + LAYOUT_COST["kv_token"] * r + LAYOUT_COST["cut_piece"] * c for w, r, c in zip(work, recv, cuts))
 
 
+def _cost_floor(work: CumulativeWork, interiors: tuple[Tensor, Tensor], runs: Tensor, world: int) -> float:
+    """A lower bound of :func:`modelled_cost` from the shard runs alone: the largest, over the ranks, of the rank's
+    attention work and its runs that start inside a document (in any row), each the start of a cut piece.
+
+    >>> layout = DocLayout.from_seqlens([6, 2])
+    >>> plan = StepPlan(layout=layout, shards=plan_shards(8, 2, "contiguous"))  # rank 1 starts inside the 6
+    >>> plan.work_per_rank(), _cost_floor(CumulativeWork(layout), doc_interiors(layout), plan.shards.runs, 2)
+    ([10, 14], 4110.0)
+    >>> modelled_cost(plan)  # rank 1 also receives the 6's first 4 keys
+    4366.0
+    """
+    r = runs.numpy()
+    starts, ends = interiors[0].numpy(), interiors[1].numpy()
+    j = np.maximum(starts.searchsorted(r[:, 1], side="right") - 1, 0)
+    inside = (r[:, 1] >= starts[j]) & (r[:, 1] < ends[j]) if starts.size else np.zeros(r.shape[0], dtype=bool)
+    cuts = np.bincount(r[:, 0], weights=inside, minlength=world)
+    return float((work.per_rank(runs, world) + LAYOUT_COST["cut_piece"] * cuts).max())
+
+
 def choose_layout(doc_layout: DocLayout, world: int, only: str | None = None, *,
                   every_cost: bool = True) -> tuple[StepPlan, dict[str, float]]:
     """``layout="auto"``: the candidate with the lowest :func:`modelled_cost` (ties: the first of contiguous,
@@ -345,21 +364,21 @@ def choose_layout(doc_layout: DocLayout, world: int, only: str | None = None, *,
     Every candidate is a few shard runs and its cost comes from its pieces' intervals, so trying all three
     costs what the documents and the ranks cost.
 
-    ``every_cost=False`` (what :func:`plan_step` does) costs the candidates in the order of their slowest
-    rank's work, a lower bound of their cost read from the shard runs alone, and skips a candidate whose bound
-    already exceeds the best cost found: the same choice, without the pieces and needed sets of a layout that
-    cannot win (its cost is then missing from the dict)."""
+    ``every_cost=False`` (what :func:`plan_step` does) costs the candidates in the order of a lower bound of
+    their cost read from the shard runs alone (:func:`_cost_floor`), and skips a candidate whose bound already
+    exceeds the best cost found: the same choice, without the pieces and needed sets of a layout that cannot
+    win (its cost is then missing from the dict)."""
     S = doc_layout.seq_len
     if only is not None and only not in ("contiguous", "snapped", "balanced"):
         raise ValueError(f"layout: expected auto:contiguous, auto:snapped or auto:balanced, got auto:{only}")
-    work = CumulativeWork(doc_layout)
+    work, interiors = CumulativeWork(doc_layout), doc_interiors(doc_layout)
     candidates = {}
     if only in (None, "contiguous"):
         candidates["contiguous"] = plan_shards(S, world, "contiguous")
     if only in (None, "balanced", "snapped"):
         candidates["balanced"] = plan_shards(S, world, "balanced", work=work)
     if only in (None, "snapped"):
-        snapped = snapped_runs(work, world, doc_interiors(doc_layout))
+        snapped = snapped_runs(work, world, interiors)
         if snapped is not None:
             L, runs, _ = snapped
             candidates["snapped"] = ShardPlan(world=world, seq_len=S, local_len=L, runs=runs)
@@ -368,7 +387,7 @@ def choose_layout(doc_layout: DocLayout, world: int, only: str | None = None, *,
     rank_of = {name: i for i, name in enumerate(candidates)}  # the tie order
     names = list(candidates)
     if not every_cost and len(names) > 1:
-        bound = {name: float(work.per_rank(shards.runs, world).max()) for name, shards in candidates.items()}
+        bound = {name: _cost_floor(work, interiors, shards.runs, world) for name, shards in candidates.items()}
         names.sort(key=lambda name: (bound[name], rank_of[name]))
     costs, plans = {}, {}
     for name in names:

@@ -7,10 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blockdiag_dist.balance import SNAP_TARGET, TARGET, CumulativeWork, balanced_positions, doc_boundaries, position_work, snapped_positions
+from blockdiag_dist.balance import (
+    SNAP_TARGET, TARGET, CumulativeWork, balanced_positions, doc_boundaries, doc_interiors, position_work, snapped_positions,
+)
 from blockdiag_dist.kernels.dense import plan_dense
 from blockdiag_dist.kernels.varlen import BAND_MIN, plan_varlen, size_class
-from blockdiag_dist.plan import LAYOUT_COST, StepPlan, choose_layout, cut_pieces_per_rank, modelled_cost, plan_shards, plan_step
+from blockdiag_dist.plan import (
+    LAYOUT_COST, StepPlan, _cost_floor, choose_layout, cut_pieces_per_rank, modelled_cost, plan_shards, plan_step,
+)
 from blockdiag_dist.sharding import shard_tensor, unshard
 from blockdiag_dist.state import StepState, choose_exchange
 from blockdiag_ref import DocLayout
@@ -423,22 +427,25 @@ def _auto_rows(seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("world", [2, 3, 8, 64])
 @pytest.mark.parametrize("seed", range(6))
 def test_work_bound_and_pruned_choice_equal_the_full_search(seed, world):
-    """``plan_step(..., "auto")`` skips the candidates whose slowest rank's work (read from the shard runs by
-    ``CumulativeWork.per_rank``) exceeds the best cost found: that bound is each candidate's exact work per rank,
-    and the pruned search returns the plan the search costing every candidate returns."""
+    """``plan_step(..., "auto")`` skips the candidates whose cost floor (read from the shard runs: each rank's work
+    by ``CumulativeWork.per_rank``, and its runs that start inside a document) exceeds the best cost found: the
+    work is each candidate's exact work per rank, the floor is at most its modelled cost, and the pruned search
+    returns the plan the search costing every candidate returns."""
     ids = _auto_rows(seed)
     layout = DocLayout.from_doc_ids(ids)
     full, costs = choose_layout(layout, world)
     pruned, some = choose_layout(layout, world, every_cost=False)
     assert pruned.shards.layout == full.shards.layout and pruned.fingerprint() == full.fingerprint()
     assert set(some) <= set(costs) and all(some[k] == costs[k] for k in some)
-    work = CumulativeWork(layout)
+    work, interiors = CumulativeWork(layout), doc_interiors(layout)
     for name in costs:
         forced = plan_step(ids, world, f"auto:{name}")
         if forced.shards.layout == f"auto:{name}":  # snapped may fall back to balanced
             assert work.per_rank(forced.shards.runs, world).tolist() == [float(w) for w in forced.work_per_rank()]
-            if name not in some:  # skipped: its work alone exceeds the chosen cost
-                assert max(forced.work_per_rank()) > costs[full.shards.layout[5:]]
+            floor = _cost_floor(work, interiors, forced.shards.runs, world)
+            assert max(forced.work_per_rank()) <= floor <= costs[name] == modelled_cost(forced)
+            if name not in some:  # skipped: its floor alone exceeds the chosen cost
+                assert floor > costs[full.shards.layout[5:]]
     assert plan_step(ids, world, "auto").fingerprint() == full.fingerprint()
 
 
