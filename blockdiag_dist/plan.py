@@ -337,23 +337,42 @@ def modelled_cost(plan: StepPlan) -> float:
     return max(w + LAYOUT_COST["kv_token"] * r + LAYOUT_COST["cut_piece"] * c for w, r, c in zip(work, recv, cuts))
 
 
-def _cost_floor(work: CumulativeWork, interiors: tuple[Tensor, Tensor], runs: Tensor, world: int) -> float:
+def _cost_floor(work: CumulativeWork, interiors: tuple[Tensor, Tensor], runs: Tensor, world: int,
+                batch_size: int = 1) -> float:
     """A lower bound of :func:`modelled_cost` from the shard runs alone: the largest, over the ranks, of the rank's
-    attention work and its runs that start inside a document (in any row), each the start of a cut piece.
+    attention work, its runs that start inside a document (each the start of a cut piece) and the keys their
+    first queries need from other ranks. A cut run starting at ``s`` needs the keys of its document before
+    ``s``; those from the document's start (one row: ``interiors`` are the documents') or from the end of the
+    rank's run before it, whichever is later, lie on no run of its rank and on no other run's share. With
+    several rows a run may start inside a document of any one of them: one key (the position before ``s``).
 
     >>> layout = DocLayout.from_seqlens([6, 2])
     >>> plan = StepPlan(layout=layout, shards=plan_shards(8, 2, "contiguous"))  # rank 1 starts inside the 6
-    >>> plan.work_per_rank(), _cost_floor(CumulativeWork(layout), doc_interiors(layout), plan.shards.runs, 2)
-    ([10, 14], 4110.0)
-    >>> modelled_cost(plan)  # rank 1 also receives the 6's first 4 keys
-    4366.0
+    >>> plan.work_per_rank(), plan.exchange(-1).needed_tokens()
+    ([10, 14], [0, 4])
+    >>> _cost_floor(CumulativeWork(layout), doc_interiors(layout), plan.shards.runs, 2), modelled_cost(plan)
+    (4366.0, 4366.0)
     """
     r = runs.numpy()
+    r = r[np.lexsort((r[:, 1], r[:, 0]))]  # by rank, then start
+    rank, start = r[:, 0], r[:, 1]
     starts, ends = interiors[0].numpy(), interiors[1].numpy()
-    j = np.maximum(starts.searchsorted(r[:, 1], side="right") - 1, 0)
-    inside = (r[:, 1] >= starts[j]) & (r[:, 1] < ends[j]) if starts.size else np.zeros(r.shape[0], dtype=bool)
-    cuts = np.bincount(r[:, 0], weights=inside, minlength=world)
-    return float((work.per_rank(runs, world) + LAYOUT_COST["cut_piece"] * cuts).max())
+    if starts.size:
+        j = np.maximum(starts.searchsorted(start, side="right") - 1, 0)
+        inside = (start >= starts[j]) & (start < ends[j])
+    else:
+        j, inside = np.zeros_like(start), np.zeros(start.shape, dtype=bool)
+    if batch_size == 1 and starts.size:
+        prev_end = np.full(start.shape, -1, dtype=np.int64)
+        same = rank[1:] == rank[:-1]
+        prev_end[1:][same] = (start + r[:, 2])[:-1][same]
+        keys = np.where(inside, start - np.maximum(starts[j] - 1, prev_end), 0)
+    else:
+        keys = inside.astype(np.int64)
+    cuts = np.bincount(rank, weights=inside, minlength=world)
+    recv = np.bincount(rank, weights=keys, minlength=world)
+    cost = work.per_rank(runs, world) + LAYOUT_COST["kv_token"] * recv + LAYOUT_COST["cut_piece"] * cuts
+    return float(cost.max())
 
 
 def choose_layout(doc_layout: DocLayout, world: int, only: str | None = None, *,
@@ -387,7 +406,8 @@ def choose_layout(doc_layout: DocLayout, world: int, only: str | None = None, *,
     rank_of = {name: i for i, name in enumerate(candidates)}  # the tie order
     names = list(candidates)
     if not every_cost and len(names) > 1:
-        bound = {name: _cost_floor(work, interiors, shards.runs, world) for name, shards in candidates.items()}
+        bound = {name: _cost_floor(work, interiors, shards.runs, world, doc_layout.batch_size)
+                 for name, shards in candidates.items()}
         names.sort(key=lambda name: (bound[name], rank_of[name]))
     costs, plans = {}, {}
     for name in names:

@@ -428,9 +428,9 @@ def _auto_rows(seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("seed", range(6))
 def test_work_bound_and_pruned_choice_equal_the_full_search(seed, world):
     """``plan_step(..., "auto")`` skips the candidates whose cost floor (read from the shard runs: each rank's work
-    by ``CumulativeWork.per_rank``, and its runs that start inside a document) exceeds the best cost found: the
-    work is each candidate's exact work per rank, the floor is at most its modelled cost, and the pruned search
-    returns the plan the search costing every candidate returns."""
+    by ``CumulativeWork.per_rank``, its runs that start inside a document and the keys before them) exceeds the
+    best cost found: the work is each candidate's exact work per rank, the floor is at most its modelled cost,
+    and the pruned search returns the plan the search costing every candidate returns."""
     ids = _auto_rows(seed)
     layout = DocLayout.from_doc_ids(ids)
     full, costs = choose_layout(layout, world)
@@ -442,7 +442,7 @@ def test_work_bound_and_pruned_choice_equal_the_full_search(seed, world):
         forced = plan_step(ids, world, f"auto:{name}")
         if forced.shards.layout == f"auto:{name}":  # snapped may fall back to balanced
             assert work.per_rank(forced.shards.runs, world).tolist() == [float(w) for w in forced.work_per_rank()]
-            floor = _cost_floor(work, interiors, forced.shards.runs, world)
+            floor = _cost_floor(work, interiors, forced.shards.runs, world, layout.batch_size)
             assert max(forced.work_per_rank()) <= floor <= costs[name] == modelled_cost(forced)
             if name not in some:  # skipped: its floor alone exceeds the chosen cost
                 assert floor > costs[full.shards.layout[5:]]

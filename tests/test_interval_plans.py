@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from blockdiag_dist.balance import (
@@ -618,3 +618,19 @@ def test_flat_index_ragged_blocks_and_ranges_equal_id_by_id(space, data):
 
 class _NoSlack(FlatIndex):
     SPAN_SLACK = 0  # blocks whose spans exceed WINDOW_SPAN times their ids are searched id by id
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=layouts(max_len=60), world=st.integers(1, 9), name=LAYOUT_NAMES)
+@example(ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1, 1]]), world=3, name="contiguous")
+def test_cost_floor_is_at_most_the_modelled_cost(ids, world, name):
+    """The floor ``layout="auto"`` prunes its candidates with (work, cut runs and the keys before them, read from
+    the shard runs) is at most the modelled cost of the plan, on every layout, row count and rank count. The
+    example: two rows whose documents' interiors touch, so the merged interior starts before the document that
+    rank 1's first position is inside (one row's rule would count keys that row does not need)."""
+    from blockdiag_dist.plan import _cost_floor, modelled_cost
+
+    layout = DocLayout.from_doc_ids(ids)
+    plan = plan_step(ids, world, name)
+    floor = _cost_floor(CumulativeWork(layout), doc_interiors(layout), plan.shards.runs, world, layout.batch_size)
+    assert max(plan.work_per_rank()) <= floor <= modelled_cost(plan)
