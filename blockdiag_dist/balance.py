@@ -90,7 +90,7 @@ class CumulativeWork:
 
     def _flat(self, y: np.ndarray) -> np.ndarray:
         """int64 work of the flat positions before ``y`` (rows flattened)."""
-        k = np.searchsorted(self._end, y, side="right")  # documents ending at or before y
+        k = _search(self._end, y, "right")  # documents ending at or before y
         total = self._before[k]
         if self._start.size:
             cut = k < self._start.size
@@ -119,6 +119,19 @@ class CumulativeWork:
     def equal_chunks(self, chunks: int, chunk_len: int) -> np.ndarray:
         """float64: the work of ``chunks`` consecutive chunks of ``chunk_len`` positions from 0."""
         return np.diff(self.before(np.arange(chunks + 1, dtype=np.int64) * chunk_len))
+
+
+def _search(a: np.ndarray, keys: np.ndarray, side: str = "left") -> np.ndarray:
+    """``a.searchsorted(keys, side)``, the keys searched in ascending order: a search in sorted keys starts near
+    the last one and runs several times faster than one in scattered keys (shard runs come by rank, not by
+    position), more than what sorting them costs once there are thousands."""
+    flat = keys.reshape(-1)
+    if flat.size < 1024 or (flat[1:] >= flat[:-1]).all():
+        return a.searchsorted(keys, side=side)
+    order = flat.argsort()
+    out = np.empty(flat.size, dtype=np.int64)
+    out[order] = a.searchsorted(flat[order], side=side)
+    return out.reshape(keys.shape)
 
 
 class _TensorWork:

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from blockdiag_ref import DocLayout
 
-from .balance import CumulativeWork, doc_interiors, overlaps, snapped_runs
+from .balance import CumulativeWork, _search, doc_interiors, overlaps, snapped_runs
 from .docs import DocPlan, plan_documents
 from .shard_plan import ShardPlan, interval_ranges, padded_doc_starts, padded_segments, plan_shards
 
@@ -354,11 +354,13 @@ def _cost_floor(work: CumulativeWork, interiors: tuple[Tensor, Tensor], runs: Te
     (4366.0, 4366.0)
     """
     r = runs.numpy()
-    r = r[np.lexsort((r[:, 1], r[:, 0]))]  # by rank, then start
     rank, start = r[:, 0], r[:, 1]
+    if not ((rank[1:] > rank[:-1]) | ((rank[1:] == rank[:-1]) & (start[1:] > start[:-1]))).all():
+        r = r[np.lexsort((start, rank))]  # by rank, then start (the layouts' runs come so: then no sort)
+        rank, start = r[:, 0], r[:, 1]
     starts, ends = interiors[0].numpy(), interiors[1].numpy()
     if starts.size:
-        j = np.maximum(starts.searchsorted(start, side="right") - 1, 0)
+        j = np.maximum(_search(starts, start, "right") - 1, 0)
         inside = (start >= starts[j]) & (start < ends[j])
     else:
         j, inside = np.zeros_like(start), np.zeros(start.shape, dtype=bool)
