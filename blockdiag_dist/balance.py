@@ -287,8 +287,9 @@ def _lpt(w: np.ndarray, world: int, per_rank: int) -> tuple[np.ndarray, np.ndarr
             by_load = by_load[:m0]
             ranks, before = room[by_load], room_loads[by_load]
             new = before + ws[i:i + m0]
-            served = np.where(count[ranks] + 1 >= per_rank, np.inf, new) if near_full else new  # a full rank
-            ok = before[1:] < np.minimum.accumulate(served)[:-1]  # leaves the race
+            # a rank this chunk fills leaves the race
+            served = np.where(count[ranks] + 1 >= per_rank, np.inf, new) if near_full else new
+            ok = before[1:] < np.minimum.accumulate(served)[:-1]
             m = m0 if ok.all() else int(ok.argmin()) + 1
             if m >= min(_LPT_MIN_ROUND, m0):
                 ranks = ranks[:m]
@@ -343,8 +344,8 @@ def _heaviest_rank_floor(x: np.ndarray, per_rank: int) -> float:
     """
     if per_rank == 1:
         return float(x.max())
-    # the smallest per_rank - 1 of all chunks are those of the others: where they hold the largest chunk, every
-    # chunk from the (per_rank - 1)-th smallest up equals it, and so does one of the others'
+    # the smallest per_rank - 1 of the others sum to the smallest per_rank - 1 of all chunks: where those hold the
+    # largest chunk, every chunk from the (per_rank - 1)-th smallest up equals it, so the others hold its value too
     return float(x.max()) + float(np.partition(x, per_rank - 2)[:per_rank - 1].sum())
 
 
