@@ -582,17 +582,16 @@ class _Allowed:
             bad = torch.nn.functional.pad((~bounds).to(torch.int8), (1, 1))
             d = torch.diff(bad)
             interiors = ((d == 1).nonzero().flatten(), (d == -1).nonzero().flatten())
-        self.starts, self.ends = interiors
-        self._starts, self._ends = self.starts.numpy(), self.ends.numpy()
+        self.starts, self.ends = interiors[0].numpy(), interiors[1].numpy()
 
     def nearest(self, x: Tensor | np.ndarray) -> np.ndarray:
         """int64: the allowed position nearest to each ``x`` (ties: the lower one). numpy on the host: the snapped
         search asks once per chunk count, a few torch calls' worth of overhead each."""
         xs = np.asarray(x, dtype=np.int64)
-        if self._starts.size == 0:
+        if self.starts.size == 0:
             return xs
-        j = np.maximum(self._starts.searchsorted(xs, side="right") - 1, 0)
-        a, b = self._starts[j] - 1, self._ends[j]
+        j = np.maximum(self.starts.searchsorted(xs, side="right") - 1, 0)
+        a, b = self.starts[j] - 1, self.ends[j]
         inside = (xs > a) & (xs < b)
         return np.where(inside, np.where(xs - a <= b - xs, a, b), xs)
 
@@ -653,7 +652,7 @@ def _snapped(work, world: int, allowed: _Allowed) -> tuple[int, Tensor, float] |
         # nearest boundaries (``work.before`` is elementwise, so picking from these equals computing it anew)
         at_edges, at_nearest = work.before(edges), work.before(inner_nearest)
         for tolerance in SNAP_TOLERANCES:
-            e = np.asarray(_snap(edges, allowed, int(tolerance * chunk_len), S, inner_nearest))
+            e = _snap(edges, allowed, int(tolerance * chunk_len), S, inner_nearest)
             key = (per_rank, e.tobytes())
             if key in tried:  # the same edges as a tolerance already tried: the same outcome
                 continue

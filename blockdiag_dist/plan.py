@@ -359,18 +359,18 @@ def _cost_floor(work: CumulativeWork, interiors: tuple[Tensor, Tensor], runs: Te
         r = r[np.lexsort((start, rank))]  # by rank, then start (the layouts' runs come so: then no sort)
         rank, start = r[:, 0], r[:, 1]
     starts, ends = interiors[0].numpy(), interiors[1].numpy()
+    inside = np.zeros(start.shape, dtype=bool)
+    keys = np.zeros(start.shape, dtype=np.int64)
     if starts.size:
         j = np.maximum(_search(starts, start, "right") - 1, 0)
         inside = (start >= starts[j]) & (start < ends[j])
-    else:
-        j, inside = np.zeros_like(start), np.zeros(start.shape, dtype=bool)
-    if batch_size == 1 and starts.size:
-        prev_end = np.full(start.shape, -1, dtype=np.int64)
-        same = rank[1:] == rank[:-1]
-        prev_end[1:][same] = (start + r[:, 2])[:-1][same]
-        keys = np.where(inside, start - np.maximum(starts[j] - 1, prev_end), 0)
-    else:
-        keys = inside.astype(np.int64)
+        if batch_size == 1:
+            prev_end = np.full(start.shape, -1, dtype=np.int64)
+            same = rank[1:] == rank[:-1]
+            prev_end[1:][same] = (start + r[:, 2])[:-1][same]
+            keys = np.where(inside, start - np.maximum(starts[j] - 1, prev_end), 0)
+        else:
+            keys = inside.astype(np.int64)
     cuts = np.bincount(rank, weights=inside, minlength=world)
     recv = np.bincount(rank, weights=keys, minlength=world)
     cost = work.per_rank(runs, world) + LAYOUT_COST["kv_token"] * recv + LAYOUT_COST["cut_piece"] * cuts

@@ -6,6 +6,7 @@ comparisons with the reference mask stay in test_dist_plan.py and test_docs_plan
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -500,7 +501,7 @@ def sequential_snap(edges, allowed, reach: int, S: int, nearest=None):
             xv = bv
         out.append(max(xv, out[-1] + 1))
     out.append(int(edges[-1]))
-    return torch.tensor(out)
+    return np.array(out, dtype=np.int64)
 
 
 @SETTINGS
