@@ -233,11 +233,11 @@ def make_cp_blockdiag_batch_and_ctx(
         window_sizes: the windows the model's attention calls use; their plans are built here (default:
             the unwindowed one, and none with ``expect_attention=False``; ``[]``: none). A window not listed
             (or a chunked or bidirectional call) is planned on its first use in the step.
-        check_consensus: all-gather a fingerprint of the plans and raise ``PlanMismatchError`` on every rank,
-            naming the disagreeing ranks (ranks given different batches would otherwise compute wrong attention
-            or hang): here, once for all the windows planned here, and for any other window on its first use
-            in the step. Default on (``BLOCKDIAG_CHECK_CONSENSUS=0`` turns the default off); ``False`` saves
-            one small all-gather per step (and per window planned later).
+        check_consensus: compare a fingerprint of the plans across the ranks (one small all-reduce) and raise
+            ``PlanMismatchError`` on every rank, naming the disagreeing ranks (ranks given different batches would
+            otherwise compute wrong attention or hang): here, once for all the windows planned here, and for any
+            other window on its first use in the step. Default on (``BLOCKDIAG_CHECK_CONSENSUS=0`` turns the
+            default off); ``False`` saves one small all-reduce per step (and per window planned later).
         expect_attention: a normal exit of ``train_ctx()`` raises ``AttentionNotRoutedError`` when no attention
             call reached ``cp_blockdiag_sdpa`` in the step (attention that bypasses it attends only within the
             rank's shard). ``False`` only for a model that does not mix along the sequence at all; recurrent

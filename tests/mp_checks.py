@@ -58,24 +58,26 @@ def consensus_mismatch() -> str:
 
 def windows_agreed_at_once(differ: bool) -> dict:
     """The batch function plans two windows (three on rank 1 when ``differ``): with the consensus check on, it
-    all-gathers once for all of them; a rank listing another window makes every rank raise, naming the windows.
-    Returns the number of all-gathers and the error text (None when the batch function returned)."""
+    compares them all in one all-reduce; a rank listing another window makes every rank all-gather the
+    fingerprints and raise, naming the windows. Returns the collectives the check ran, in order, and the error
+    text (None when the batch function returned)."""
     import blockdiag_dist.state as state_module
 
     info = worker_info()
     ids = torch.tensor([[1] * 9 + [2] * 7])
     windows = [(4, 0), None] + ([(2, 0)] if differ and info["rank"] == 1 else [])
     calls = []
-    gather = state_module.all_gather_tensor
-    state_module.all_gather_tensor = lambda *a, **k: (calls.append(1), gather(*a, **k))[1]
+    gather, reduce = state_module.all_gather_tensor, dist.all_reduce
+    state_module.all_gather_tensor = lambda *a, **k: (calls.append("all_gather"), gather(*a, **k))[1]
+    dist.all_reduce = lambda *a, **k: (calls.append("all_reduce"), reduce(*a, **k))[1]
     try:
         make_cp_blockdiag_batch_and_ctx(info["cp_mesh"], None, _batch(ids), window_sizes=windows, check_consensus=True)
         error = None
     except PlanMismatchError as exc:
         error = str(exc)
     finally:
-        state_module.all_gather_tensor = gather
-    return {"gathers": len(calls), "error": error}
+        state_module.all_gather_tensor, dist.all_reduce = gather, reduce
+    return {"collectives": calls, "error": error}
 
 
 def traffic_per_mode(mode: str) -> dict:

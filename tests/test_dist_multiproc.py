@@ -40,12 +40,13 @@ def test_consensus_check_names_the_disagreeing_ranks(session):
         assert "CP plan consensus failed" in m and "ranks [0, 2] have" in m and "ranks [1] have" in m
 
 
-def test_the_batch_functions_windows_are_agreed_in_one_all_gather(session):
+def test_the_batch_functions_windows_are_agreed_in_one_collective(session):
     same = session.pool(3).run(mp_checks.windows_agreed_at_once, args=(False,), timeout=60, name="windows")
-    assert same == [{"gathers": 1, "error": None}] * 3
+    assert same == [{"collectives": ["all_reduce"], "error": None}] * 3
     differ = session.pool(3).run(mp_checks.windows_agreed_at_once, args=(True,), timeout=60, name="windows differ")
-    for r in differ:
-        assert r["gathers"] == 1 and "CP plan consensus failed" in r["error"] and "ranks [1] have" in r["error"]
+    for r in differ:  # the all-gather that names the ranks runs only once the all-reduce found a mismatch
+        assert r["collectives"] == ["all_reduce", "all_gather"]
+        assert "CP plan consensus failed" in r["error"] and "ranks [1] have" in r["error"]
     assert "left=-1, left=2, left=4" in differ[1]["error"] and "left=-1, left=4" in differ[0]["error"]
 
 
