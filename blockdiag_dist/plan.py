@@ -388,10 +388,16 @@ def choose_layout(doc_layout: DocLayout, world: int, only: str | None = None, *,
     ``every_cost=False`` (what :func:`plan_step` does) costs the candidates in the order of a lower bound of
     their cost read from the shard runs alone (:func:`_cost_floor`), and skips a candidate whose bound already
     exceeds the best cost found: the same choice, without the pieces and needed sets of a layout that cannot
-    win (its cost is then missing from the dict)."""
+    win (its cost is then missing from the dict). On one rank it costs contiguous alone, which no layout can beat
+    there."""
     S = doc_layout.seq_len
     if only is not None and only not in ("contiguous", "snapped", "balanced"):
         raise ValueError(f"layout: expected auto:contiguous, auto:snapped or auto:balanced, got auto:{only}")
+    if world == 1 and only is None and not every_cost:
+        # one rank holds every position under any layout: contiguous, one run per row, cuts no document and
+        # receives no key, so its cost (the total work) is the least there is, and it wins ties
+        plan = StepPlan(layout=doc_layout, shards=plan_shards(S, 1, "contiguous").with_layout("auto:contiguous"))
+        return plan, {"contiguous": modelled_cost(plan)}
     work, interiors = CumulativeWork(doc_layout), doc_interiors(doc_layout)
     candidates = {}
     if only in (None, "contiguous"):
