@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -85,7 +86,11 @@ def bench_consensus(cp, S, reps, seed=0) -> dict:
     with WorkerPool(cp) as pool:
         per_rank = pool.run(consensus_cost, args=(S, seed, reps), timeout=1800, name=f"consensus cp{cp}")
     t = {k: max(r[k] for r in per_rank) for k in ("on", "off", "step")}
-    return {"cp": cp, "S": S, "seconds": t, "batch_fn_ratio": t["on"] / t["off"], "added_over_step": (t["on"] - t["off"]) / t["step"]}
+    collectives = {name: {"cpu_ms": statistics.mean(r["collectives"][name]["cpu_ms"] for r in per_rank),
+                          "wall_ms": max(r["collectives"][name]["wall_ms"] for r in per_rank)}
+                   for name in per_rank[0]["collectives"]}
+    return {"cp": cp, "S": S, "seconds": t, "batch_fn_ratio": t["on"] / t["off"], "added_over_step": (t["on"] - t["off"]) / t["step"],
+            "collectives": collectives}
 
 
 def bench_memory(S, cp, seed=0) -> dict:

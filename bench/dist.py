@@ -9,13 +9,14 @@ import torch
 import torch.distributed as dist
 
 from blockdiag_dist import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+from blockdiag_dist.exchange.allgather import all_gather_tensor
 from verify.pool import worker_info
 
 from .memory import peak_bytes, reset_peak
 
 from verify.workloads import D, H, HKV, layout_of, long_tail
 
-__all__ = ["consensus_cost", "peak_memory", "timed_steps"]
+__all__ = ["consensus_collectives", "consensus_cost", "peak_memory", "timed_steps"]
 
 
 def _step_fn(ids: torch.Tensor, mesh, config: dict, seed: int):
@@ -134,4 +135,30 @@ def consensus_cost(S: int, seed: int, reps: int) -> dict:
             dist.barrier()
             if rep:
                 times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    out = {name: statistics.median(t) for name, t in times.items()}
+    out["collectives"] = consensus_collectives(200 if reps > 3 else 100)
+    return out
+
+
+def consensus_collectives(calls: int) -> dict:
+    """Per call, side by side (alternating, between barriers): this rank's CPU and the wall time of the collective
+    the consensus check runs, an all-reduce (MAX) of two int64, and of the all-gather of one int64 per rank it
+    replaced (gloo runs a small all-reduce in fewer rounds than an all-gather)."""
+    group = worker_info()["cp_mesh"].get_group()
+    world = dist.get_world_size(group)
+    pair, one, gathered = (torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                           torch.empty(world, dtype=torch.int64))
+    run = {"all_reduce": lambda: dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group),
+           "all_gather": lambda: all_gather_tensor(gathered, one, group=group)}
+    cpu: dict[str, list[float]] = {name: [] for name in run}
+    wall: dict[str, list[float]] = {name: [] for name in run}
+    for _ in range(2):
+        for name, fn in run.items():
+            dist.barrier(group)
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(calls // 2):
+                fn()
+            cpu[name].append(time.process_time() - c0)
+            wall[name].append(time.perf_counter() - t0)
+    n = 2 * (calls // 2)
+    return {name: {"cpu_ms": sum(cpu[name]) / n * 1e3, "wall_ms": sum(wall[name]) / n * 1e3} for name in run}

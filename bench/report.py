@@ -159,6 +159,13 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                     ["batch fn ms, check on", "check off", "on / off", "step ms (fwd+bwd)", "added / step"],
                     [[f"{c['seconds']['on'] * 1e3:.1f}", f"{c['seconds']['off'] * 1e3:.1f}", f"{c['batch_fn_ratio']:.2f}x",
                       f"{c['seconds']['step'] * 1e3:.0f}", f"{c['added_over_step']:.3f}"]]))
+        if "collectives" in c:  # results written before the check ran an all-reduce have none
+            k = c["collectives"]
+            out.append((f"The consensus check's collective, CP {c['cp']}, per call: the all-reduce it runs against an all-gather "
+                        "of the same fingerprints (CPU: mean over ranks; wall: slowest rank)",
+                        ["collective", "CPU ms per rank", "wall ms", "CPU / all-reduce's"],
+                        [[name, f"{k[name]['cpu_ms']:.3f}", f"{k[name]['wall_ms']:.3f}",
+                          f"{k[name]['cpu_ms'] / k['all_reduce']['cpu_ms']:.2f}x"] for name in ("all_reduce", "all_gather")]))
     if "cp_efficiency" in res:
         rows = [[str(r["cp"]), str(r["S"]), f"{r['single_seconds'] * 1e3:.0f}", f"{r['cp_seconds'] * 1e3:.0f}", f"{r['speedup']:.2f}x"] for r in res["cp_efficiency"]["rows"]]
         out.append((f"CP efficiency: CP step (W processes x 1 thread) against one process with {res['cp_efficiency']['rows'][0]['cores']} threads doing the same work, on the same {res['cp_efficiency']['rows'][0]['cores']} cores",

@@ -61,3 +61,19 @@ def test_the_figure_draws_a_run_with_attention_variants(tmp_path):
     title, header, rows = next(t for t in tables(res) if t[0].startswith("Attention variants"))
     assert header == ["S", "window", "plain ms", "sinks", "softcap blocks", "masked / blocks"]
     assert rows[0][:4] == ["256", "none", "10", "11 (1.10x)"]
+
+
+def test_the_consensus_section_shows_its_collective_against_an_all_gather():
+    """The consensus section adds the per-call cost of the check's all-reduce beside an all-gather of the same
+    fingerprints; results written before it ran (no ``collectives``) still give the section's first table."""
+    from bench.report import tables
+
+    res = {"consensus": {"cp": 4, "S": 8192, "seconds": {"on": 0.021, "off": 0.015, "step": 1.0}, "batch_fn_ratio": 1.4,
+                         "added_over_step": 0.006, "collectives": {"all_reduce": {"cpu_ms": 0.5, "wall_ms": 1.5},
+                                                                   "all_gather": {"cpu_ms": 1.5, "wall_ms": 3.0}}}}
+    titles = [t[0] for t in tables(res)]
+    collective = [t for t in tables(res) if t[0].startswith("The consensus check's collective, CP 4")]
+    assert len(collective) == 1 and collective[0][2] == [["all_reduce", "0.500", "1.500", "1.00x"],
+                                                         ["all_gather", "1.500", "3.000", "3.00x"]]
+    del res["consensus"]["collectives"]
+    assert [t[0] for t in tables(res)] == [t for t in titles if not t.startswith("The consensus check's collective")]
