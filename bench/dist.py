@@ -143,7 +143,7 @@ def consensus_cost(S: int, seed: int, reps: int) -> dict:
 def consensus_collectives(calls: int) -> dict:
     """Per call, side by side (alternating, between barriers): this rank's CPU and the wall time of the collective
     the consensus check runs, an all-reduce (MAX) of two int64, and of the all-gather of one int64 per rank it
-    replaced (gloo runs a small all-reduce in fewer rounds than an all-gather)."""
+    replaced (docs/scale.md, tenth pass)."""
     group = worker_info()["cp_mesh"].get_group()
     world = dist.get_world_size(group)
     pair, one, gathered = (torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),

@@ -364,9 +364,9 @@ class StepState:
         """Compare a fingerprint ``h`` of the plan and ``what`` (+ ``extra``) across the group in one all-reduce
         (MAX) of ``[h, ~h]``: every rank holds the same ``h`` exactly when ``max(h) == ~max(~h) = min(h)``. Under
         gloo a small all-reduce costs a fraction of an all-gather (4 ranks on 2 cores: 0.6 ms of CPU per rank
-        against 1.8 ms for the 8-byte fingerprints; 8 ranks: 0.9 against 3.1 ms). On a mismatch, which every rank sees,
-        every rank all-gathers the fingerprints and raises naming the disagreeing ranks and, when ``readable`` is
-        given, what each has (a second all-gather)."""
+        against 1.8 ms for the 8-byte fingerprints; 8 ranks: 0.9 against 3.1 ms). On a mismatch, which every rank
+        sees, every rank all-gathers the fingerprints and raises naming the disagreeing ranks and, when
+        ``readable`` is given, what each has (a second all-gather)."""
         if self.group is None or self.world == 1:
             return
         h = hashlib.sha256(self.plan.fingerprint())

@@ -110,7 +110,8 @@ def applicable(info, case: Case) -> bool:
     if not info.supports(case):
         return False
     if case.exchange == "halo":  # many cases of a matrix share these (648 checks, 188 distinct in make verify's)
-        return _halo_ok(case.rows, case.cp, case.layout or "contiguous", case.window, case.bidirectional, case.whole_blocks)
+        return _halo_ok(case.rows, case.cp, case.layout or "contiguous", case.window, case.bidirectional,
+                        case.whole_blocks)
     return True
 
 
