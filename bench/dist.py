@@ -150,15 +150,15 @@ def consensus_collectives(calls: int) -> dict:
                            torch.empty(world, dtype=torch.int64))
     run = {"all_reduce": lambda: dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group),
            "all_gather": lambda: all_gather_tensor(gathered, one, group=group)}
-    cpu: dict[str, list[float]] = {name: [] for name in run}
-    wall: dict[str, list[float]] = {name: [] for name in run}
+    per_round = calls // 2
+    cpu, wall = dict.fromkeys(run, 0.0), dict.fromkeys(run, 0.0)
     for _ in range(2):
         for name, fn in run.items():
             dist.barrier(group)
             c0, t0 = time.process_time(), time.perf_counter()
-            for _ in range(calls // 2):
+            for _ in range(per_round):
                 fn()
-            cpu[name].append(time.process_time() - c0)
-            wall[name].append(time.perf_counter() - t0)
-    n = 2 * (calls // 2)
-    return {name: {"cpu_ms": sum(cpu[name]) / n * 1e3, "wall_ms": sum(wall[name]) / n * 1e3} for name in run}
+            cpu[name] += time.process_time() - c0
+            wall[name] += time.perf_counter() - t0
+    return {name: {"cpu_ms": cpu[name] / (2 * per_round) * 1e3, "wall_ms": wall[name] / (2 * per_round) * 1e3}
+            for name in run}
