@@ -16,6 +16,13 @@ def worker_origin(name: str) -> tuple[int, str | None]:
     return os.getppid(), os.environ.get(name)
 
 
+def worker_cores() -> list[int]:
+    """The cores this worker may run on."""
+    import os
+
+    return sorted(os.sched_getaffinity(0))
+
+
 def _batch(ids: torch.Tensor) -> dict:
     return {"inputs_embeds": torch.zeros(*ids.shape, 3), "_packed_seq_ids": ids}
 

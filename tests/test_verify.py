@@ -17,7 +17,7 @@ import mp_checks  # noqa: F401 - importable by pool workers
 from conftest import assert_pass
 from verify.cases import Case, case_from_args, format_rows, parse_rows
 from verify.cli import _parser
-from verify.pool import PoolError, WorkerPool
+from verify.pool import PARENT_NICE, PoolError, WorkerPool
 from verify.session import Session
 from verify.tolerances import TOLERANCES, judge
 
@@ -407,6 +407,43 @@ def test_cpu_workers_fork_from_one_server_with_the_parents_environment(monkeypat
     with WorkerPool(1) as pool:
         (parent, seen), = pool.run(mp_checks.worker_origin, args=(name,), timeout=60)
     assert (parent, seen) == (os.getpid(), "set after the server started")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="this OS has no CPU affinity to set")
+def test_cpu_ranks_run_on_one_core_each(monkeypatch):
+    """Rank r of a CPU pool runs on the (r % n)-th of the n cores the parent may use; a pool of one rank and
+    BLOCKDIAG_POOL_PIN=0 leave the parent's cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    monkeypatch.delenv("BLOCKDIAG_POOL_PIN", raising=False)
+    with WorkerPool(3) as pool:
+        assert pool.run(mp_checks.worker_cores, timeout=60) == [[cores[r % len(cores)]] for r in range(3)]
+    with WorkerPool(1) as pool:
+        assert pool.run(mp_checks.worker_cores, timeout=60) == [cores]
+    monkeypatch.setenv("BLOCKDIAG_POOL_PIN", "0")
+    with WorkerPool(2) as pool:
+        assert pool.run(mp_checks.worker_cores, timeout=60) == [cores, cores]
+
+
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(),
+                    reason="needs multiprocessing's forkserver (POSIX): spawned workers would inherit the priority")
+def test_the_verifiers_parent_yields_its_cores_to_the_ranks():
+    """yield_cores_to_workers lowers the calling process's priority by PARENT_NICE (BLOCKDIAG_PARENT_NICE overrides it;
+    0 keeps it), after starting the fork server: the workers of a pool started later keep the priority of before."""
+    script = (
+        "import os\n"
+        "from verify.pool import WorkerPool, yield_cores_to_workers\n"
+        "before = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        "step = yield_cores_to_workers()\n"
+        "with WorkerPool(2) as pool:\n"
+        "    workers = pool.run(os.getpriority, args=(os.PRIO_PROCESS, 0), timeout=60)\n"
+        "print(before, step, os.getpriority(os.PRIO_PROCESS, 0), *workers)\n"
+    )
+    for env, want in (({}, PARENT_NICE), ({"BLOCKDIAG_PARENT_NICE": "3"}, 3), ({"BLOCKDIAG_PARENT_NICE": "0"}, 0)):
+        env = {k: v for k, v in os.environ.items() if k not in ("BLOCKDIAG_PARENT_NICE", "BLOCKDIAG_POOL_START")} | env
+        p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0, p.stderr
+        before, step, parent, *workers = (int(x) for x in p.stdout.split())
+        assert (step, parent, workers) == (want, min(before + want, 19), [before, before]), p.stdout
 
 
 def test_workers_exit_when_their_parent_dies():

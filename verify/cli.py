@@ -33,6 +33,7 @@ from .cases import (
 )
 from .argtext import csv_list
 from .launch import under_torchrun
+from .pool import yield_cores_to_workers
 from .report import Reporter, make_console, write_json
 from .runner import applicable, impl_info
 from .session import CaseResult, Session
@@ -225,6 +226,7 @@ def _run_matrix(args, info, console: Console) -> int:
         return 2
     reporter = Reporter(console, full_table=args.full_table)
     t0 = time.perf_counter()
+    yield_cores_to_workers()  # the ranks first: the parent computes references in their idle time
     with Session(args.impl, case_timeout=args.case_timeout, backend=args.backend or "gloo") as session:
         with reporter.progress(len(cases)) as advance:
             results = session.run(cases, on_result=advance)

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["PoolError", "PoolsByWorld", "TaskFailure", "WorkerPool"]
+__all__ = ["PoolError", "PoolsByWorld", "TaskFailure", "WorkerPool", "yield_cores_to_workers"]
 
 _GRACE_S = 2.0  # after one rank fails, how long the others get to report before the group is killed
 
@@ -107,6 +107,7 @@ def _worker_main(rank: int, world: int, store_path: str, backend: str, conn: Con
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    _pin(rank, world, device_type)  # before the group starts: gloo's threads keep the rank's core
     if device_type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
@@ -137,6 +138,18 @@ def _worker_main(rank: int, world: int, store_path: str, backend: str, conn: Con
     os._exit(0)  # skip interpreter teardown (and process-group destruction, which can block on dead peers)
 
 
+def _pin(rank: int, world: int, device_type: str) -> None:
+    """On the CPU, rank ``r`` of a group of two or more runs on one core only: the ``r % n``-th of the ``n`` cores
+    the worker may use. A rank blocked in a collective is then woken on its own core, not moved to whichever core
+    is idle; with more ranks than cores a tiny collective takes a third of the time it takes unpinned (docs/verifier.md,
+    "Pools and deadlines"). ``BLOCKDIAG_POOL_PIN=0`` leaves the workers unpinned."""
+    if (device_type != "cpu" or world < 2 or os.environ.get("BLOCKDIAG_POOL_PIN", "") == "0"
+            or not hasattr(os, "sched_setaffinity")):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
 # ---- parent side ----------------------------------------------------------------------------------------
 _STOP = object()
 
@@ -159,6 +172,30 @@ def _start_context(device: str):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts, on the first fork
     return ctx
+
+
+# How much the verifier's parent lowers its own priority once its CPU pools' fork server runs (see
+# yield_cores_to_workers); BLOCKDIAG_PARENT_NICE overrides it, 0 keeps the parent's priority.
+PARENT_NICE = 10
+
+
+def yield_cores_to_workers(device: str = "cpu") -> int:
+    """Lower this process's priority below the CPU pools' workers it will start; returns the increment applied (0 when
+    none). The ranks of a pool wait for each other at every collective, so a rank that gives its core to the parent
+    (which computes the next cases' references meanwhile) stalls the whole group; at a lower priority the parent runs
+    in the time the ranks leave idle, and stays ahead of them through the cases already queued. Workers forked from
+    the server keep the server's priority, so the server is started first. Spawned workers (CUDA,
+    ``BLOCKDIAG_POOL_START=spawn``) would inherit the parent's priority: nothing is done for them. The change lasts
+    as long as the process: call it from a program that runs the verifier, not from a library or a test session."""
+    ctx = _start_context(device)
+    step = int(os.environ.get("BLOCKDIAG_PARENT_NICE", PARENT_NICE))
+    if ctx.get_start_method() != "forkserver" or step <= 0:
+        return 0
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()  # with the preload _start_context set, at the parent's priority of now
+    os.nice(step)
+    return step
 
 
 def _feeder(feed: queue.SimpleQueue, conn: Connection) -> None:
