@@ -444,6 +444,10 @@ def test_the_verifiers_parent_yields_its_cores_to_the_ranks():
         assert p.returncode == 0, p.stderr
         before, step, parent, *workers = (int(x) for x in p.stdout.split())
         assert (step, parent, workers) == (want, min(before + want, 19), [before, before]), p.stdout
+    why = "BLOCKDIAG_PARENT_NICE: expected a nice increment >= 0 (0 = keep the priority), got '-5'"
+    bad = subprocess.run([sys.executable, "-m", "verify", "--cp", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env=os.environ | {"BLOCKDIAG_PARENT_NICE": "-5"})
+    assert bad.returncode == 2 and why in bad.stdout, bad.stdout + bad.stderr
 
 
 def test_workers_exit_when_their_parent_dies():

@@ -226,8 +226,13 @@ def _run_matrix(args, info, console: Console) -> int:
         return 2
     reporter = Reporter(console, full_table=args.full_table)
     t0 = time.perf_counter()
-    yield_cores_to_workers()  # the ranks first: the parent computes references in their idle time
-    with Session(args.impl, case_timeout=args.case_timeout, backend=args.backend or "gloo") as session:
+    backend = args.backend or "gloo"
+    try:  # the ranks first: the parent computes the next cases' references in the time they leave idle
+        yield_cores_to_workers("cuda" if backend == "nccl" else "cpu")
+    except ValueError as exc:
+        console.print(f"verify: {exc}", markup=False)
+        return 2
+    with Session(args.impl, case_timeout=args.case_timeout, backend=backend) as session:
         with reporter.progress(len(cases)) as advance:
             results = session.run(cases, on_result=advance)
         per_cp = session.throughput()

@@ -141,8 +141,8 @@ def _worker_main(rank: int, world: int, store_path: str, backend: str, conn: Con
 def _pin(rank: int, world: int, device_type: str) -> None:
     """On the CPU, rank ``r`` of a group of two or more runs on one core only: the ``r % n``-th of the ``n`` cores
     the worker may use. A rank blocked in a collective is then woken on its own core, not moved to whichever core
-    is idle; with more ranks than cores a tiny collective takes a third of the time it takes unpinned (docs/verifier.md,
-    "Pools and deadlines"). ``BLOCKDIAG_POOL_PIN=0`` leaves the workers unpinned."""
+    is idle; with more ranks than cores a tiny collective takes a third to two thirds of the time it takes unpinned
+    (docs/verifier.md, "Pools and deadlines"). ``BLOCKDIAG_POOL_PIN=0`` leaves the workers unpinned."""
     if (device_type != "cpu" or world < 2 or os.environ.get("BLOCKDIAG_POOL_PIN", "") == "0"
             or not hasattr(os, "sched_setaffinity")):
         return
@@ -187,9 +187,11 @@ def yield_cores_to_workers(device: str = "cpu") -> int:
     the server keep the server's priority, so the server is started first. Spawned workers (CUDA,
     ``BLOCKDIAG_POOL_START=spawn``) would inherit the parent's priority: nothing is done for them. The change lasts
     as long as the process: call it from a program that runs the verifier, not from a library or a test session."""
-    ctx = _start_context(device)
-    step = int(os.environ.get("BLOCKDIAG_PARENT_NICE", PARENT_NICE))
-    if ctx.get_start_method() != "forkserver" or step <= 0:
+    text = os.environ.get("BLOCKDIAG_PARENT_NICE", str(PARENT_NICE))
+    if not text.strip().isdigit():
+        raise ValueError(f"BLOCKDIAG_PARENT_NICE: expected a nice increment >= 0 (0 = keep the priority), got {text!r}")
+    step = int(text)
+    if _start_context(device).get_start_method() != "forkserver" or step == 0:
         return 0
     from multiprocessing import forkserver
 
