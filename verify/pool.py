@@ -188,7 +188,7 @@ def yield_cores_to_workers(device: str = "cpu") -> int:
     ``BLOCKDIAG_POOL_START=spawn``) would inherit the parent's priority: nothing is done for them. The change lasts
     as long as the process: call it from a program that runs the verifier, not from a library or a test session."""
     text = os.environ.get("BLOCKDIAG_PARENT_NICE", str(PARENT_NICE))
-    if not text.strip().isdigit():
+    if not text.strip().isdecimal():  # what int() reads as a whole number (isdigit() also passes "²")
         raise ValueError(f"BLOCKDIAG_PARENT_NICE: expected a nice increment >= 0 (0 = keep the priority), got {text!r}")
     step = int(text)
     if _start_context(device).get_start_method() != "forkserver" or step == 0:
