@@ -130,3 +130,28 @@ def test_fuzzing_draws_mixer_layers():
 
     draw()
     assert seen == {"attention", *SPECS}
+
+
+def test_the_sparse_reference_selects_on_the_implementations_device():
+    """Which of equal indexer scores ``topk`` keeps differs between CPU and CUDA: the reference's scores and top-k
+    run where the case's tensors are (the implementation gets its indexer inputs on its device), not where the
+    seeded inputs were drawn. The ``meta`` device stands in for a GPU."""
+    import torch
+
+    c = case("one-long", 1, "sparse", width=4, dtype="float32")
+    seen = {}
+
+    def reference(q, k, v, iq, iw, ik, ids, topk, **kw):
+        seen.update(q=q.device, iq=iq.device, iw=iw.device, ik=ik.device)
+        return (q,)
+
+    mix = SPECS["sparse"].reference_mix(reference, None, torch.float32, case=c)
+    B, S, H, D = c.batch_size, c.seq_len, c.hq, c.dim
+    latent = torch.empty(B, S, D + 2, device="meta")
+
+    def expand(rows):
+        return rows.new_empty(rows.shape[0], H, D), rows.new_empty(rows.shape[0], H, D + 1)
+
+    mix(torch.empty(B, H, S, D, device="meta"), latent, expand)
+    assert seen == {"q": torch.device("meta"), "iq": torch.device("meta"), "iw": torch.device("meta"),
+                    "ik": torch.device("meta")}

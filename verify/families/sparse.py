@@ -57,9 +57,10 @@ def _reference_mix(reference, ids, dtype, *, case, **_):
         B, S = latent.shape[:2]
         k, v = expand(latent.reshape(B * S, -1))
         k, v = (t.view(B, S, *t.shape[1:]).transpose(1, 2) for t in (k, v))
-        # scores in float32 as the model computes them (exact here: small integers), topk on the same rows
-        return reference(q, k, v, idx["iq"], idx["iw"], idx["ik"], ids, case.width, index_scale=INDEX_SCALE,
-                         score_dtype=torch.float32)[0]
+        # scores in float32 as the model computes them (exact here: small integers), topk on the same rows and on
+        # the implementation's device: which of equal scores topk keeps differs between devices (CPU and CUDA)
+        iq, iw, ik = (idx[name].to(q.device) for name in ("iq", "iw", "ik"))
+        return reference(q, k, v, iq, iw, ik, ids, case.width, index_scale=INDEX_SCALE, score_dtype=torch.float32)[0]
 
     return mix
 

@@ -7,7 +7,8 @@ the GPU. The step first probes, on the launched group, each collective the K/V e
 (with the exact functions ``blockdiag_dist`` calls, in float32 and bfloat16, checking the values that arrive),
 then runs the verifier's cases whose collectives passed, their expected results computed on the same device:
 flash-attn's path first (bfloat16, head dim 64, a padding-only rank, windows, a soft-cap), then the mixers
-(Gated DeltaNet, Mamba2, convolution), then the attention cases over every kernel x exchange x layout. An
+(Gated DeltaNet, Mamba2, convolution), then the attention cases over every kernel x exchange x layout, and the cases
+that reach fla last. An
 exchange whose collective failed is reported as unsupported, with the collective's error and the error of one
 of its cases, run to show it. On CPU (the dry run) the same code runs, flash-attn and fla emulated.
 """
@@ -28,6 +29,7 @@ from ..cases import NAMED_LAYOUTS, Case, default_matrix, mixer_matrix
 from ..pool import PoolError, WorkerPool
 from ..session import CaseResult, Session
 from . import emulate, staging
+from .mixers import reaches_fla
 from .step import StepContext
 
 __all__ = ["PROBES", "cases", "exchange_mode", "flash_cases", "probe", "run", "summarize"]
@@ -165,7 +167,7 @@ def flash_cases(cp: int, quick: bool) -> list[Case]:
 def cases(cp: int, quick: bool) -> list[Case]:
     """flash-attn's cases, the mixers (float32), bfloat16 with the default exchange and layout, then float32
     over every kernel x exchange x layout (the first layout only when ``quick``; then only the cases of
-    ``QUICK_LAYOUTS``, and each layer's first case where it has none there)."""
+    ``QUICK_LAYOUTS``, and each layer's first case where it has none there); the cases that reach fla last."""
     layouts = tuple(LAYOUTS)[:1] if quick else tuple(LAYOUTS)
     out = [*flash_cases(cp, quick),
            *mixer_matrix(cps=(cp,), dtypes=("float32",), layouts=("contiguous", "balanced")),
@@ -174,13 +176,13 @@ def cases(cp: int, quick: bool) -> list[Case]:
            *default_matrix(cps=(cp,), dtypes=("float32",), kernels=KERNELS, exchanges=EXCHANGES, layouts=layouts,
                            cover=False)]
     out = [c for c in out if exchange_mode(c) is not None]
-    if not quick:
-        return out
-    kept = [c for c in out if c.name in QUICK_LAYOUTS]
-    # a mixer layer the matrix thins (its spec's layouts_per_cp) may meet none of the quick layouts at this CP size:
-    # its first case runs instead, so that every layer runs on the GPU's ranks
-    missing = sorted({c.layer for c in out} - {c.layer for c in kept})
-    return kept + [next(c for c in out if c.layer == layer) for layer in missing]
+    if quick:
+        kept = [c for c in out if c.name in QUICK_LAYOUTS]
+        # a mixer layer the matrix thins (its spec's layouts_per_cp) may meet none of the quick layouts at this CP
+        # size: its first case runs instead, so that every layer runs on the GPU's ranks
+        missing = sorted({c.layer for c in out} - {c.layer for c in kept})
+        out = kept + [next(c for c in out if c.layer == layer) for layer in missing]
+    return sorted(out, key=reaches_fla)  # last: each rank's first fla call compiles Triton kernels
 
 
 def _probe_all(pool: WorkerPool, device: str, timeout: float) -> dict[str, dict[str, str]]:
