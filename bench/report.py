@@ -321,7 +321,8 @@ def write_markdown(res: dict, command: str) -> str:
         f"Produced by `{command}` ({'quick' if res['quick'] else 'full'} run, {res['wall_seconds']:.0f} s) on "
         f"{res['machine']['cpus']} CPU cores, torch {res['machine']['torch']}, gloo. Every figure is a ratio of two",
         "measurements taken side by side in that run (alternating repeats, medians); absolute times are this shared",
-        "machine's and only frame the ratios. Raw numbers: `results/bench.json`.",
+        "machine's and only frame the ratios. Raw numbers: `results/bench.json`. On a GPU: `python -m verify gpu`, its",
+        "kernel figures on an H200 in [docs/gpu.md](docs/gpu.md#results).",
         "",
         "![benchmarks](docs/benchmarks.png)",
         "",

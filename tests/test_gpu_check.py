@@ -53,6 +53,7 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
     assert rc == 0 and report["verdict"] == "pass" and report["device"] == "cpu"
 
     assert steps["env"]["data"]["flash_path"]["D=128"] == "used" and "> 256" in steps["env"]["data"]["flash_path"]["D=264"]
+    assert steps["env"]["data"]["topk_ties"]["rows_differing"] == 0 and "topk among equal scores: 0 of" in summary
 
     matrix = steps["matrix"]["data"]
     assert matrix["run"] == matrix["planned"] > 0 and matrix["tf32"] == {"matmul": False, "cudnn": False}
@@ -169,6 +170,18 @@ def test_every_exchange_mode_of_the_multirank_cases_has_its_collectives_listed()
     assert {op for ops in NEEDS.values() for op in ops} <= set(PROBES)
 
 
+def test_the_multirank_cases_are_cases_the_matrix_runs():
+    """A case whose requested exchange the implementation refuses (halo for a bidirectional block that crosses a rank
+    edge: it needs keys from the right) is not planned: on an H200 four such cases per CP size were run and raised."""
+    from verify.runner import applicable, impl_info
+
+    info = impl_info("blockdiag_dist")
+    planned = [c for cp in (2, 4) for c in cases(cp, quick=False)]
+    refused = [c.label() for c in planned if c.layer == "attention" and not applicable(info, c)]
+    assert not refused, refused
+    assert any(c.bidirectional and c.exchange == "halo" for c in planned)  # the ones whose blocks stay on one rank
+
+
 @pytest.mark.timeout(600)
 def test_an_exchange_whose_collective_fails_is_reported_unsupported(tmp_path, monkeypatch):
     """What a GPU over gloo may show: one collective fails the probe; its exchange's cases are not run (one
@@ -226,3 +239,22 @@ def test_staged_collectives_deliver_the_values_and_uninstall(session):
     import mp_checks
 
     assert session.pool(3).run(mp_checks.staged_collectives, timeout=120, name="staged") == [list(PROBES)] * 3
+
+
+def test_the_env_step_checks_that_topk_keeps_the_same_ties_for_a_row_whatever_the_call(monkeypatch):
+    """DSA under CP calls ``topk`` on a rank's chunk of a document's rows, the model alone on all of them: the env
+    step counts rows whose choice among equal scores differs (none on this CPU), and fails where one does."""
+    from verify.gpu import env
+
+    t = env.topk_ties("cpu", quick=True)
+    assert t["rows_compared"] > 0 and t["rows_differing"] == 0 and "rows_vs_cpu" not in t
+    real = torch.Tensor.topk
+
+    def ties_by_call(self, k, dim=-1, **kw):  # a device whose choice among ties depends on the call's rows
+        if self.dim() == 2 and self.shape[0] > 1:  # several rows: ties taken from the right
+            values, indices = real(self.flip(-1), k, dim=dim, **kw)
+            return torch.return_types.topk((values, self.shape[-1] - 1 - indices))
+        return real(self, k, dim=dim, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "topk", ties_by_call)
+    assert env.topk_ties("cpu", quick=True)["rows_differing"] > 0

@@ -46,7 +46,7 @@ from .case_io import Metrics, impl_batch, summed_over_ranks
 from .cases import SOURCES, TEMPERATURE_ATTN_SCALE, Case, Support, case_blocks
 from .tolerances import BASELINE_BACKENDS, sdpa_backend
 
-__all__ = ["ImplInfo", "applicable", "check_case", "compared_on_ranks", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
+__all__ = ["ImplInfo", "applicable", "case_exchange_plan", "check_case", "compared_on_ranks", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
 
 VOCAB = 11
 VARIANT_KWARGS = {"sinks": "sinks", "softcap": "softcap", "chunk": "chunk_size",  # Case variant -> sdpa keyword
@@ -110,24 +110,30 @@ def applicable(info, case: Case) -> bool:
     if not info.supports(case):
         return False
     if case.exchange == "halo":  # many cases of a matrix share these (648 checks, 188 distinct in make verify's)
-        return _halo_ok(case.rows, case.cp, case.layout or "contiguous", case.window, case.bidirectional,
+        return _halo_ok(case.rows, case.cp, case.layout or "contiguous", case.window, case.chunk, case.bidirectional,
                         case.whole_blocks)
     return True
 
 
 @functools.lru_cache(maxsize=1024)
-def _halo_ok(rows, cp: int, layout: str, window: int, bidirectional: bool, whole_blocks: bool) -> bool:
+def _halo_ok(rows, cp: int, layout: str, window: int, chunk: int, bidirectional: bool, whole_blocks: bool) -> bool:
+    case = Case(rows=rows, cp=cp, window=window, chunk=chunk, bidirectional=bidirectional, whole_blocks=whole_blocks)
+    return case_exchange_plan(case, layout).halo_ok
+
+
+def case_exchange_plan(case: Case, layout: str | None = None):
+    """The attention exchange's plan of a case's step, as the implementation builds it: its chunks, its window, its
+    bidirectional blocks (a block crossing a rank edge needs keys from the right), under ``layout`` (default: the
+    case's)."""
     from blockdiag_dist.plan import plan_step
 
-    case = Case(rows=rows, cp=cp, window=window, bidirectional=bidirectional, whole_blocks=whole_blocks)
-    plan = plan_step(torch.tensor(case.doc_ids()), cp, layout)
-    xplan = plan.exchange(window)
-    if bidirectional:  # a block crossing a rank edge needs keys from the right: no halo then
-        from blockdiag_dist.bidirectional import exchange_plan, plan_blocks
+    plan = plan_step(torch.tensor(case.doc_ids()), case.cp, layout or case.layout or "contiguous").chunked(case.chunk)
+    if not case.bidirectional:
+        return plan.exchange(case.window)
+    from blockdiag_dist.bidirectional import exchange_plan, plan_blocks
 
-        blocks = plan_blocks(plan.layout, plan.shards, plan.documents, torch.tensor(case.blocks()))
-        xplan = exchange_plan(plan, window, blocks, whole_blocks)
-    return xplan.halo_ok
+    blocks = plan_blocks(plan.layout, plan.shards, plan.documents, torch.tensor(case.blocks()))
+    return exchange_plan(plan, case.window, blocks, case.whole_blocks)
 
 
 _impls: dict[str, ImplInfo] = {}

@@ -9,7 +9,8 @@ next one runs; one that runs out of time keeps what it judged and leaves the ver
 the whole check stays under 8 minutes. Every expected result is computed on the device under test:
 
     env        the machine: torch, CUDA, the GPU, enabled SDPA backends, flash-attn / fla / triton, and whether
-               the varlen kernel calls flash-attn at head dims 64, 128, 256, 264 (or why not)
+               the varlen kernel calls flash-attn at head dims 64, 128, 256, 264 (or why not); whether topk keeps
+               the same keys among equal scores for a row whatever the call's other rows (DSA under CP)
     matrix     CP 1 attention on the device in float32 (TF32 off), bfloat16, float16: head dims 64 and 128
                first (fused masked backends, flash-attn), then the verifier's CP 1 matrix (head dims 3-5); per
                dtype the largest errors, the tolerance entry, the SDPA backends of baseline and implementation,

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .step import StepContext
 
-__all__ = ["run", "summarize"]
+__all__ = ["run", "summarize", "topk_ties"]
 
 
 def run(ctx: StepContext) -> str:
@@ -38,7 +38,41 @@ def run(ctx: StepContext) -> str:
         )
         torch.ones(1, device="cuda").add_(1).item()  # a context and one kernel: the device works
     d["flash_path"] = _flash_path(ctx.device)
+    d["topk_ties"] = topk_ties(ctx.device, quick=ctx.quick)
+    if d["topk_ties"]["rows_differing"]:
+        d["error"] = ("topk: expected the same choice among equal scores for a row whatever the call's other rows (DSA's "
+                      f"selection under CP relies on it), got {d['topk_ties']['rows_differing']} rows differing")
+        return "fail"
     return "pass"
+
+
+def topk_ties(device: str, quick: bool = False) -> dict:
+    """Which of equal scores ``torch.topk`` keeps on ``device``, for rows of small integers (ties everywhere) with
+    later keys at ``-inf``, as DSA's indexer calls it: the same for a document's whole ``[n, n]`` call, a chunk of
+    its rows and one row (what :mod:`blockdiag_dist.sparse` relies on: a rank calls it on its chunk, the model alone
+    on the whole document)? ``rows_differing`` counts the rows where it was not; ``rows_differing_from_cpu`` (on
+    CUDA) the rows of the chunks where the CPU kept others."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    sizes = ((8, 4, 4, 20), (64, 7, 16, 5)) if quick else ((8, 4, 4, 200), (300, 37, 64, 20), (4096, 129, 2048, 4))
+    out = {"rows_compared": 0, "rows_differing": 0, "sizes": [[n, k] for n, _, k, _ in sizes]}
+    if dev.type != "cpu":
+        out.update(rows_vs_cpu=0, rows_differing_from_cpu=0)
+    for n, c, k, trials in sizes:
+        for _ in range(trials):
+            x = torch.randint(-2, 3, (n, n), generator=g, device=dev).float()
+            x = x.masked_fill(torch.ones(n, n, dtype=torch.bool, device=dev).triu(1), float("-inf"))
+            whole = x.topk(k, dim=-1).indices.sort(-1).values
+            for start in (0, n // 2, n - c):
+                for rows in (c, 1):
+                    part = x[start:start + rows].clone().topk(k, dim=-1).indices.sort(-1).values
+                    out["rows_differing"] += int((whole[start:start + rows] != part).any(-1).sum())
+                    out["rows_compared"] += rows
+            if dev.type != "cpu":
+                cpu = x[n - c:].cpu().topk(k, dim=-1).indices.sort(-1).values
+                out["rows_differing_from_cpu"] += int((whole[n - c:].cpu() != cpu).any(-1).sum())
+                out["rows_vs_cpu"] += c
+    return out
 
 
 def _flash_path(device: str) -> dict[str, str]:
@@ -74,4 +108,13 @@ def summarize(d: dict) -> list[str]:
     where = f"{d.get('gpus', 0)} x {d['gpu']} ({d['gpu_memory_bytes'] / 2**30:.0f} GiB, sm {d['capability'][0]}{d['capability'][1]})" if d.get("gpu") else f"{d.get('cpus')} CPUs, no GPU used"
     return [f"torch {d.get('torch')} (CUDA {d.get('torch_cuda')}), python {d.get('python')}; {where}; "
             f"flash-attn {d.get('versions', {}).get('flash_attn') or 'not installed'}, fla {d.get('versions', {}).get('fla') or 'not installed'}, "
-            f"triton {d.get('versions', {}).get('triton') or 'not installed'}; flash path by head dim: {d.get('flash_path')}"]
+            f"triton {d.get('versions', {}).get('triton') or 'not installed'}; flash path by head dim: {d.get('flash_path')}"] + (
+        [_ties_line(d["topk_ties"])] if "topk_ties" in d else [])
+
+
+def _ties_line(t: dict) -> str:
+    line = (f"topk among equal scores: {t['rows_differing']} of {t['rows_compared']} rows chose differently in a chunk's "
+            f"or one row's call than in the whole [n, n] call (n, k: {t['sizes']})")
+    if "rows_vs_cpu" in t:
+        line += f"; the CPU chose differently in {t['rows_differing_from_cpu']} of {t['rows_vs_cpu']} rows"
+    return line

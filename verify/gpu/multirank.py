@@ -22,11 +22,11 @@ import traceback
 import torch
 
 from blockdiag_dist.options import LAYOUTS
-from blockdiag_dist.plan import plan_step
 from blockdiag_dist.state import choose_exchange
 
 from ..cases import NAMED_LAYOUTS, Case, default_matrix, mixer_matrix
 from ..pool import PoolError, WorkerPool
+from ..runner import case_exchange_plan
 from ..session import CaseResult, Session
 from . import emulate, staging
 from .mixers import reaches_fla
@@ -145,9 +145,8 @@ def exchange_mode(case: Case) -> str | None:
     its left neighbour)."""
     if case.layer != "attention":
         return "mixer"
-    plan = plan_step(torch.tensor(case.doc_ids()), case.cp, case.layout or "contiguous")
     try:
-        return choose_exchange(plan.exchange(case.window), case.exchange or "auto")[0]
+        return choose_exchange(case_exchange_plan(case), case.exchange or "auto")[0]
     except ValueError:
         return None
 
