@@ -44,7 +44,7 @@ from blockdiag_ref import DocLayout, reference_attention, temperature_scale
 
 from .case_io import Metrics, impl_batch, summed_over_ranks
 from .cases import SOURCES, TEMPERATURE_ATTN_SCALE, Case, Support, case_blocks
-from .tolerances import BASELINE_BACKENDS, sdpa_backend
+from .tolerances import BASELINE_BACKENDS, STAND_INS, sdpa_backend
 
 __all__ = ["ImplInfo", "applicable", "case_exchange_plan", "check_case", "compared_on_ranks", "expected_results", "impl_info", "pack_expected", "run_case", "summed_metrics"]
 
@@ -382,7 +382,8 @@ def expected_results(
 ) -> dict[str, Any]:
     """The reference (float64) and, below float64, the single-device baseline of a case on every SDPA backend
     of the device: ``{"ref": results, "base": {backend: results} | None, "default_backend": name | None,
-    "refused": {backend: message}}``. ``inputs`` replaces the case's own (e.g. reordered tokens) and
+    "refused": {backend: message}, "stood_in": {backend: device}}`` (a refused backend of ``STAND_INS`` run on
+    another device). ``inputs`` replaces the case's own (e.g. reordered tokens) and
     ``restore`` maps each result back (both for re-checks under another convention, ``verify.classify``).
     A mixer case's are :func:`verify.mixers.mixer_expected`'s."""
     if case.layer != "attention":
@@ -396,15 +397,20 @@ def expected_results(
     if case.dtype == "float64":
         return {"ref": ref, "base": None, "default_backend": None, "refused": {}}
     dtype = getattr(torch, case.dtype)
-    base, refused = {}, {}
+    base, refused, stood_in = {}, {}, {}
     for backend in BASELINE_BACKENDS.get(device.type, ("math",)):
         try:
             base[backend] = restore(_single_device(case, inputs, dtype, device, reference=False, backend=backend))
-        except RuntimeError as exc:  # this backend refuses these inputs: it cannot be the one a user gets
+        except RuntimeError as exc:  # this backend refuses these inputs: a user gets it only for maskless calls
             refused[backend] = str(exc).splitlines()[0]
+            where, dtypes = STAND_INS.get(device.type, {}).get(backend, (None, ()))
+            if where is not None and case.dtype in dtypes:  # ... whose rounding the same algorithm elsewhere shows
+                res = restore(_single_device(case, inputs, dtype, torch.device(where), reference=False, backend=backend))
+                base[backend] = _tensors(res, lambda t: None if t is None else t.to(device))
+                stood_in[backend] = where
     # soft-capped cases: no SDPA backend computes them; the baseline and the implementation run explicit scores
     default = "math" if case.softcap > 0 else _default_backend(case, dtype, device)
-    return {"ref": ref, "base": base, "default_backend": default, "refused": refused}
+    return {"ref": ref, "base": base, "default_backend": default, "refused": refused, "stood_in": stood_in}
 
 
 def _default_backend(case: Case, dtype: torch.dtype, device: torch.device) -> str | None:

@@ -238,10 +238,13 @@ def backends_used(case: Case, expected: dict) -> str:
     """Which SDPA backends produced the baseline, which refused, and which one the implementation ran on."""
     if not expected.get("base"):
         return ""
-    refused = "".join(f"; {b} refused ({why})" for b, why in expected.get("refused", {}).items())
+    stood_in = expected.get("stood_in", {})
+    refused = "".join(f"; {b} refused ({why})" + (f", stood in for by {stood_in[b]}'s" if b in stood_in else "")
+                      for b, why in expected.get("refused", {}).items())
     how = "forced" if case.backend else "torch's choice"
     used = case.backend or expected.get("default_backend") or "an unnamed backend"
-    return f"baseline on {', '.join(expected['base'])}{refused}; implementation on {used} ({how})"
+    on = ", ".join(f"{b} ({stood_in[b]})" if b in stood_in else b for b in expected["base"])
+    return f"baseline on {on}{refused}; implementation on {used} ({how})"
 
 
 def _failure_result(case: Case, failure: TaskFailure, seconds: float, impl: str) -> CaseResult:
