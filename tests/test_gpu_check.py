@@ -258,3 +258,23 @@ def test_the_env_step_checks_that_topk_keeps_the_same_ties_for_a_row_whatever_th
 
     monkeypatch.setattr(torch.Tensor, "topk", ties_by_call)
     assert env.topk_ties("cpu", quick=True)["rows_differing"] > 0
+
+
+def test_fla_is_compiled_beside_the_steps_and_stopped_before_a_timed_one(tmp_path):
+    """The background ``warm`` runs step mixers' fla cases from the check's start (on CUDA with fla: its first call
+    compiles Triton kernels for longer than a step's deadline); it is stopped before ``kernels``, which measures
+    speed, judges nothing, and is reported apart from the steps."""
+    from verify.gpu import harness
+
+    assert not harness._wanted("warm", "cpu", ["mixers"])
+    with pytest.raises(ValueError, match="background: expected one of"):
+        harness._wanted("nope", "cuda", ["mixers"])
+    rc = harness.run_check(tmp_path, device="cpu", quick=True, steps=["env", "kernels"], background=["warm"])
+    report = json.loads((tmp_path / "report.json").read_text())
+    warm = report["background"]["warm"]
+    assert rc == 0 and report["verdict"] == "pass" and list(report["steps"]) == ["env", "kernels"]
+    assert warm["status"] in ("pass", "stopped") and (tmp_path / warm["log"]).exists()
+    if warm["status"] == "pass":  # it usually finishes within env's seconds; on a loaded machine it is stopped
+        assert warm["data"]["planned"] == len(warm["data"]["cases"]) == 2 and warm["data"]["fla"].startswith("emulated")
+        assert all(c["status"] == "pass" for c in warm["data"]["cases"])
+    assert "[warm, beside the steps]" in (tmp_path / "summary.txt").read_text()

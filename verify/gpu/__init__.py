@@ -23,6 +23,9 @@ the whole check stays under 8 minutes. Every expected result is computed on the 
                documents at S = 32k and 128k: useful TFLOP/s against the bfloat16 matmul rate measured in
                the same run, peak device memory
 
+Beside the steps, on CUDA with fla installed: ``warm`` runs step mixers' fla cases from the check's start, so that
+fla's Triton kernels are compiled (and cached on disk) before the steps call them; stopped before ``kernels``.
+
 The dry run (``--device cpu``) runs the same code with flash-attn and fla replaced by their strict emulations
 (:mod:`verify.gpu.emulate`).
 

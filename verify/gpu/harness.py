@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import importlib
+import importlib.util
 import json
 import os
 import shlex
@@ -23,7 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .step import INJECTIONS, STEPS
+from .step import BACKGROUND, INJECTIONS, STEPS
 
 __all__ = ["DEADLINES", "TOTAL_S", "add_arguments", "main", "run_check"]
 
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEADLINES = {"env": 40.0, "matrix": 100.0, "mixers": 80.0, "multirank": 150.0, "kernels": 90.0}
 TOTAL_S = 470.0  # the whole check stays under 8 minutes, starts included
 MIN_STEP_S = 20.0  # a step is not started with less time than this left
+TIMED_STEPS = ("kernels",)  # steps that measure speed: the background stops before them
 OK = ("pass",)
 # a step that ran out of time (its own deadline, or the check's) is unfinished, not failed: what it judged
 # before is kept, and it fails the check only if a case it judged failed
@@ -88,26 +90,40 @@ def _tail(path: Path, chars: int = 3000) -> str:
         return ""
 
 
-def _run_step(name: str, out: Path, work: Path, device: str, quick: bool, seconds: float, inject: str | None) -> dict:
-    """One step in its own process group; its record for the report (the step's own file lives in ``work``)."""
+def _launch(name: str, out: Path, work: Path, device: str, quick: bool, seconds: float, inject: str | None = None):
+    """Start a step (or a background module) in its own process group: ``(process, its JSON file, its log, start)``."""
     result_file, log = work / f"{name}.json", out / "logs" / f"{name}.log"
     cmd = [sys.executable, "-m", "verify.gpu", name, "--out", str(result_file), "--device", device,
            "--seconds", f"{seconds:.1f}", *(["--quick"] if quick else []), *(["--inject", inject] if inject else [])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     env.setdefault("TRITON_F32_DEFAULT", "ieee")  # float32 tl.dot in IEEE float32, not TF32 (fla; see mixers.py)
-    t0 = time.monotonic()
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
-        try:
-            proc.wait(timeout=seconds)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        try:  # the group: pool workers the step started go too
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    return proc, result_file, log, time.monotonic()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:  # the group: pool workers the step started go too
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _run_step(name: str, out: Path, work: Path, device: str, quick: bool, seconds: float, inject: str | None) -> dict:
+    """One step in its own process group; its record for the report (the step's own file lives in ``work``)."""
+    proc, result_file, log, t0 = _launch(name, out, work, device, quick, seconds, inject)
+    try:
+        proc.wait(timeout=seconds)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    _stop(proc)
+    return _record(out, proc, result_file, log, t0, seconds, timed_out)
+
+
+def _record(out: Path, proc: subprocess.Popen, result_file: Path, log: Path, t0: float, seconds: float,
+            timed_out: bool) -> dict:
     record: dict = {"seconds": round(time.monotonic() - t0, 2), "deadline_s": seconds, "returncode": proc.returncode,
                     "log": str(log.relative_to(out))}
     try:
@@ -130,6 +146,13 @@ def _run_step(name: str, out: Path, work: Path, device: str, quick: bool, second
     return record
 
 
+def _wanted(name: str, device: str, steps: Sequence[str]) -> bool:
+    """``warm``: on CUDA with fla installed, before a step that reaches fla."""
+    if name == "warm":
+        return device == "cuda" and importlib.util.find_spec("fla") is not None and bool({"mixers", "multirank"} & set(steps))
+    raise ValueError(f"background: expected one of {BACKGROUND}, got {name!r}")
+
+
 def _summary_lines(report: dict) -> list[str]:
     env = report["steps"].get("env", {}).get("data", {})
     head = (f"blockdiag GPU check: {report['verdict'].upper()} in {report['wall_seconds']:.0f} s, device {report['device']}"
@@ -145,6 +168,9 @@ def _summary_lines(report: dict) -> list[str]:
             lines.append(f"  (summary unavailable: {type(exc).__name__}: {exc})")
         if rec.get("error"):
             lines.append("  error: " + rec["error"].strip().splitlines()[-1])
+    for name, rec in report.get("background", {}).items():
+        lines += ["", f"[{name}, beside the steps] {rec['status'].upper()}"]
+        lines += ["  " + ln for ln in importlib.import_module(f"verify.gpu.{name}").summarize(rec.get("data", {}))]
     return lines
 
 
@@ -165,8 +191,10 @@ def _verdict(records: Sequence[dict]) -> str:
 
 def run_check(out: Path | str, *, device: str | None = None, quick: bool = False, steps: Sequence[str] = STEPS,
               deadlines: dict[str, float] | None = None, total: float = TOTAL_S,
-              inject: dict[str, str] | None = None, command: str | None = None) -> int:
-    """Run the check; returns the exit status (0 iff the verdict is pass). See the package docstring."""
+              inject: dict[str, str] | None = None, command: str | None = None,
+              background: Sequence[str] | None = None) -> int:
+    """Run the check; returns the exit status (0 iff the verdict is pass). See the package docstring.
+    ``background``: modules of :data:`BACKGROUND` to run beside the steps (default: those :func:`_wanted` here)."""
     import torch
 
     unknown = [s for s in steps if s not in STEPS]
@@ -186,8 +214,25 @@ def run_check(out: Path | str, *, device: str | None = None, quick: bool = False
         "total_s": total, "verdict": "running", "wall_seconds": 0.0, "steps": {},
     }
     t0 = time.monotonic()
+    if background is None:
+        background = [b for b in BACKGROUND if _wanted(b, device, steps)]
+    started = {b: _launch(b, out, work, device, quick, total) for b in background}
+    report["background"] = {}
+
+    def stop_background() -> None:
+        for b, (proc, result_file, log, t_b) in started.items():
+            timed_out = proc.poll() is None
+            _stop(proc)
+            rec = _record(out, proc, result_file, log, t_b, total, False)
+            if timed_out:  # stopped by the check, not failed: what it did is kept
+                rec["status"] = "stopped"
+            report["background"][b] = rec
+        started.clear()
+
     try:
         for name in steps:
+            if name in TIMED_STEPS:  # nothing beside a step that measures speed
+                stop_background()
             left = total - (time.monotonic() - t0)
             if left < MIN_STEP_S:
                 report["steps"][name] = {"status": "skipped", "error": f"only {left:.0f} s of the check's {total:.0f} s left", "data": {}}
@@ -195,7 +240,10 @@ def run_check(out: Path | str, *, device: str | None = None, quick: bool = False
                 report["steps"][name] = _run_step(name, out, work, device, quick, min(limits[name], left), (inject or {}).get(name))
             report["wall_seconds"] = time.monotonic() - t0
             _write(out, report)
+        stop_background()
     finally:
+        for proc, *_ in started.values():
+            _stop(proc)
         shutil.rmtree(work, ignore_errors=True)
     report["verdict"] = _verdict(list(report["steps"].values()))
     _write(out, report)

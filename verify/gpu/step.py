@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INJECTIONS", "STEPS", "StepContext", "main"]
+__all__ = ["BACKGROUND", "INJECTIONS", "STEPS", "StepContext", "main"]
 
 STEPS = ("env", "matrix", "mixers", "multirank", "kernels")  # modules of this package, in running order
+BACKGROUND = ("warm",)  # modules run beside the steps, from the check's start (see harness.run_check)
 INJECTIONS = ("raise", "hang", "exit")  # faults a test plants in a step to check the harness
 
 
@@ -54,7 +55,7 @@ def _inject(how: str | None, name: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m verify.gpu", description="one step of the GPU check (python -m verify gpu runs them)")
-    p.add_argument("name", choices=STEPS)
+    p.add_argument("name", choices=STEPS + BACKGROUND)
     p.add_argument("--out", required=True, help="the step's JSON file")
     p.add_argument("--device", required=True, choices=("cpu", "cuda"))
     p.add_argument("--quick", action="store_true")
