@@ -555,3 +555,13 @@ def test_a_backend_refused_on_the_device_is_stood_in_for_where_it_takes_the_mask
     assert session.run_one(case, reference=expected_on_the_device).ok
     monkeypatch.setattr(runner, "STAND_INS", {"cpu": {"flash_attention": ("cpu", ("float16",))}})  # not bfloat16's
     assert expected_on_the_device(case)["stood_in"] == {}
+    monkeypatch.setattr(runner, "STAND_INS", {"cpu": {"flash_attention": ("cpu", ("bfloat16",))}})
+
+    def flash_refuses_everywhere(case, inputs, dtype, device, reference, backend=None):
+        if backend == "flash_attention":
+            raise RuntimeError("no kernel")
+        return real(case, inputs, dtype, device, reference, backend)
+
+    monkeypatch.setattr(runner, "_single_device", flash_refuses_everywhere)
+    refused = expected_on_the_device(case)  # the stand-in refuses too: the backend is named, not stood in for
+    assert refused["stood_in"] == {} and refused["refused"]["flash_attention"] == "no kernel; on cpu too: no kernel"
