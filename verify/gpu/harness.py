@@ -1,6 +1,7 @@
 """The parent of the GPU check: runs each step in its own process under its own deadline, and writes the
-report (``report.json``, ``summary.txt``, ``logs/<step>.log``: six files, nothing deeper than one folder) after
-every step, so that whatever finished is on disk even if the whole run is cut short.
+report (``report.json``, ``summary.txt``, ``logs/<step>.log`` and ``logs/warm.log`` when fla is compiled beside the
+steps: at most eight files, nothing deeper than one folder) after every step, so that whatever finished is on disk
+even if the whole run is cut short.
 
 A step's process is the leader of its own process group: at its deadline the group is killed (pool workers
 included) and the step is reported as ``timeout`` with what it had saved; the next step still runs.
