@@ -109,7 +109,7 @@ def summarize(d: dict) -> list[str]:
     return [f"torch {d.get('torch')} (CUDA {d.get('torch_cuda')}), python {d.get('python')}; {where}; "
             f"flash-attn {d.get('versions', {}).get('flash_attn') or 'not installed'}, fla {d.get('versions', {}).get('fla') or 'not installed'}, "
             f"triton {d.get('versions', {}).get('triton') or 'not installed'}; flash path by head dim: {d.get('flash_path')}"] + (
-        [_ties_line(d["topk_ties"])] if "topk_ties" in d else [])
+        [_ties_line(d["topk_ties"])] if "topk_ties" in d else []) + ([f"FAILED {d['error']}"] if d.get("error") else [])
 
 
 def _ties_line(t: dict) -> str:
