@@ -9,7 +9,8 @@ then runs the verifier's cases whose collectives passed, their expected results 
 flash-attn's path first (bfloat16, head dim 64, a padding-only rank, windows, a soft-cap), then the mixers
 (Gated DeltaNet, Mamba2, convolution), then the attention cases over every kernel x exchange x layout (exactly
 the cases the matrix runs), the cases that reach fla last. An exchange whose collective failed is reported as
-unsupported, with the collective's error and the error of one of its cases, run to show it. On CPU (the dry run) the same code runs, flash-attn and fla emulated.
+unsupported, with the collective's error and the error of one of its cases, run to show it. On CPU (the dry run)
+the same code runs, flash-attn and fla emulated.
 """
 
 from __future__ import annotations
