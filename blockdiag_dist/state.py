@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import re
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -163,7 +164,7 @@ class StepState:
 
     # ---- notes ----------------------------------------------------------------------------------------
     def note(self, message: str) -> None:
-        """Record a fallback or substitution once per step (and log it once per process)."""
+        """Record a fallback or substitution once per step (and log the first of its kind once per process)."""
         with self._lock:
             if message not in self.notes:
                 self.notes.append(message)
@@ -471,15 +472,19 @@ def _first_non_neighbour_pair(xplan: ExchangePlan) -> tuple[int, int]:
     raise AssertionError("halo_ok is False but every pair is a neighbour pair")
 
 
-_logged: set[str] = set()
+_logged: set[str] = set()  # the templates logged: bounded by the kinds of message, not by the steps
 _logged_lock = threading.Lock()
+_NUMBER = re.compile(r"\d+")
 
 
 def _log_once(message: str) -> None:
+    """Log ``message`` at INFO the first time a message of its kind appears in this process: messages that differ
+    only in their numbers (token counts, shapes, image counts, which change every step) are one kind."""
+    template = _NUMBER.sub("#", message)
     with _logged_lock:
-        if message in _logged:
+        if template in _logged:
             return
-        _logged.add(message)
+        _logged.add(template)
     log.info(message)
 
 

@@ -208,6 +208,25 @@ def test_auto_exchange_choice(ids, world, left, mode):
     assert reason
 
 
+def test_each_kind_of_exchange_decision_is_logged_once_whatever_its_counts(monkeypatch, caplog):
+    """Every step states its exchange decision with its token counts; the process logs the first of each kind only
+    (the set of logged kinds stays bounded over a run whose layouts change every step)."""
+    import blockdiag_dist.state as state_module
+
+    monkeypatch.setattr(state_module, "_logged", set())
+    layouts = [[[1] * 6 + [2] * 2], [[1] * 7 + [2]], [[1] * 5 + [2] * 3]]  # a long document crossing ranks, 3 lengths
+    reasons = []
+    with caplog.at_level("INFO", logger="blockdiag_dist"):
+        for ids in layouts:
+            state = StepState(plan_step(torch.tensor(ids), 4), rank=0, group=None, device=torch.device("cpu"),
+                              kv_exchange="auto", kernel="varlen")
+            reasons.append(state.window_plan(-1).reason)
+    assert len(set(reasons)) > 1, reasons  # the steps' reasons differ in their counts
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_exchange=")]
+    assert logged == [f"kv_exchange=a2a (window left=-1): {reasons[0]}"]
+    assert len(state_module._logged) == 1
+
+
 def test_halo_requested_where_it_cannot_work_names_the_ranks():
     x = plan_step(torch.tensor([[1] * 8]), 4).exchange(-1)
     with pytest.raises(ValueError, match=r"kv_exchange='halo': expected every rank's needed keys on its left neighbour, got rank 2 needing 2 tokens from rank 0"):
