@@ -119,7 +119,8 @@ def bench_verifier(cps, per_cp_cases) -> dict:
         for cp in cps:
             cases = [c for c in default_matrix(cps=(cp,)) if applicable(info, c)][:per_cp_cases]
             results = session.run(cases)
-            out[str(cp)] = {"cases": len(results), "failed": sum(not r.ok for r in results), "cases_per_second": session.throughput()[cp]}
+            out[str(cp)] = {"cases": len(results), "failed": sum(not r.ok for r in results), "cases_per_second": session.throughput()[cp],
+                            "cpu_seconds_per_case": session.cpu_per_case().get(cp)}
     torch.set_num_threads(os.cpu_count() or 1)
     return {"cps": out}
 

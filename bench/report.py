@@ -185,8 +185,14 @@ def tables(res: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                     [[name, f"{s['seconds'][name] * 1e3:.0f}", str(s["work_per_rank"][name])] for name in s["seconds"]]
                     + [["balanced speedup over contiguous", f"{s['speedup']:.2f}x", ""]]))
     if "verifier" in res:
-        rows = [[cp, str(v["cases"]), str(v["failed"]), f"{v['cases_per_second']:.1f} (goal >= {GOALS['verifier_cases_per_second']:.0f})"] for cp, v in res["verifier"]["cps"].items()]
-        out.append(("Verifier throughput (pool start excluded)", ["CP", "cases", "failed", "cases/s"], rows))
+        def cpu(cp: str, v: dict) -> str:  # what a case cost the ranks and the parent (older results have no figure)
+            t = v.get("cpu_seconds_per_case")
+            return "-" if not t else f"{cp} x {t['rank'] * 1e3:.1f} + {t['parent'] * 1e3:.1f}"
+
+        rows = [[cp, str(v["cases"]), str(v["failed"]), f"{v['cases_per_second']:.1f} (goal >= {GOALS['verifier_cases_per_second']:.0f})",
+                 cpu(cp, v)] for cp, v in res["verifier"]["cps"].items()]
+        out.append(("Verifier throughput (pool start excluded)",
+                    ["CP", "cases", "failed", "cases/s", "CPU ms per case: ranks x each + parent"], rows))
     if "vision" in res:
         v = res["vision"]
         same = "same" if v["loss"]["replicated"] == v["loss"]["sharded"] else f"differs by {abs(v['loss']['replicated'] - v['loss']['sharded']):.2g}"

@@ -327,6 +327,17 @@ def test_throughput_is_given_per_cp_size_and_per_kind(session):
     t = session.timing[2]
     assert t["cases"] == t["cases_attention"] + t["cases_mixer"]
     assert t["run_attention"] + t["run_mixer"] == pytest.approx(t["run"], rel=0.05)
+    cpu = session.cpu_per_case()[2]  # every rank ran a forward and a backward; the parent computed the references
+    assert cpu["rank"] > 0 and cpu["parent"] > 0, cpu
+
+
+def test_the_cpu_line_adds_up_the_ranks_and_the_parent_and_bounds_the_rate():
+    from verify.report import cpu_line
+
+    line = cpu_line({2: {"rank": 0.004, "parent": 0.002}, 4: {"rank": 0.005, "parent": 0.003}}, cores=2)
+    assert line == ("CPU per case, pool start excluded: CP 2: ranks 2 x 4.0 ms + parent 2.0 ms = 10.0 ms (at most 200.0 "
+                    "cases/s on 2 cores), CP 4: ranks 4 x 5.0 ms + parent 3.0 ms = 23.0 ms (at most 87.0 cases/s on 2 cores)")
+    assert "at most" not in cpu_line({4: {"rank": 0.005, "parent": 0.003}}, cores=None)
 
 
 @pytest.mark.parametrize("window, chunk", [(-1, -1), (0, -1), (2, -1), (-1, 3), (1, 2)])

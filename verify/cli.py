@@ -33,7 +33,7 @@ from .cases import (
 )
 from .argtext import csv_list
 from .launch import under_torchrun
-from .pool import yield_cores_to_workers
+from .pool import cores_here, yield_cores_to_workers
 from .report import Reporter, make_console, write_json
 from .runner import applicable, impl_info
 from .session import CaseResult, Session
@@ -237,13 +237,15 @@ def _run_matrix(args, info, console: Console) -> int:
             results = session.run(cases, on_result=advance)
         per_cp = session.throughput()
         per_kind = {kind: session.throughput(kind) for kind in ("attention", "mixer")}
+        cpu = session.cpu_per_case() if backend != "nccl" else {}  # on GPUs the CPU is not what bounds the rate
     wall = time.perf_counter() - t0
-    reporter.summary(results, wall, args.impl, per_cp, per_kind)
+    reporter.summary(results, wall, args.impl, per_cp, per_kind, cpu, cores_here())
     cov = report_coverage(info, args, [r.case for r in results], console)
     growth_ok = report_growth(results, console)
     if args.json:
         write_json(args.json, results, wall, args.impl, {
             "cases_per_second_by_cp": per_cp, **{f"cases_per_second_by_cp_{k}": v for k, v in per_kind.items()},
+            "cpu_seconds_per_case_by_cp": cpu,
             "error_by_cp": error_growth(results), "coverage": cov})
     return 0 if all(r.ok for r in results) and growth_ok else 1
 

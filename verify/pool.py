@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["PoolError", "PoolsByWorld", "TaskFailure", "WorkerPool", "yield_cores_to_workers"]
+__all__ = ["PoolError", "PoolsByWorld", "TaskFailure", "WorkerPool", "cores_here", "yield_cores_to_workers"]
 
 _GRACE_S = 2.0  # after one rank fails, how long the others get to report before the group is killed
 
@@ -148,6 +148,11 @@ def _pin(rank: int, world: int, device_type: str) -> None:
         return
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def cores_here() -> int:
+    """The cores this process, and the CPU pools it starts, may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # ---- parent side ----------------------------------------------------------------------------------------

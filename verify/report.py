@@ -16,7 +16,7 @@ from rich.table import Table
 
 from .session import CaseResult
 
-__all__ = ["Reporter", "make_console", "write_json"]
+__all__ = ["Reporter", "cpu_line", "make_console", "write_json"]
 
 
 def make_console() -> Console:
@@ -69,8 +69,10 @@ class Reporter:
             yield advance
 
     def summary(self, results: Sequence[CaseResult], wall: float, impl: str, per_cp: dict[int, float] | None = None,
-                per_kind: dict[str, dict[int, float]] | None = None) -> None:
-        """``per_cp``: cases/s per CP size; ``per_kind``: the same for the attention and the mixer cases apart."""
+                per_kind: dict[str, dict[int, float]] | None = None, cpu: dict[int, dict[str, float]] | None = None,
+                cores: int | None = None) -> None:
+        """``per_cp``: cases/s per CP size; ``per_kind``: the same for the attention and the mixer cases apart;
+        ``cpu``: CPU seconds per case per CP size (:meth:`verify.session.Session.cpu_per_case`), on ``cores`` cores."""
         c = self.console
         if self.full_table:
             table = Table(title=f"verify --impl {impl}: every case")
@@ -109,6 +111,19 @@ class Reporter:
 
             c.print("cases/s per CP size, pool start excluded: "
                     + ", ".join(f"CP {cp}: {r:.1f}{apart(cp)}" for cp, r in per_cp.items()), soft_wrap=True)
+        if cpu:
+            c.print(cpu_line(cpu, cores), markup=False, soft_wrap=True)
+
+
+def cpu_line(cpu: dict[int, dict[str, float]], cores: int | None) -> str:
+    """``CPU per case, pool start excluded: CP 4: ranks 4 x 6.1 ms + parent 3.4 ms = 27.8 ms (at most 71.9 cases/s on
+    2 cores), ...``: what each case cost the ranks and the parent, and the rate that CPU allows ``cores`` cores."""
+    def one(cp: int, t: dict[str, float]) -> str:
+        total = cp * t["rank"] + t["parent"]
+        bound = f" (at most {cores / total:.1f} cases/s on {cores} cores)" if cores and total > 0 else ""
+        return f"CP {cp}: ranks {cp} x {t['rank'] * 1e3:.1f} ms + parent {t['parent'] * 1e3:.1f} ms = {total * 1e3:.1f} ms{bound}"
+
+    return "CPU per case, pool start excluded: " + ", ".join(one(cp, t) for cp, t in cpu.items())
 
 
 def _verdict(results: Sequence[CaseResult]) -> str:

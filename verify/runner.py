@@ -33,6 +33,7 @@ import functools
 import importlib
 import inspect
 import math
+import time
 from typing import Any, Callable
 
 import torch
@@ -590,12 +591,16 @@ def _env():
 
 def run_case(case_dict: dict, impl_name: str, expected: dict | None = None) -> dict:
     """Run one case on this rank (inside a pool worker or a torchrun process); ``expected`` is
-    :func:`pack_expected` output computed by the parent, or None to compute it here."""
+    :func:`pack_expected` output computed by the parent, or None to compute it here. The result's ``cpu_s`` is the
+    CPU time the rank's process took for the case, its collectives' threads included."""
+    cpu = time.process_time()
     cp_mesh, rank, world, device = _env()
     case = case_from_dict(case_dict)
     if case.cp != world:
         raise ValueError(f"case needs CP {case.cp}, this group has {world} ranks")
-    return check_case(case, impl_info(impl_name), cp_mesh, rank, world, device, expected)
+    info = check_case(case, impl_info(impl_name), cp_mesh, rank, world, device, expected)
+    info["cpu_s"] = time.process_time() - cpu
+    return info
 
 
 def case_from_dict(d: dict) -> Case:

@@ -107,7 +107,8 @@ class Session(PoolsByWorld):
         self.in_process = in_process  # torchrun: run on the launched group instead of pools
         self.keep_after_uniform_error = keep_after_uniform_error  # see WorkerPool
         super().__init__()
-        # per CP size: seconds spent running cases and cases run, in all and per kind (attention, mixer)
+        # per CP size: seconds spent running cases and cases run, in all and per kind (attention, mixer); CPU
+        # seconds of the ranks (summed over them) and of this process meanwhile
         self.timing: dict[int, dict[str, float]] = {}
 
     def throughput(self, kind: str | None = None) -> dict[int, float]:
@@ -116,6 +117,13 @@ class Session(PoolsByWorld):
         charged the time from the previous result to its own."""
         run, cases = ("run", "cases") if kind is None else (f"run_{kind}", f"cases_{kind}")
         return {cp: t[cases] / t[run] for cp, t in sorted(self.timing.items()) if t.get(run, 0) > 0}
+
+    def cpu_per_case(self) -> dict[int, dict[str, float]]:
+        """Per CP size, the CPU time one case took, in seconds, over the same span as :meth:`throughput`: ``rank``,
+        one rank's process (the mean over the ranks, its collectives' threads included); ``parent``, this process
+        (references, packing, merging). On CPU pools ``cp * rank + parent`` is what the cores give each case."""
+        return {cp: {"rank": t["rank_cpu"] / (cp * t["cases"]), "parent": t["parent_cpu"] / t["cases"]}
+                for cp, t in sorted(self.timing.items()) if t.get("cases", 0) > 0 and t.get("rank_cpu", 0) > 0}
 
     def _spawn(self, cp: int) -> WorkerPool:
         # one thread per rank: the cases' tensors are tiny, and intra-op threads on busy cores only add
@@ -161,7 +169,7 @@ class Session(PoolsByWorld):
         # already submitted: up to two chunks stay queued on the workers, so they never wait for the parent
         # between chunks; the first chunk is small, so that they start at once.
         pool = self.pool(cp)
-        timing = self.timing.setdefault(cp, {"run": 0.0, "cases": 0})
+        timing = self.timing.setdefault(cp, {"run": 0.0, "cases": 0, "rank_cpu": 0.0, "parent_cpu": 0.0})
         for kind in KINDS:
             timing.setdefault(f"run_{kind}", 0.0)
             timing.setdefault(f"cases_{kind}", 0)
@@ -170,6 +178,7 @@ class Session(PoolsByWorld):
         except Exception:  # noqa: BLE001 - reported per case below
             pass
         run_before, t_run = timing["run"], time.perf_counter()
+        parent_before, cpu_run = timing["parent_cpu"], time.process_time()
         t_last = t_run
         expected: dict[int, dict] = {}  # case index -> reference tensors (kept here for the summed checks)
         packed: dict[int, dict] = {}  # ... and as plain arrays for the workers (what they compare)
@@ -217,6 +226,8 @@ class Session(PoolsByWorld):
             timing[f"run_{kind}"] += t_done - t_last
             t_last = t_done
             timing["run"] = run_before + t_done - t_run  # accumulates over calls of run()
+            timing["rank_cpu"] += sum(info.get("cpu_s", 0.0) for info in item)
+            timing["parent_cpu"] = parent_before + time.process_time() - cpu_run
             yield result
 
 
