@@ -311,7 +311,8 @@ class StepState:
             block_start = blocks.piece_block_start[mine] if whole_blocks else None
             meta = plan_varlen_pieces(plan.documents.kernel_pieces(self.rank), B * L, key_index, sp, window_left,
                                       key_end=key_end, labels=labels, block_start=block_start)
-        _log_once(f"kv_exchange={mode} (window left={window_left}{_chunk_text(chunk)}): {reason}")
+        decision = f"kv_exchange={mode} (window left={window_left}{_chunk_text(chunk)})"  # once per window and mode
+        _log_once(f"{decision}: {reason}", kind=f"{decision}: {_NUMBER.sub('#', reason)}")
         return WindowPlan(
             window_left=window_left,
             chunk=chunk,
@@ -472,19 +473,19 @@ def _first_non_neighbour_pair(xplan: ExchangePlan) -> tuple[int, int]:
     raise AssertionError("halo_ok is False but every pair is a neighbour pair")
 
 
-_logged: set[str] = set()  # the templates logged: bounded by the kinds of message, not by the steps
+_logged: set[str] = set()  # the kinds logged: bounded by the kinds of message, not by the steps
 _logged_lock = threading.Lock()
 _NUMBER = re.compile(r"\d+")
 
 
-def _log_once(message: str) -> None:
-    """Log ``message`` at INFO the first time a message of its kind appears in this process: messages that differ
-    only in their numbers (token counts, shapes, image counts, which change every step) are one kind."""
-    template = _NUMBER.sub("#", message)
+def _log_once(message: str, kind: str | None = None) -> None:
+    """Log ``message`` at INFO the first time a message of its ``kind`` appears in this process; by default messages
+    that differ only in their numbers (token counts, shapes, image counts, which change every step) are one kind."""
+    kind = _NUMBER.sub("#", message) if kind is None else kind
     with _logged_lock:
-        if template in _logged:
+        if kind in _logged:
             return
-        _logged.add(template)
+        _logged.add(kind)
     log.info(message)
 
 

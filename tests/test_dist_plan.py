@@ -209,8 +209,8 @@ def test_auto_exchange_choice(ids, world, left, mode):
 
 
 def test_each_kind_of_exchange_decision_is_logged_once_whatever_its_counts(monkeypatch, caplog):
-    """Every step states its exchange decision with its token counts; the process logs the first of each kind only
-    (the set of logged kinds stays bounded over a run whose layouts change every step)."""
+    """Every step states its exchange decision with its token counts; the process logs the first per window and mode
+    only (the set of logged kinds stays bounded over a run whose layouts change every step)."""
     import blockdiag_dist.state as state_module
 
     monkeypatch.setattr(state_module, "_logged", set())
@@ -221,10 +221,12 @@ def test_each_kind_of_exchange_decision_is_logged_once_whatever_its_counts(monke
             state = StepState(plan_step(torch.tensor(ids), 4), rank=0, group=None, device=torch.device("cpu"),
                               kv_exchange="auto", kernel="varlen")
             reasons.append(state.window_plan(-1).reason)
+        windowed = [state.window_plan(left).reason for left in (1, 2)]  # another window: a decision of its own
     assert len(set(reasons)) > 1, reasons  # the steps' reasons differ in their counts
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_exchange=")]
-    assert logged == [f"kv_exchange=a2a (window left=-1): {reasons[0]}"]
-    assert len(state_module._logged) == 1
+    assert logged == [f"kv_exchange=a2a (window left=-1): {reasons[0]}", f"kv_exchange=halo (window left=1): {windowed[0]}",
+                      f"kv_exchange=halo (window left=2): {windowed[1]}"]
+    assert len(state_module._logged) == 3
 
 
 def test_halo_requested_where_it_cannot_work_names_the_ranks():
