@@ -331,6 +331,33 @@ def test_throughput_is_given_per_cp_size_and_per_kind(session):
     assert cpu["rank"] > 0 and cpu["parent"] > 0, cpu
 
 
+def test_a_fresh_group_started_after_a_failure_is_left_out_of_the_rates(monkeypatch):
+    """Cases/s and CPU per case leave out every start of the group, the one after a failure too: here the group is
+    killed after the first case's result, the second case fails on it, the third runs on a fresh group."""
+    from verify.pool import WorkerPool
+
+    starts: list[float] = []
+    plain_start = WorkerPool.start
+
+    def timed_start(pool):
+        fresh, t0 = not pool._procs, time.perf_counter()
+        plain_start(pool)
+        if fresh:
+            starts.append(time.perf_counter() - t0)
+
+    monkeypatch.setattr(WorkerPool, "start", timed_start)
+    cases = [Case(**{**BUGGY_CASE.__dict__, "seed": seed}) for seed in range(3)]
+    with Session(case_timeout=30.0) as s:
+        t0 = time.perf_counter()
+        results = s.run(cases, on_result=lambda r: s.pools[2].kill() if r.case is cases[0] else None)
+        wall = time.perf_counter() - t0
+        timing = s.timing[2]
+    assert [r.status for r in results] == ["pass", "crash", "pass"], [r.details for r in results]
+    assert len(starts) == 2 and timing["cases"] == 2
+    # the span counts from after the first start; the fresh group's start is taken out of it (the old span held it)
+    assert timing["run"] <= wall - starts[0] - 0.5 * starts[1], (timing["run"], wall, starts)
+
+
 def test_the_cpu_line_adds_up_the_ranks_and_the_parent_and_bounds_the_rate():
     from verify.report import cpu_line
 
@@ -338,6 +365,9 @@ def test_the_cpu_line_adds_up_the_ranks_and_the_parent_and_bounds_the_rate():
     assert line == ("CPU per case, pool start excluded: CP 2: ranks 2 x 4.0 ms + parent 2.0 ms = 10.0 ms (at most 200.0 "
                     "cases/s on 2 cores), CP 4: ranks 4 x 5.0 ms + parent 3.0 ms = 23.0 ms (at most 87.0 cases/s on 2 cores)")
     assert "at most" not in cpu_line({4: {"rank": 0.005, "parent": 0.003}}, cores=None)
+    # more cores than processes: a rank keeps one core busy at most, and CP 2 has three processes
+    assert cpu_line({2: {"rank": 0.006, "parent": 0.005}}, cores=16).endswith("= 17.0 ms (at most 166.7 cases/s on 16 cores)")
+    assert cpu_line({1: {"rank": 0.004, "parent": 0.001}}, cores=16).endswith("(at most 250.0 cases/s on 16 cores)")
 
 
 @pytest.mark.parametrize("window, chunk", [(-1, -1), (0, -1), (2, -1), (-1, 3), (1, 2)])

@@ -117,10 +117,13 @@ class Reporter:
 
 def cpu_line(cpu: dict[int, dict[str, float]], cores: int | None) -> str:
     """``CPU per case, pool start excluded: CP 4: ranks 4 x 6.1 ms + parent 3.4 ms = 27.8 ms (at most 71.9 cases/s on
-    2 cores), ...``: what each case cost the ranks and the parent, and the rate that CPU allows ``cores`` cores."""
+    2 cores), ...``: what each case cost the ranks and the parent, and the rate that CPU allows ``cores`` cores. The
+    ``cp + 1`` processes keep at most that many cores busy, each at most one (a rank runs on one core)."""
     def one(cp: int, t: dict[str, float]) -> str:
         total = cp * t["rank"] + t["parent"]
-        bound = f" (at most {cores / total:.1f} cases/s on {cores} cores)" if cores and total > 0 else ""
+        busiest = max(t["rank"], t["parent"])
+        rate = min(min(cores, cp + 1) / total, 1 / busiest) if cores and total > 0 and busiest > 0 else None
+        bound = f" (at most {rate:.1f} cases/s on {cores} cores)" if rate is not None else ""
         return f"CP {cp}: ranks {cp} x {t['rank'] * 1e3:.1f} ms + parent {t['parent'] * 1e3:.1f} ms = {total * 1e3:.1f} ms{bound}"
 
     return "CPU per case, pool start excluded: " + ", ".join(one(cp, t) for cp, t in cpu.items())

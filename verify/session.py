@@ -121,7 +121,8 @@ class Session(PoolsByWorld):
     def cpu_per_case(self) -> dict[int, dict[str, float]]:
         """Per CP size, the CPU time one case took, in seconds, over the same span as :meth:`throughput`: ``rank``,
         one rank's process (the mean over the ranks, its collectives' threads included); ``parent``, this process
-        (references, packing, merging). On CPU pools ``cp * rank + parent`` is what the cores give each case."""
+        (references, packing, merging). On CPU pools ``cp * rank + parent`` is what the cores give each case, less
+        the pipes around it in the workers."""
         return {cp: {"rank": t["rank_cpu"] / (cp * t["cases"]), "parent": t["parent_cpu"] / t["cases"]}
                 for cp, t in sorted(self.timing.items()) if t.get("cases", 0) > 0 and t.get("rank_cpu", 0) > 0}
 
@@ -195,6 +196,14 @@ class Session(PoolsByWorld):
             if nxt < len(cases) and len(inflight) < self.chunk:  # keep the workers' queue full
                 hi = min(nxt + (min(FIRST_CHUNK, self.chunk) if nxt == 0 else self.chunk), len(cases))
                 prepare(nxt, hi)
+                if not pool.alive:  # a fresh group after a failure: its start is left out of the span, as the first's
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    try:
+                        pool.start()
+                    except Exception:  # noqa: BLE001 - raised again by submit below, and reported
+                        pass
+                    waited = time.perf_counter() - w0
+                    t_run, t_last, cpu_run = t_run + waited, t_last + waited, cpu_run + time.process_time() - c0
                 try:
                     ids = pool.submit(run_case, [((cases[j].to_dict(), impl, packed[j]), {}) for j in range(nxt, hi)])
                 except Exception as exc:  # noqa: BLE001 - e.g. the pool could not start: report, don't hang
