@@ -259,6 +259,17 @@ def test_the_env_step_checks_that_topk_keeps_the_same_ties_for_a_row_whatever_th
     monkeypatch.setattr(torch.Tensor, "topk", ties_by_call)
     assert env.topk_ties("cpu", quick=True)["rows_differing"] > 0
 
+    def later_keys_by_call(self, k, dim=-1, **kw):  # which later (-inf) keys fill a short row depends on the call:
+        values, indices = real(self, k, dim=dim, **kw)  # DSA reads every one of them as -1, so no row differs
+        if self.dim() == 2 and self.shape[0] > 1:
+            later = torch.isinf(values) & (values < 0)
+            indices = torch.where(later, self.shape[-1] - 1 - torch.arange(k).expand_as(indices), indices)
+        return torch.return_types.topk((values, indices))
+
+    monkeypatch.setattr(torch.Tensor, "topk", later_keys_by_call)
+    t = env.topk_ties("cpu", quick=True)
+    assert t["rows_compared"] > 0 and t["rows_differing"] == 0
+
 
 def test_fla_is_compiled_beside_the_steps_and_stopped_before_a_timed_one(tmp_path):
     """The background ``warm`` runs step mixers' fla cases from the check's start (on CUDA with fla: its first call

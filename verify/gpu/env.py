@@ -8,6 +8,7 @@ import platform
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from .step import StepContext
 
@@ -50,8 +51,15 @@ def topk_ties(device: str, quick: bool = False) -> dict:
     """Which of equal scores ``torch.topk`` keeps on ``device``, for rows of small integers (ties everywhere) with
     later keys at ``-inf``, as DSA's indexer calls it: the same for a document's whole ``[n, n]`` call, a chunk of
     its rows and one row (what :mod:`blockdiag_dist.sparse` relies on: a rank calls it on its chunk, the model alone
-    on the whole document)? ``rows_differing`` counts the rows where it was not; ``rows_differing_from_cpu`` (on
-    CUDA) the rows of the chunks where the CPU kept others."""
+    on the whole document)? As DSA reads the choice: a later key taken (a row with fewer than ``k`` earlier keys)
+    counts as ``-1`` whichever it is. ``rows_differing`` counts the rows where it was not; ``rows_differing_from_cpu``
+    (on CUDA) the rows of the chunks where the CPU kept others."""
+
+    def chosen(scores: Tensor, first: int) -> Tensor:  # sorted; later keys as -1, as blockdiag_dist.sparse._select
+        idx = scores.topk(k, dim=-1).indices
+        row = first + torch.arange(scores.shape[0], device=idx.device)[:, None]
+        return torch.where(idx <= row, idx, -1).sort(-1).values
+
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)
     sizes = ((8, 4, 4, 20), (64, 7, 16, 5)) if quick else ((8, 4, 4, 200), (300, 37, 64, 20), (4096, 129, 2048, 4))
@@ -62,14 +70,14 @@ def topk_ties(device: str, quick: bool = False) -> dict:
         for _ in range(trials):
             x = torch.randint(-2, 3, (n, n), generator=g, device=dev).float()
             x = x.masked_fill(torch.ones(n, n, dtype=torch.bool, device=dev).triu(1), float("-inf"))
-            whole = x.topk(k, dim=-1).indices.sort(-1).values
+            whole = chosen(x, 0)
             for start in (0, n // 2, n - c):
                 for rows in (c, 1):
-                    part = x[start:start + rows].clone().topk(k, dim=-1).indices.sort(-1).values
+                    part = chosen(x[start:start + rows].clone(), start)
                     out["rows_differing"] += int((whole[start:start + rows] != part).any(-1).sum())
                     out["rows_compared"] += rows
             if dev.type != "cpu":
-                cpu = x[n - c:].cpu().topk(k, dim=-1).indices.sort(-1).values
+                cpu = chosen(x[n - c:].cpu(), n - c)
                 out["rows_differing_from_cpu"] += int((whole[n - c:].cpu() != cpu).any(-1).sum())
                 out["rows_vs_cpu"] += c
     return out
