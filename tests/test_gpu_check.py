@@ -155,6 +155,10 @@ def test_backend_recorder_names_the_backend_torch_runs():
         pass
     assert rec.counts() == {"forced": {"MATH/float32": 1}, "outside": {},
                             "direct": {"_scaled_dot_product_flash_attention_for_cpu (called directly)/float32": 1}}
+    on_cuda = BackendRecorder("cuda")  # a CUDA run's baseline stood in for on the CPU (verify.tolerances.STAND_INS)
+    with on_cuda.role("baseline"), sdpa_kernel(SDPBackend.MATH):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert on_cuda.counts() == {"baseline": {"MATH on cpu/float32": 1}}
 
 
 def test_bfloat16_expected_results_travel_exactly():
@@ -289,3 +293,15 @@ def test_fla_is_compiled_beside_the_steps_and_stopped_before_a_timed_one(tmp_pat
         assert warm["data"]["planned"] == len(warm["data"]["cases"]) == 2 and warm["data"]["fla"].startswith("emulated")
         assert all(c["status"] == "pass" for c in warm["data"]["cases"])
     assert "[warm, beside the steps]" in (tmp_path / "summary.txt").read_text()
+
+
+def test_fla_warm_stopped_by_the_check_is_no_crash(tmp_path):
+    """Stopped before a timed step while still running, ``warm`` reads ``stopped``, with no error of a crash (its
+    process was killed by the check, not failed)."""
+    from verify.gpu import harness
+
+    harness.run_check(tmp_path, device="cpu", quick=True, steps=["kernels"], background=["warm"])
+    warm = json.loads((tmp_path / "report.json").read_text())["background"]["warm"]
+    assert warm["status"] == "stopped" and "error" not in warm and "log_tail" not in warm, warm
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "[warm, beside the steps] STOPPED" in summary and "exited with code" not in summary

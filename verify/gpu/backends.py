@@ -60,14 +60,16 @@ def fully_masked_rows(args: tuple, kwargs: dict) -> int:
 
 
 class _Mode(TorchFunctionMode):
-    def __init__(self, counts: Counter) -> None:
+    def __init__(self, counts: Counter, device: str | None = None) -> None:
         super().__init__()
-        self.counts = counts
+        self.counts, self.device = counts, device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _SDPA:
-            self.counts[f"{_backend_name(args, kwargs)}/{args[0].dtype}".replace("torch.", "")] += 1
+            where = args[0].device.type
+            elsewhere = f" on {where}" if self.device is not None and where != self.device else ""  # a stand-in's
+            self.counts[f"{_backend_name(args, kwargs)}{elsewhere}/{args[0].dtype}".replace("torch.", "")] += 1
             empty = fully_masked_rows(args, kwargs)
             if empty:
                 self.counts["fully masked rows"] += empty
@@ -90,12 +92,15 @@ class BackendRecorder:
     expected: see :func:`fully_masked_rows`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | None = None) -> None:
+        """``device``: the run's device type; a call on another one (a baseline stood in for there,
+        :data:`verify.tolerances.STAND_INS`) is counted as ``BACKEND on <device>/dtype``."""
         self._counts: dict[str, Counter] = {}
+        self.device = device
 
     @contextlib.contextmanager
     def role(self, name: str) -> Iterator[None]:
-        with _Mode(self._counts.setdefault(name, Counter())):
+        with _Mode(self._counts.setdefault(name, Counter()), self.device):
             yield
 
     def counts(self) -> dict[str, dict[str, int]]:

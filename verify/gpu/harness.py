@@ -160,18 +160,19 @@ def _summary_lines(report: dict) -> list[str]:
             f"{' (' + env['gpu'] + ')' if env.get('gpu') else ''}, torch {env.get('torch', '?')}, "
             f"{'quick sizes' if report['quick'] else 'full sizes'}; commit {report.get('commit') or 'unknown'}")
     lines = [head, f"started {report['started_utc']}; report: report.json, logs: logs/"]
+    def body(name: str, rec: dict) -> list[str]:
+        try:
+            got = ["  " + ln for ln in importlib.import_module(f"verify.gpu.{name}").summarize(rec.get("data", {}))]
+        except Exception as exc:  # noqa: BLE001 - a partial record may lack fields; the JSON has everything
+            got = [f"  (summary unavailable: {type(exc).__name__}: {exc})"]
+        return got + (["  error: " + rec["error"].strip().splitlines()[-1]] if rec.get("error") else [])
+
     for name, rec in report["steps"].items():
         lines.append("")
         lines.append(f"[{name}] {rec['status'].upper()} in {rec.get('seconds', 0):.1f} s (deadline {rec.get('deadline_s', 0):.0f} s)")
-        try:
-            lines += ["  " + ln for ln in importlib.import_module(f"verify.gpu.{name}").summarize(rec.get("data", {}))]
-        except Exception as exc:  # noqa: BLE001 - a partial record may lack fields; the JSON has everything
-            lines.append(f"  (summary unavailable: {type(exc).__name__}: {exc})")
-        if rec.get("error"):
-            lines.append("  error: " + rec["error"].strip().splitlines()[-1])
+        lines += body(name, rec)
     for name, rec in report.get("background", {}).items():
-        lines += ["", f"[{name}, beside the steps] {rec['status'].upper()}"]
-        lines += ["  " + ln for ln in importlib.import_module(f"verify.gpu.{name}").summarize(rec.get("data", {}))]
+        lines += ["", f"[{name}, beside the steps] {rec['status'].upper()}"] + body(name, rec)
     return lines
 
 
@@ -225,8 +226,10 @@ def run_check(out: Path | str, *, device: str | None = None, quick: bool = False
             timed_out = proc.poll() is None
             _stop(proc)
             rec = _record(out, proc, result_file, log, t_b, total, False)
-            if timed_out:  # stopped by the check, not failed: what it did is kept
+            if timed_out:  # stopped by the check, not failed (no crash to report): what it did is kept
                 rec["status"] = "stopped"
+                rec.pop("error", None)
+                rec.pop("log_tail", None)
             report["background"][b] = rec
         started.clear()
 

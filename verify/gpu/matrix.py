@@ -123,7 +123,7 @@ def run(ctx: StepContext) -> str:
     todo = cases(ctx.quick)
     ctx.data.update(planned=len(todo), run=0, failed_cases=0, dtypes={})
     results: dict[str, list[CaseResult]] = {d: [] for d in DTYPES}
-    recorders = {d: BackendRecorder() for d in DTYPES}
+    recorders = {d: BackendRecorder(ctx.device) for d in DTYPES}  # a baseline stood in for on the CPU: "... on cpu"
     for case in todo:
         if ctx.time_left() <= 0:
             ctx.data["stopped"] = f"step deadline near: {ctx.data['run']} of {len(todo)} cases run"
