@@ -3,8 +3,10 @@ reports a step that raises, hangs or dies while the next step still runs."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -305,3 +307,61 @@ def test_fla_warm_stopped_by_the_check_is_no_crash(tmp_path):
     assert warm["status"] == "stopped" and "error" not in warm and "log_tail" not in warm, warm
     summary = (tmp_path / "summary.txt").read_text()
     assert "[warm, beside the steps] STOPPED" in summary and "exited with code" not in summary
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _gone(pid: int, within: float = 60.0) -> bool:
+    """Whether process ``pid`` has exited (or is a zombie) before ``within`` seconds pass."""
+    from verify.pool import _alive
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _step_of(check: subprocess.Popen, within: float = 60.0) -> int:
+    """The pid of the step process the check started (``python -m verify.gpu STEP``)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        for pid in _children(check.pid):
+            try:
+                if b"verify.gpu" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+            except OSError:
+                pass
+        time.sleep(0.2)
+    raise AssertionError("the check started no step")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc (Linux)")
+def test_no_step_outlives_the_check_stopped_by_sigterm_or_killed(tmp_path):
+    """A launcher's timeout (SIGTERM) ends the check through its cleanup, which stops the running step; a check killed
+    outright (SIGKILL) cannot clean up, and its step, watching it, exits by itself."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "verify", "gpu", "--device", "cpu", "--quick", "--steps", "env", "--inject", "env=hang"]
+    for sig, rc in ((signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)):
+        check = subprocess.Popen([*cmd, "--out", str(tmp_path / sig.name)], cwd=ROOT, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            step = _step_of(check)
+            check.send_signal(sig)
+            assert check.wait(timeout=60) == rc
+            assert _gone(step), f"the step {step} outlived the check ({sig.name})"
+        finally:
+            check.kill()

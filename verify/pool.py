@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["PoolError", "PoolsByWorld", "TaskFailure", "WorkerPool", "cores_here", "yield_cores_to_workers"]
+__all__ = ["PoolError", "PoolsByWorld", "TaskFailure", "WorkerPool", "cores_here", "watch_parent", "yield_cores_to_workers"]
 
 _GRACE_S = 2.0  # after one rank fails, how long the others get to report before the group is killed
 
@@ -87,9 +87,10 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the parent is gone, so that no worker outlives its run (a forked worker's own parent is the fork
-    server, so the pool's parent is watched by its pid)."""
+def watch_parent(parent_pid: int) -> None:
+    """Exit this process when process ``parent_pid`` is gone (run it in a daemon thread), so that no worker outlives
+    its run: a pool's workers watch the pool's parent (a forked worker's own parent is the fork server, so the pool's
+    parent is watched by its pid), the GPU check's steps the check."""
     while True:
         if not _alive(parent_pid):
             os._exit(3)
@@ -99,7 +100,7 @@ def _watch_parent(parent_pid: int) -> None:
 def _worker_main(rank: int, world: int, store_path: str, backend: str, conn: Connection, progress, threads: int,
                  parent_pid: int, timeout_s: float, init: Callable[[], None] | None, device_type: str,
                  environ: dict[str, str]) -> None:
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     # the parent's environment when the pool started (a forked worker would otherwise see the fork server's)
     os.environ.clear()
     os.environ.update(environ)

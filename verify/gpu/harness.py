@@ -119,7 +119,8 @@ def _run_step(name: str, out: Path, work: Path, device: str, quick: bool, second
         timed_out = False
     except subprocess.TimeoutExpired:
         timed_out = True
-    _stop(proc)
+    finally:  # the check interrupted (Ctrl-C, SIGTERM) while waiting: the step goes with it
+        _stop(proc)
     return _record(out, proc, result_file, log, t0, seconds, timed_out)
 
 
@@ -265,6 +266,9 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(p)
         args = p.parse_args(given[1:])
+    # a SIGTERM (a launcher's timeout) ends the check through run_check's cleanup, which stops every step and
+    # background process it started (they also exit when the check is gone: verify.pool.watch_parent)
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         deadlines = {k: _seconds(v) for k, v in _pairs(args.deadline, "--deadline").items()}
         return run_check(args.out, device=args.device, quick=args.quick, steps=[s.strip() for s in args.steps.split(",") if s.strip()],
@@ -273,3 +277,9 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
     except ValueError as exc:
         print(f"verify gpu: {exc}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)

@@ -11,11 +11,14 @@ import argparse
 import importlib
 import json
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..pool import watch_parent
 
 __all__ = ["BACKGROUND", "INJECTIONS", "STEPS", "StepContext", "main"]
 
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, required=True, help="the step's hard deadline, seconds from now")
     p.add_argument("--inject", choices=INJECTIONS)
     args = p.parse_args(argv)
+    # the check that started this step is its parent: if it is gone (killed, even by SIGKILL), so is the step
+    threading.Thread(target=watch_parent, args=(os.getppid(),), daemon=True).start()
     # keep a margin before the hard deadline for the last piece of work and the final write
     margin = min(30.0, 0.2 * args.seconds)
     ctx = StepContext(args.device, args.quick, time.monotonic() + args.seconds - margin, Path(args.out))
