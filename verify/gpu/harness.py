@@ -161,7 +161,8 @@ def _summary_lines(report: dict) -> list[str]:
             f"{' (' + env['gpu'] + ')' if env.get('gpu') else ''}, torch {env.get('torch', '?')}, "
             f"{'quick sizes' if report['quick'] else 'full sizes'}; commit {report.get('commit') or 'unknown'}")
     lines = [head, f"started {report['started_utc']}; report: report.json, logs: logs/"]
-    def body(name: str, rec: dict) -> list[str]:
+
+    def body(name: str, rec: dict) -> list[str]:  # a step's or a background process's summary and error
         try:
             got = ["  " + ln for ln in importlib.import_module(f"verify.gpu.{name}").summarize(rec.get("data", {}))]
         except Exception as exc:  # noqa: BLE001 - a partial record may lack fields; the JSON has everything
