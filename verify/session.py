@@ -174,10 +174,6 @@ class Session(PoolsByWorld):
         for kind in KINDS:
             timing.setdefault(f"run_{kind}", 0.0)
             timing.setdefault(f"cases_{kind}", 0)
-        try:
-            pool.start()  # not counted in the throughput
-        except Exception:  # noqa: BLE001 - reported per case below
-            pass
         run_before, t_run = timing["run"], time.perf_counter()
         parent_before, cpu_run = timing["parent_cpu"], time.process_time()
         t_last = t_run
@@ -196,11 +192,11 @@ class Session(PoolsByWorld):
             if nxt < len(cases) and len(inflight) < self.chunk:  # keep the workers' queue full
                 hi = min(nxt + (min(FIRST_CHUNK, self.chunk) if nxt == 0 else self.chunk), len(cases))
                 prepare(nxt, hi)
-                if not pool.alive:  # a fresh group after a failure: its start is left out of the span, as the first's
+                if not pool.alive:  # a group's start (the first, or a fresh one after a failure) is left out of the span
                     w0, c0 = time.perf_counter(), time.process_time()
                     try:
                         pool.start()
-                    except Exception:  # noqa: BLE001 - raised again by submit below, and reported
+                    except Exception:  # noqa: BLE001 - raised again by submit below, and reported per case
                         pass
                     waited = time.perf_counter() - w0
                     t_run, t_last, cpu_run = t_run + waited, t_last + waited, cpu_run + time.process_time() - c0

@@ -55,7 +55,7 @@ def topk_ties(device: str, quick: bool = False) -> dict:
     counts as ``-1`` whichever it is. ``rows_differing`` counts the rows where it was not; ``rows_differing_from_cpu``
     (on CUDA) the rows of the chunks where the CPU kept others."""
 
-    def chosen(scores: Tensor, first: int) -> Tensor:  # sorted; later keys as -1, as blockdiag_dist.sparse._select
+    def chosen(scores: Tensor, first: int, k: int) -> Tensor:  # sorted; later keys as -1, as sparse._select reads them
         idx = scores.topk(k, dim=-1).indices
         row = first + torch.arange(scores.shape[0], device=idx.device)[:, None]
         return torch.where(idx <= row, idx, -1).sort(-1).values
@@ -70,14 +70,14 @@ def topk_ties(device: str, quick: bool = False) -> dict:
         for _ in range(trials):
             x = torch.randint(-2, 3, (n, n), generator=g, device=dev).float()
             x = x.masked_fill(torch.ones(n, n, dtype=torch.bool, device=dev).triu(1), float("-inf"))
-            whole = chosen(x, 0)
+            whole = chosen(x, 0, k)
             for start in (0, n // 2, n - c):
                 for rows in (c, 1):
-                    part = chosen(x[start:start + rows].clone(), start)
+                    part = chosen(x[start:start + rows].clone(), start, k)
                     out["rows_differing"] += int((whole[start:start + rows] != part).any(-1).sum())
                     out["rows_compared"] += rows
             if dev.type != "cpu":
-                cpu = chosen(x[n - c:].cpu(), n - c)
+                cpu = chosen(x[n - c:].cpu(), n - c, k)
                 out["rows_differing_from_cpu"] += int((whole[n - c:].cpu() != cpu).any(-1).sum())
                 out["rows_vs_cpu"] += c
     return out

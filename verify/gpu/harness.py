@@ -125,7 +125,8 @@ def _run_step(name: str, out: Path, work: Path, device: str, quick: bool, second
 
 
 def _record(out: Path, proc: subprocess.Popen, result_file: Path, log: Path, t0: float, seconds: float,
-            timed_out: bool) -> dict:
+            timed_out: bool, stopped: bool = False) -> dict:
+    """``stopped``: a background process the check killed before it finished (no failure of its own)."""
     record: dict = {"seconds": round(time.monotonic() - t0, 2), "deadline_s": seconds, "returncode": proc.returncode,
                     "log": str(log.relative_to(out))}
     try:
@@ -136,6 +137,8 @@ def _record(out: Path, proc: subprocess.Popen, result_file: Path, log: Path, t0:
     if timed_out:
         record["status"] = "timeout"
         record["error"] = f"did not finish within its deadline of {seconds:.0f} s; killed (what it saved is kept)"
+    elif stopped:
+        record["status"] = "stopped"
     elif saved.get("status") in (None, "running"):
         record["status"] = "crash"
         record["error"] = f"the step's process exited with code {proc.returncode} before reporting"
@@ -143,7 +146,7 @@ def _record(out: Path, proc: subprocess.Popen, result_file: Path, log: Path, t0:
         record["status"] = saved["status"]
         if saved.get("error"):
             record["error"] = saved["error"]
-    if record["status"] not in OK:
+    if record["status"] not in (*OK, "stopped"):
         record["log_tail"] = _tail(log)
     return record
 
@@ -225,14 +228,9 @@ def run_check(out: Path | str, *, device: str | None = None, quick: bool = False
 
     def stop_background() -> None:
         for b, (proc, result_file, log, t_b) in started.items():
-            timed_out = proc.poll() is None
-            _stop(proc)
-            rec = _record(out, proc, result_file, log, t_b, total, False)
-            if timed_out:  # stopped by the check, not failed (no crash to report): what it did is kept
-                rec["status"] = "stopped"
-                rec.pop("error", None)
-                rec.pop("log_tail", None)
-            report["background"][b] = rec
+            running = proc.poll() is None
+            _stop(proc)  # what it did is kept
+            report["background"][b] = _record(out, proc, result_file, log, t_b, total, False, stopped=running)
         started.clear()
 
     try:
