@@ -95,7 +95,8 @@ def _launch(name: str, out: Path, work: Path, device: str, quick: bool, seconds:
     """Start a step (or a background module) in its own process group: ``(process, its JSON file, its log, start)``."""
     result_file, log = work / f"{name}.json", out / "logs" / f"{name}.log"
     cmd = [sys.executable, "-m", "verify.gpu", name, "--out", str(result_file), "--device", device,
-           "--seconds", f"{seconds:.1f}", *(["--quick"] if quick else []), *(["--inject", inject] if inject else [])]
+           "--seconds", f"{seconds:.1f}", "--check-pid", str(os.getpid()), *(["--quick"] if quick else []),
+           *(["--inject", inject] if inject else [])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     env.setdefault("TRITON_F32_DEFAULT", "ieee")  # float32 tl.dot in IEEE float32, not TF32 (fla; see mixers.py)
     with open(log, "w") as log_file:

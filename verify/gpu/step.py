@@ -64,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seconds", type=float, required=True, help="the step's hard deadline, seconds from now")
     p.add_argument("--inject", choices=INJECTIONS)
+    p.add_argument("--check-pid", type=int, default=None,
+                   help="the check that started this step (default: the parent process); the step exits when it is gone")
     args = p.parse_args(argv)
-    # the check that started this step is its parent: if it is gone (killed, even by SIGKILL), so is the step
-    threading.Thread(target=watch_parent, args=(os.getppid(),), daemon=True).start()
+    # if the check is gone (killed, even by SIGKILL), so is the step; named by its pid, as a check killed before this
+    # line ran leaves the step another parent
+    check = os.getppid() if args.check_pid is None else args.check_pid
+    threading.Thread(target=watch_parent, args=(check,), daemon=True).start()
     # keep a margin before the hard deadline for the last piece of work and the final write
     margin = min(30.0, 0.2 * args.seconds)
     ctx = StepContext(args.device, args.quick, time.monotonic() + args.seconds - margin, Path(args.out))
