@@ -210,10 +210,12 @@ def _dsa(query: Tensor, latent: Tensor, expand, topk: int, index: DsaIndex | Non
                 o = explicit_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale=scale, sinks=sinks,
                                        dropout_p=dropout_p)
             out[p.row, l0:l1] = o[0].transpose(0, 1)
-    # the exchange, the query and the sinks stay in the graph on a rank whose rows use none of them (padding only):
-    # the exchange's backward collective runs on every rank, the query and the sinks get their (zero) gradients (an
-    # empty slice's sum: exactly 0, whatever the tensors hold)
-    unused = buf[:0].sum() + query.reshape(-1)[:0].sum() + (0 if sinks is None else sinks[:0].sum())
+    # the exchange, the query, the expanded keys and values and the sinks stay in the graph on a rank whose rows use
+    # none of them (padding only): the exchange's backward collective runs on every rank, and the query, the sinks
+    # and the weights of ``expand`` get their (zero) gradients on every rank, as a data-parallel reduction over the
+    # ranks needs (an empty slice's sum: exactly 0, whatever the tensors hold)
+    unused = (buf[:0].sum() + query.reshape(-1)[:0].sum() + keys_all.reshape(-1)[:0].sum()
+              + values_all.reshape(-1)[:0].sum() + (0 if sinks is None else sinks[:0].sum()))
     out = out + unused.to(out.dtype)
     bind(out, (query, latent) + (() if sinks is None else (sinks,)), state)
     return out.transpose(1, 2), sel_out

@@ -77,6 +77,9 @@ MUTANT_CASES = {
     "mixer_history_wrong_rank": [case("two-rows", 3, "conv", layout="balanced", dtype="float32"),
                                  SHORT_PIECES],
     "mixer_topk_over_row": [case("many-short", 1, "sparse", width=2), case("two-rows", 3, "sparse", width=2, layout="balanced")],
+    # right in the sum over the ranks; the rank of padding only gives the expansion's weights no gradient
+    "mixer_expand_unused": [case("padding-rank", 4, "sparse", width=3, dtype="float32"),
+                            case("padding-rank", 3, "sparse", width=2, layout="auto")],
 }
 
 

@@ -20,7 +20,7 @@ from blockdiag_ref import DocLayout
 from .cases import Case
 from .tolerances import judge
 
-__all__ = ["Metrics", "impl_batch", "summed_over_ranks"]
+__all__ = ["Metrics", "failed_row_text", "impl_batch", "summed_over_ranks"]
 
 
 def impl_batch(case: Case, inputs: dict[str, Tensor], x: Tensor, device: torch.device) -> dict[str, Any]:
@@ -53,6 +53,15 @@ def summed_over_ranks(per_rank: list[dict], label: str, like: Tensor) -> Tensor 
     for p in parts[1:]:
         total += p
     return torch.from_numpy(total).view_as(like)
+
+
+def failed_row_text(name: str, row: dict[str, Any]) -> str:
+    """One failed quantity in words: ``dq: err 3e-05 > limit 1e-06 on rank 1``, with its reason when it has one; a
+    row failed for its reason alone (its error within the limit) says that first."""
+    err, limit, rank, why = row["err"], row["limit"], row.get("rank"), row.get("why")
+    if why and err <= limit:
+        return f"{name}: {why}, on rank {rank} (err {err:.3g} within limit {limit:.3g})"
+    return f"{name}: err {err:.3g} > limit {limit:.3g} on rank {rank}" + (f" ({why})" if why else "")
 
 
 class Metrics:
@@ -92,6 +101,17 @@ class Metrics:
         self.rows[name] = {"err": err, "scale": scale, "limit": limit, "ok": ok, "base": base_err}
         if by_backend:
             self.rows[name].update(base_backend=worst, base_by_backend=by_backend, inherited=by_backend.get(used))
+
+    def on_every_rank(self, label: str, per_rank: list[dict]) -> None:
+        """A parameter's gradient must reach it on every rank, 0 where the rank's rows do not use it: each CP
+        rank's gradient is a partial sum reduced over the ranks by the data-parallel wrapper, and DDP (without
+        ``find_unused_parameters``) and FSDP reduce the parameters that have a gradient, so a rank without one
+        stops or breaks that reduction. Fails the row ``label`` naming the ranks whose part of it never
+        received a gradient (no rank at all is :meth:`close`'s "no gradient reached it")."""
+        missing = [info.get("rank", r) for r, info in enumerate(per_rank) if info["partials"].get(label) is None]
+        if missing and len(missing) < len(per_rank):
+            self.rows[label].update(ok=False, why=f"no gradient on rank(s) {missing} of {len(per_rank)}: each rank must "
+                                                 "give every parameter one, 0 where its rows do not use it")
 
     def exact_zero(self, name: str, got: Tensor | None) -> None:
         if got is None:

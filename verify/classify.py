@@ -30,6 +30,7 @@ from torch import Tensor
 from blockdiag_ref import DocLayout
 
 from .adapters import OURS, Conventions
+from .case_io import failed_row_text
 from .cases import Case
 from .session import CaseResult
 
@@ -146,8 +147,7 @@ def _failing(result: CaseResult, exempt: tuple[str, ...]) -> list[str]:
 def _numbers(result: CaseResult, names: list[str], most: int = 4) -> str:
     """The worst failing quantities (by error over limit), with their numbers."""
     rows = sorted(names, key=lambda n: -result.metrics[n]["err"] / max(result.metrics[n]["limit"], 1e-300))
-    parts = [f"{n}: err {result.metrics[n]['err']:.3g} > limit {result.metrics[n]['limit']:.3g} "
-             f"(rank {result.metrics[n].get('rank')})" for n in rows[:most]]
+    parts = [failed_row_text(n, result.metrics[n]) for n in rows[:most]]
     return "; ".join(parts) + (f"; +{len(rows) - most} more" if len(rows) > most else "")
 
 

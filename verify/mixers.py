@@ -193,4 +193,6 @@ def mixer_summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> di
         got = summed_over_ranks(per_rank, label, ref[key])
         bases = None if base is None else {b: r[key] for b, r in base.items()}
         m.close(label, got, ref[key], bases, w_scale if label.startswith("dW") else 0.0)
+        if label.startswith("dW"):
+            m.on_every_rank(label, per_rank)
     return m.rows

@@ -563,6 +563,8 @@ def summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> dict[str
         got = summed_over_ranks(per_rank, label, ref[key])
         bases = None if base is None else {b: r[key] for b, r in base.items()}
         m.close(label, got, ref[key], bases, w_scale if key.startswith("dw") else 0.0, used)
+        if label.startswith("dW") or label == "dsinks":
+            m.on_every_rank(label, per_rank)
     return m.rows
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .case_io import failed_row_text
 from .cases import Case
 from .exchange_check import exchange_metrics
 from .pool import PoolsByWorld, TaskFailure, WorkerPool
@@ -66,11 +67,7 @@ def merge_ranks(case: Case, per_rank: Sequence[dict], expected: dict, seconds: f
             if not row["ok"] and rank != "sum":
                 bad_ranks.add(rank)
     failed = sorted(n for n, r in metrics.items() if not r["ok"])
-    details = "; ".join(
-        f"{n}: err {metrics[n]['err']:.3g} > limit {metrics[n]['limit']:.3g} on rank {metrics[n]['rank']}"
-        + (f" ({metrics[n]['why']})" if metrics[n].get("why") else "")
-        for n in failed
-    )
+    details = "; ".join(failed_row_text(n, metrics[n]) for n in failed)
     modes = {info.get("mode") for info in per_rank}
     return CaseResult(
         backends=backends_used(case, expected),

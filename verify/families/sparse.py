@@ -7,8 +7,9 @@ document prefix -> attention over them -> ``Wo`` -> summed cross-entropy.
 
 The latents and indexer keys of earlier ranks travel in the attention's exchange (``state.traffic``, not the
 mixers'): the spec checks that each forward received exactly the needed tokens' ``D + 2 + D`` elements (halo or
-all-to-all; an all-gather is not needed-only). Planted bug: the indexer's top-k over the row's earlier tokens, not
-the query's document (``topk_over_row``)."""
+all-to-all; an all-gather is not needed-only). Planted bugs: the indexer's top-k over the row's earlier tokens, not
+the query's document (``topk_over_row``); the expanded keys and values out of the graph on a rank whose rows use
+none of them, so that the expansion's weights get no gradient there (``expand_unused``)."""
 
 from __future__ import annotations
 
@@ -118,11 +119,30 @@ def _topk_over_row():
     return dsa_attention
 
 
+def _expand_unused():
+    from blockdiag_dist.mixers._common import active_state
+    from blockdiag_dist.sparse import _dsa, _pieces
+
+    def dsa_attention(query: Tensor, latent: Tensor, expand, *, topk: int, index=None, selection=None, scale=None,
+                      dropout_p: float = 0.0, state=None):
+        """A rank holding no piece (padding only) expands the keys it received outside the graph: the sum over
+        the ranks is right, the rank gives ``expand``'s weights no gradient."""
+        state = active_state(state, query, "dsa_attention")
+
+        def detached_here(rows: Tensor) -> tuple[Tensor, Tensor]:
+            keys, values = expand(rows)
+            return (keys.detach(), values.detach()) if not state.docs.pieces else (keys, values)
+
+        return _dsa(query, latent, detached_here, topk, index, selection, scale, dropout_p, state, _pieces)
+
+    return dsa_attention
+
+
 SPEC = MixerSpec(
     layer="sparse", inputs=("q", "latent"), weight_names=("wq", "wl", "wk", "wv", "wo"), weights=_weights,
     block=_block, reference_mix=_reference_mix, impl_mix=_impl_mix, received=_received, exchange="keys",
     check_exchange=_check_exchange,
     label=lambda case: f"dsa top{case.width} {case.hq}x{case.dim} idx{case.hkv}",
     args=lambda case: ["--width", str(case.width)],
-    mutants={"topk_over_row": _topk_over_row},
+    mutants={"topk_over_row": _topk_over_row, "expand_unused": _expand_unused},
 )

@@ -41,6 +41,7 @@ indexer.
 | `mixer_ssd_no_decay`       | the SSD's fold drops the transitions (a state crossing a piece held elsewhere is not decayed) | fail |
 | `mixer_decay_per_rank`     | KDA's and lightning attention's decay counted from the rank's first row: a continuing piece's entering state decays too much | fail |
 | `mixer_topk_over_row`      | DeepSeek Sparse Attention's indexer picks its top-k among the row's earlier tokens, not the document's (NeMo Automodel's packed path) | fail |
+| `mixer_expand_unused`      | DeepSeek Sparse Attention's rank of padding only expands the keys it received outside the graph: right in the sum over the ranks, no gradient for the expansion's weights on that rank | fail |
 | `mixer_scan_decay_per_rank` | the selective scan's entering state decayed by every token the rank holds before the piece in its row (per rank, not per document) | fail |
 
 Classed by ``verify.classify`` (as third-party code is): ``off_by_one``, ``no_grad_reduce``,

@@ -27,6 +27,8 @@ MIXER_BUGS = {
                       "a continuing document's entering state is also decayed by the tokens the rank holds before it",
     "topk_over_row": "the DSA indexer's candidates are the row's earlier tokens (a global causal mask, as NeMo Automodel's "
                      "packed path), not the query's document: top-k slots and attention go to other documents",
+    "expand_unused": "a DSA rank whose rows use none of the keys it received (padding only) expands them outside the "
+                     "graph: the sum over the ranks is right, the expansion's weights get no gradient on that rank",
     "scan_decay_per_rank": "the selective scan's entering state is decayed per rank, not per document: by every token "
                            "the rank holds before the piece in its row, other documents' included",
 }
