@@ -47,7 +47,8 @@ class Compression:
     tokens per window, ``overlap`` (``C = 2 D``: entry ``w`` pools window ``w - 1``'s first half with window
     ``w``'s second half), ``position_bias [rate, C]`` (added to the gate per slot of a window), ``finish``:
     ``(pooled [1, T, D], positions int64 [1, T]) -> entries [1, T, D]`` (the layer's norm and rotary embedding;
-    ``positions`` are the windows' first in-document positions), and ``pool_dtype`` (the gate softmax's dtype:
+    ``positions`` are the windows' first in-document positions; also called on no entry, ``[1, 0, width]``, so that
+its weights get a gradient on every rank), and ``pool_dtype`` (the gate softmax's dtype:
     float32 in DeepSeek-V4 whatever the model's)."""
 
     kv: Tensor
@@ -227,8 +228,14 @@ def compressed_attention(
             probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
             probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0).to(keys.dtype)
             out[p.row, l0:l1] = torch.matmul(probs, keys).transpose(0, 1)
-    # the exchange and the inputs stay in the graph on a rank whose rows use none of them (padding only): the
-    # exchange's backward collective runs on every rank (an empty slice's sum: exactly 0)
-    out = out + (buf[:0].sum() + query.reshape(-1)[:0].sum() + sinks[:0].sum()).to(out.dtype)
+    # the exchange, the inputs and the compressor stay in the graph on a rank whose rows use none of them (padding
+    # only; documents without a complete window): the exchange's backward collective runs on every rank, and the
+    # position bias and the weights of ``finish`` get their (zero) gradient there, as a data-parallel reduction over
+    # the ranks needs (an empty slice's sum: exactly 0)
+    width = c.kv.shape[-1] // 2 if c.overlap else c.kv.shape[-1]
+    no_entry = c.finish(buf.new_zeros((1, 0, width)), torch.zeros(1, 0, dtype=torch.int64, device=buf.device))
+    unused = (buf[:0].sum() + query.reshape(-1)[:0].sum() + sinks[:0].sum() + c.position_bias[:0].sum()
+              + no_entry[:, :0].sum())
+    out = out + unused.to(out.dtype)
     bind(out, (query, kv), state)
     return out.transpose(1, 2)

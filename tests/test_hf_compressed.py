@@ -116,6 +116,28 @@ def test_primitive_matches_its_reference_padding_rows_zero():
     assert (dense - ref).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("ids", [[[0] * 8], [[1, 1, 2, 2, 2, 3, 0, 0]]], ids=["padding-only", "no-complete-window"])
+def test_every_input_and_weight_gets_a_gradient_where_the_rows_use_none(ids):
+    """A rank whose rows use no compressed entry (padding only; documents shorter than the rate) still gives the
+    compressor's inputs, its position bias and the weights of its ``finish`` a gradient, exactly 0 where unused: the
+    trainer's data-parallel reduction over the ranks waits for every parameter on every rank."""
+    ids = torch.tensor(ids)
+    B, S, H, D, Hi, Di, rate = 1, ids.shape[1], 2, 4, 2, 4, 4
+    (q, kv, sinks, ckv, cgate, bias), _ = _inputs(B, S, H, D, Hi, Di, rate, torch.Generator().manual_seed(5))
+    gain = torch.ones(D, dtype=torch.float64, requires_grad=True)  # a weight of the layer's finish (its norm's)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.zeros_like(ids), "_packed_seq_ids": ids})
+    with ctx():
+        comp = Compression(kv=ckv, gate=cgate, rate=rate, overlap=True, position_bias=bias,
+                           finish=lambda pooled, positions: _finish(pooled, positions) * gain, pool_dtype=torch.float64)
+        out = compressed_attention(q, kv, sinks, window=2, compression=comp)
+    leaves = (q, kv, sinks, ckv, cgate, bias, gain)
+    got = torch.autograd.grad(out.sum(), leaves, allow_unused=True)
+    names = ("q", "kv", "sinks", "comp kv", "comp gate", "position_bias", "finish's weight")
+    assert [n for n, g in zip(names, got) if g is None] == []
+    for name, g in zip(names[5:], got[5:]):
+        assert not g.any(), name
+
+
 def test_under_a_step_a_mask_or_a_cache_is_refused_and_compressors_elsewhere_stay_refused():
     model = build_tiny_dsv4()
     attn = model.model.layers[0].self_attn
