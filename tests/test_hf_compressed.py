@@ -138,6 +138,26 @@ def test_every_input_and_weight_gets_a_gradient_where_the_rows_use_none(ids):
         assert not g.any(), name
 
 
+def test_fsdp_over_the_cp_ranks_where_a_rank_makes_no_complete_window(pools):
+    """The step a trainer takes: FSDP2 reduces each rank's gradients over the CP ranks, and every rank must give the
+    same parameters a gradient (on gloo a parameter missing on one rank aborts the ranks: ``Received data size
+    doesn't match expected size``). Ranks 2 and 3 hold documents of 2-3 tokens only, shorter than every compression
+    rate: they still give the compressors' position biases and norms their zero gradient. The loss and every
+    gradient equal each document run alone on one device; the indexer's weights have no gradient on any rank, as in
+    stock transformers."""
+    from mp_checks import fsdp_step
+
+    from verify.model.sparse import dsa_docs
+
+    lengths = (16, 16, 3, 3, 2, 3, 3, 2, 3, 3)  # 54 of 64 positions; rank r of 4 holds positions 16r .. 16r + 15
+    per_rank = pools(4).run(fsdp_step, ("deepseek_v4", lengths), timeout=TIMEOUT, name="fsdp deepseek_v4 cp4")
+    without = {tuple(r["without_gradient"]) for r in per_rank}
+    assert len(without) == 1 and all(".indexer." in n for n in next(iter(without))), without
+    c = compare(truth(dsa_docs(lengths=lengths)), per_rank[0]["step"], build_tiny_dsv4(), FLOAT64_LIMIT)
+    bad = [f"{n} {e:.1e}" for n, e in c.per_param.items() if e > FLOAT64_LIMIT]
+    assert c.loss_rel <= FLOAT64_LIMIT and not bad, (c.loss_rel, bad, c.summary())
+
+
 def test_under_a_step_a_mask_or_a_cache_is_refused_and_compressors_elsewhere_stay_refused():
     model = build_tiny_dsv4()
     attn = model.model.layers[0].self_attn

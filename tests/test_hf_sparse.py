@@ -108,6 +108,25 @@ def test_cp_matches_each_document_alone(pools, cp):
     check_runs(pools, cp, CP_RUNS[cp])
 
 
+def test_fsdp_over_the_cp_ranks_with_a_rank_of_padding_only(pools):
+    """The step a trainer takes: FSDP2 reduces each rank's gradients over the CP ranks, and every rank must give
+    the same parameters a gradient (with a parameter missing on one rank, FSDP's reduce-scatter sizes differ: on
+    gloo the ranks abort, ``Received data size doesn't match expected size``). Rank 3 holds padding only and uses
+    none of the latents it could receive; it still gives ``kv_b_proj`` (the expansion) its zero gradient. The loss
+    and every gradient equal each document run alone on one device; the indexer's weights have no gradient on any
+    rank, as in stock transformers (no indexer loss)."""
+    from mp_checks import fsdp_step
+
+    family, lengths = "deepseek_v32", (20, 9, 11)  # 40 of 64 positions: rank 3 of 4 holds positions 48-63
+    per_rank = pools(4).run(fsdp_step, (family, lengths), timeout=TIMEOUT, name="fsdp deepseek_v32 cp4")
+    assert [r["padding_only"] for r in per_rank] == [False, False, False, True]
+    without = {tuple(r["without_gradient"]) for r in per_rank}
+    assert len(without) == 1 and all(".indexer." in n for n in next(iter(without))), without
+    c = compare(truth(family, dsa_docs(lengths=lengths)), per_rank[0]["step"], build_tiny_dsa(family), FLOAT64_LIMIT)
+    bad = [f"{n} {e:.1e}" for n, e in c.per_param.items() if e > (FLOAT32_LIMIT if float32_reduced(n, family) else FLOAT64_LIMIT)]
+    assert c.loss_rel <= FLOAT64_LIMIT and not bad, (c.loss_rel, bad, c.summary())
+
+
 @pytest.mark.slow(reason="A.X-K2, HY-V4, HY-V4-VL and Mistral Large 4 at CP 4: four runs of 4 processes, 75 s "
                          "measured on 2 busy cores")
 def test_newer_classes_at_cp4_match_each_document_alone(pools):
