@@ -104,10 +104,11 @@ class Metrics:
 
     def on_every_rank(self, label: str, per_rank: list[dict]) -> None:
         """A parameter's gradient must reach it on every rank, 0 where the rank's rows do not use it: each CP
-        rank's gradient is a partial sum reduced over the ranks by the data-parallel wrapper, and DDP (without
-        ``find_unused_parameters``) and FSDP reduce the parameters that have a gradient, so a rank without one
-        stops or breaks that reduction. Fails the row ``label`` naming the ranks whose part of it never
-        received a gradient (no rank at all is :meth:`close`'s "no gradient reached it")."""
+        rank's gradient is a partial sum reduced over the ranks by the data-parallel wrapper, and a rank without
+        one breaks that reduction (FSDP2 reduce-scatters only the parameters that have one, so the ranks' sizes
+        differ; DDP without ``find_unused_parameters`` raises at the next step). Fails the row ``label`` naming
+        the ranks whose part of it never received a gradient (no rank at all is :meth:`close`'s "no gradient
+        reached it")."""
         missing = [info.get("rank", r) for r, info in enumerate(per_rank) if info["partials"].get(label) is None]
         if missing and len(missing) < len(per_rank):
             self.rows[label].update(ok=False, why=f"no gradient on rank(s) {missing} of {len(per_rank)}: each rank must "
