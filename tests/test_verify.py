@@ -249,6 +249,39 @@ def test_a_small_relative_error_is_caught_at_every_cp_size(session, dtype):
         assert r.status == "fail" and "out" in r.failed_metrics, (r.case.label(), r.status, r.details)
 
 
+# found by ``python -m verify fuzz --seed 20261207``: a window of 0 (a query sees itself), scores of standard
+# deviation ~16 (gain 4), the dense kernel's rows of 16 queries against 32 key slots at CP 2
+WINDOW_OF_ONE = Case(rows=parse_rows("0x5,1x8,0x18/0x31"), cp=2, hq=2, hkv=2, dim=6, window=0, gain=4.0, kernel="dense",
+                     exchange="allgather", layout="contiguous", dtype="float32", seed=2526)
+
+
+def test_the_dense_kernel_keeps_the_stock_calls_accuracy_where_a_query_sees_few_keys(session):
+    """torch's fused CPU kernel loses float32 precision in dV on a call with more keys than queries when a query
+    sees few keys and its scores are large: the dense kernel, whose calls are such under CP, computes explicit
+    scores on the CPU below float64 and stays within the stock single-device call's error (it reached 28x that
+    error, 3.2e-6 against 1.1e-7, at CP 2, 3 and 4 before)."""
+    cases = [Case(**{**WINDOW_OF_ONE.__dict__, "cp": cp, "window": w}) for cp in (2, 3, 4) for w in (0, 1)]
+    for r in session.run(cases):
+        assert r.ok, (r.case.label(), r.details)
+        assert r.metrics["dv"]["err"] <= 2 * r.metrics["dv"]["base"], (r.case.label(), r.metrics["dv"])
+
+
+# found by ``python -m verify fuzz --seed 20261208``: the sink outweighs every score of rank 5's rows at CP 8, whose
+# outputs are ~1e-31 where the row's reach 2
+TINY_ROWS = Case(rows=parse_rows("0x11/0x8,3x3"), cp=8, hq=1, hkv=1, dim=7, gain=5.0, sinks=True, temperature=1,
+                 kernel="varlen", layout="contiguous", dtype="float32", seed=2899)
+
+
+def test_an_outputs_limit_is_the_whole_cases_whatever_rows_a_rank_holds(session):
+    """The output of a case is judged against the magnitude of the whole case's output, as at CP 1 and as the
+    gradients are: a rank holding only rows whose outputs are ~1e-31 was held to a limit of 1.4e-36 (its own
+    rows' scale) and failed at CP 8 with an error of 1.7e-36, while the same outputs pass at CP 1 and 2."""
+    results = session.run([Case(**{**TINY_ROWS.__dict__, "cp": cp}) for cp in (1, 2, 8)])
+    for r in results:
+        assert r.ok, (r.case.label(), r.details)
+        assert r.metrics["out"]["scale"] == results[0].metrics["out"]["scale"], (r.case.label(), r.metrics["out"])
+
+
 PEAKED_CASE = Case(rows=parse_rows("1x2,0x2,2x2,0x1,3x2"), cp=1, hq=3, hkv=1, dim=3, window=0, kernel="varlen",
                    exchange="a2a", layout="balanced", dtype="float32", seed=239, source="mask2d")  # peaked softmax
 

@@ -118,21 +118,25 @@ def test_mixer_matrix_covers_every_named_layout_and_cp_size_once_per_layer():
     assert {c.dtype for c in cases} == {"float64", "float32"} and {c.checkpoint for c in cases} == {"none", "reentrant", "nonreentrant"}
 
 
-def test_fuzzing_draws_mixer_layers():
+def test_fuzzing_draws_mixer_layers_and_every_attention_variant():
     from hypothesis import HealthCheck, given, settings
 
-    from verify.fuzz import case_strategy
+    from verify.fuzz import L2_NORMALISED, case_strategy
     from verify.runner import impl_info
 
-    seen = set()
+    seen, variants = set(), set()
 
-    @settings(max_examples=150, database=None, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=300, database=None, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(case_strategy(impl_info("blockdiag_dist")))
     def draw(c):
         seen.add(c.layer)
+        variants.update(c.variants + (("whole_blocks",) if c.whole_blocks else ()))
+        assert not (c.bidirectional and c.chunk > 0), c.label()  # no blocks with chunks, as in the matrix
+        assert c.layer not in L2_NORMALISED or c.dim >= 2, c.label()
 
     draw()
     assert seen == {"attention", *SPECS}
+    assert variants == {"sinks", "chunk", "softcap", "temperature", "bidirectional", "whole_blocks"}
 
 
 def test_the_sparse_reference_selects_on_the_implementations_device():

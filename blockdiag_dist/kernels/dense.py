@@ -7,6 +7,13 @@ every local row: torch's fused CPU kernel computes ``exp`` with a vectorized app
 lanes and with libm on a row's remainder, so its float32 gradient error depends on how many keys a score row
 has; flattening all rows into one ``[Tq, Tk]`` call gave peaked softmax rows the error of a longer row.
 
+On the CPU below float64 it computes explicit scores (:mod:`.explicit`, the accuracy of SDPA's math backend)
+instead: a row's ``L`` queries meet its ``Sk`` key slots, more keys than queries under CP, and on such a call
+torch's fused CPU kernel loses float32 precision in the values' gradient when a query sees few keys and its
+scores are large (torch 2.13.0+cpu, one allowed key per query, scores of standard deviation ~16: ``dV`` error
+1e-5 at 16 queries x 17 keys against 1.2e-7 at 16 x 16 and on the math backend; ``python -m verify fuzz
+--seed 20261207`` found it at CP 2, 28x the stock call's error on the whole row).
+
 Shape legend: B local rows of L query tokens (Tq = B * L), Tk key-buffer tokens, Sk the most keys of one row
 (rows with fewer keys are padded with masked slots), Hq / Hkv heads, D / Dv head dims.
 """
@@ -85,7 +92,8 @@ def dense_attention(
 ) -> Tensor:
     """``q_tok [Tq, Hq, D]`` and the key buffer ``kv_buf [Tk, Hkv * (D + Dv)]`` (keys then values per token)
     -> ``[Tq, Hq, Dv]``; padding rows exactly 0, padded key slots and masked keys exactly 0 gradient. With
-    ``sinks [Hq]`` or a ``softcap``, explicit scores (:mod:`.explicit`) in place of SDPA."""
+    ``sinks [Hq]`` or a ``softcap``, and on the CPU below float64, explicit scores (:mod:`.explicit`) in place of
+    SDPA."""
     B, _, L, Sk = meta.mask.shape
     Hq, D = q_tok.shape[1], q_tok.shape[2]
     kd = heads_kv * D
@@ -93,7 +101,7 @@ def dense_attention(
     rows = kv_buf.index_select(0, meta.key_index).view(B, Sk, -1)
     k = rows[..., :kd].unflatten(2, (heads_kv, D)).transpose(1, 2)  # [B, Hkv, Sk, D]
     v = rows[..., kd:].unflatten(2, (heads_kv, dim_v)).transpose(1, 2)
-    if sinks is not None or softcap is not None:
+    if sinks is not None or softcap is not None or (q.device.type == "cpu" and q.dtype != torch.float64):
         out = explicit_attention(q, k, v, meta.mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     else:
         out = stock_sdpa(q, k, v, attn_mask=meta.sdpa_mask, dropout_p=dropout_p, scale=scale, enable_gqa=Hq != heads_kv)
