@@ -167,3 +167,26 @@ def test_dense_is_as_accurate_as_stock_sdpa_per_row():
                 s = ref[0].abs().max().item() if i == 0 else scale
                 worst[name][i] = max(worst[name][i], (res[i] - ref[i]).abs().max().item() / s)
     assert _over_limit(worst, "dense") == [], worst
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("ids, chunk", [([0, 0, 1, 1, 1, 1, 1, 1, 1, 0], 1), ([1, 2, 3, 4, 5, 0, 6, 7], None)],
+                         ids=["chunks-of-one", "one-token-documents"])
+def test_a_query_that_sees_only_itself_gets_its_value_and_no_gradient_exactly(ids, chunk):
+    """Where every query sees only its own key (chunks of one position, documents of one token, as under a window
+    of 0), its softmax is exactly 1: the output is exactly the value and q and k get exactly 0, in float32 with
+    peaked scores. (Run through the fused kernel they got its rounding instead: dq up to 1.9e-6 with chunks of
+    one, and the verifier's float32 limit on ``dinputs_embeds`` was passed by 1.16x, ``python -m verify fuzz
+    --seed 20261208``.)"""
+    ids = torch.tensor([ids])
+    S = ids.shape[1]
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(1, S, 1), "_packed_seq_ids": ids})
+    g = torch.Generator().manual_seed(1)
+    q, k = ((torch.randn(1, h, S, D, generator=g) * 5).requires_grad_() for h in (HQ, HKV))
+    v = torch.randn(1, HKV, S, D, generator=g).requires_grad_()
+    with ctx():
+        out = cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=True, chunk_size=chunk)
+    out.backward(torch.randn(out.shape, generator=g))
+    real = ids[0] != 0
+    assert torch.equal(out[..., real, :], v[..., real, :].expand_as(out[..., real, :]))
+    assert not q.grad.any() and not k.grad.any()

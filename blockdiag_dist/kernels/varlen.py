@@ -206,6 +206,16 @@ class VarlenMeta:
             cached = self._cache.setdefault(key, _masked_plan(self).to(device))
         return cached
 
+    @property
+    def sees_only_itself(self) -> bool:
+        """Each query sees only its own key: a window of 0, or pieces of one query and one key each (chunks of one
+        position, documents of one token), whose only key is the query's own token."""
+        cached = self._cache.get("self_only")
+        if cached is None:
+            single = (self.piece_q[:, 1] == 1) & (self.piece_k[:, 1] == 1)
+            cached = self._cache.setdefault("self_only", self.window_left == 0 or bool(single.all()))
+        return cached
+
     def self_keys(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """(local rows of the real queries, key-buffer row of each one's own token), built once per device."""
         cached = self._cache.get(("self", device))
@@ -951,8 +961,8 @@ def _attention(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: int, d
         kd = heads_kv * D
         k_buf, v_buf = kv_buf[:, :kd].unflatten(1, (heads_kv, D)), kv_buf[:, kd:].unflatten(1, (heads_kv, dim_v))
         return _flash_varlen(q_tok, k_buf, v_buf, meta, dropout_p=dropout_p, scale=scale, softcap=softcap)
-    if meta.labels is None and meta.window_left == 0 and dropout_p == 0 and sinks is None:  # each query sees only its own key: softmax
-        rows, keys = meta.self_keys(q_tok.device)  # of one (capped) score is 1
+    if meta.labels is None and dropout_p == 0 and sinks is None and meta.sees_only_itself:  # softmax of one (capped)
+        rows, keys = meta.self_keys(q_tok.device)  # score is 1: exactly v, and exactly 0 gradient to q and k
         v_own = kv_buf.index_select(0, keys)[:, heads_kv * D :].unflatten(1, (heads_kv, dim_v))
         own = v_own.repeat_interleave(Hq // heads_kv, dim=1)
         return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v).index_copy(0, rows, own)  # q stays in the graph
