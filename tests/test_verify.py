@@ -258,12 +258,15 @@ WINDOW_OF_ONE = Case(rows=parse_rows("0x5,1x8,0x18/0x31"), cp=2, hq=2, hkv=2, di
 def test_the_dense_kernel_keeps_the_stock_calls_accuracy_where_a_query_sees_few_keys(session):
     """torch's fused CPU kernel loses float32 precision in dV on a call with more keys than queries when a query
     sees few keys and its scores are large: the dense kernel, whose calls are such under CP, computes explicit
-    scores on the CPU below float64 and stays within the stock single-device call's error (it reached 28x that
-    error, 3.2e-6 against 1.1e-7, at CP 2, 3 and 4 before)."""
+    scores on the CPU below float64 and stays within twice the stock single-device call's error (it reached 28x
+    that error, 3.2e-6 against 1.1e-7, at CP 2, 3 and 4 before; the verifier's limit now also allows the fused
+    kernel's error on a rank's call shape, ``test_a_correct_implementation_on_a_ranks_call_shape_passes``)."""
     cases = [Case(**{**WINDOW_OF_ONE.__dict__, "cp": cp, "window": w}) for cp in (2, 3, 4) for w in (0, 1)]
     for r in session.run(cases):
         assert r.ok, (r.case.label(), r.details)
-        assert r.metrics["dv"]["err"] <= 2 * r.metrics["dv"]["base"], (r.case.label(), r.metrics["dv"])
+        dv = r.metrics["dv"]
+        stock = max(e for b, e in dv["base_by_backend"].items() if not b.endswith(" per rank"))  # the square calls
+        assert dv["err"] <= 2 * stock, (r.case.label(), dv)
 
 
 # found by ``python -m verify fuzz --seed 20261208``: the sink outweighs every score of rank 5's rows at CP 8, whose
@@ -280,6 +283,19 @@ def test_an_outputs_limit_is_the_whole_cases_whatever_rows_a_rank_holds(session)
     for r in results:
         assert r.ok, (r.case.label(), r.details)
         assert r.metrics["out"]["scale"] == results[0].metrics["out"]["scale"], (r.case.label(), r.metrics["out"])
+
+
+def test_a_correct_implementation_on_a_ranks_call_shape_passes(session):
+    """The baseline runs the fused backends as a CP rank calls them too (its queries against the row's keys): the
+    toy, correct, all-gathering K and V and calling SDPA on that shape, passes the case where its dV error (1.3e-5)
+    was 49x the square single-device call's (found by ``python -m verify fuzz --impl verify.mutants.toy --seed
+    20261212``); K and V off by 1e-4 still fail there."""
+    case = Case(rows=parse_rows("1x4,0x13/0x17"), cp=2, hq=3, hkv=1, dim=3, dtype="float32", seed=3, gain=4.0,
+                bidirectional=True)
+    results = session.run([case, Case(**{**case.__dict__, "cp": 4})], impl="verify.mutants.toy")
+    assert all(r.ok for r in results), [(r.case.label(), r.details) for r in results]
+    assert "flash_attention per rank" in results[0].metrics["dv"]["base_by_backend"]
+    assert all(r.status == "fail" for r in session.run([case], impl="verify.mutants.kv_scale"))
 
 
 PEAKED_CASE = Case(rows=parse_rows("1x2,0x2,2x2,0x1,3x2"), cp=1, hq=3, hkv=1, dim=3, window=0, kernel="varlen",

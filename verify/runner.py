@@ -226,8 +226,11 @@ def _forced(backend: str | None):
 
 def _single_device(
     case: Case, inputs: dict[str, Tensor], dtype: torch.dtype, device: torch.device, reference: bool,
-    backend: str | None = None,
+    backend: str | None = None, per_rank: int = 1,
 ) -> dict:
+    """The case's block on one device: the float64 reference (``reference``), or stock SDPA with the dense
+    per-document mask on ``backend`` in ``dtype``; with ``per_rank`` > 1, one SDPA call per CP rank's rows, its
+    ``L`` queries against the whole row's keys padded to ``per_rank * L`` (the shape of a CP rank's call)."""
     window = (case.window, 0) if case.window >= 0 else None
     x, ws = _leaves(inputs, dtype, device)
     variants = _variant_kwargs(case, ws)
@@ -248,6 +251,8 @@ def _single_device(
             sdpa_mask = mask | (pad & (torch.arange(mask.shape[-1], device=device) == 0))
 
             def attend(q, k, v):
+                if per_rank > 1:
+                    return torch.where(pad, 0.0, _per_rank_sdpa(q, k, v, sdpa_mask, per_rank, backend))
                 with _forced(backend):
                     o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, enable_gqa=True)
                 return torch.where(pad, 0.0, o)
@@ -265,6 +270,21 @@ def _single_device(
         "out": res["out"].detach(), "loss": res["loss"].detach(), "x": x.grad,
         **{f"d{n}": res[n].grad for n in ("q", "k", "v")}, **{f"d{n}": ws[n].grad for n in ws},
     }
+
+
+def _per_rank_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, world: int, backend: str | None) -> Tensor:
+    """Stock SDPA as a CP rank calls it: each rank's ``L = ceil(S / world)`` queries against the row's keys padded to
+    ``world * L`` (the padding masked), one call per rank, the outputs concatenated: ``q [B, H, S, D]``, ``mask
+    [B, 1, S, S]`` -> ``[B, H, S, Dv]``."""
+    S = q.shape[2]
+    L = -(-S // world)
+    extra = world * L - S
+    k, v, mask = F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)), F.pad(mask, (0, extra))
+    outs = []
+    with _forced(backend):
+        for a in range(0, S, L):
+            outs.append(F.scaled_dot_product_attention(q[:, :, a : a + L], k, v, attn_mask=mask[:, :, a : a + L], enable_gqa=True))
+    return torch.cat(outs, dim=2)
 
 
 def _dense_mask(doc_ids: Tensor, window: int, chunk: int, bidirectional: bool = False,
@@ -399,9 +419,17 @@ def expected_results(
         return {"ref": ref, "base": None, "default_backend": None, "refused": {}}
     dtype = getattr(torch, case.dtype)
     base, refused, stood_in = {}, {}, {}
+    # a fused kernel's rounding depends on the call's shape (torch's CPU kernel loses float32 precision in dV on a
+    # call with more keys than queries): under CP a rank's queries meet the row's keys, so the fused backends are
+    # also run as a rank calls them (the math backend's rounding does not depend on it; the variants with sinks or
+    # a soft-cap run explicit scores)
+    per_rank = case.cp > 1 and not case.sinks and not case.softcap > 0
     for backend in BASELINE_BACKENDS.get(device.type, ("math",)):
         try:
             base[backend] = restore(_single_device(case, inputs, dtype, device, reference=False, backend=backend))
+            if per_rank and backend != "math":
+                base[f"{backend} per rank"] = restore(_single_device(case, inputs, dtype, device, reference=False,
+                                                                     backend=backend, per_rank=case.cp))
         except RuntimeError as exc:  # this backend refuses these inputs: a user gets it only for maskless calls
             refused[backend] = str(exc).splitlines()[0]
             where, dtypes = STAND_INS.get(device.type, {}).get(backend, (None, ()))

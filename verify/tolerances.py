@@ -11,7 +11,9 @@ and dtype (``BASELINE_BACKENDS``); the baseline error is the largest of them. An
 to any stock kernel, so it is never held to a more accurate kernel than the one it may be given (on CPU the
 fused kernel's float32 gradient error grows with the softmax's peak about 10x faster than the math
 backend's; on other CPUs the default may be either). A backend that refuses the mask on the device but may be
-given the implementation's maskless pieces (CUDA's flash) is run where it takes the mask (``STAND_INS``).
+given the implementation's maskless pieces (CUDA's flash) is run where it takes the mask (``STAND_INS``). At CP
+>= 2 the fused backends also run as a rank calls them, its queries against the row's keys (``"<backend> per
+rank"``): a fused kernel's rounding depends on the call's shape (docs/verifier.md).
 
 What the baseline does not cover is what the implementation adds around the kernel: padding, batching,
 merging. Those must keep the kernel's accuracy (the varlen kernel runs short pieces at their exact length for
