@@ -28,7 +28,7 @@ from torch import Tensor
 from .._stock import stock_sdpa
 from .explicit import explicit_attention
 
-__all__ = ["DenseMeta", "dense_attention", "plan_dense"]
+__all__ = ["DenseMeta", "dense_attention", "plan_dense", "sdpa_keeps_accuracy"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,6 +86,12 @@ def plan_dense(q_flat: Tensor, k_flat: Tensor, segments: Tensor, padded_len: int
     return DenseMeta(mask=mask[:, None], key_index=key_index.flatten(), pad_q=pad_q, sdpa_mask=sdpa_mask)
 
 
+def sdpa_keeps_accuracy(q: Tensor) -> bool:
+    """Whether the dense kernel's SDPA call is as accurate on its shape as on the stock call's: not on the CPU
+    below float64 (see the module docstring), where the kernel computes explicit scores instead."""
+    return not (q.device.type == "cpu" and q.dtype != torch.float64)
+
+
 def dense_attention(
     q_tok: Tensor, kv_buf: Tensor, meta: DenseMeta, *, heads_kv: int, dim_v: int, dropout_p: float, scale: float | None,
     sinks: Tensor | None = None, softcap: float | None = None,
@@ -101,7 +107,7 @@ def dense_attention(
     rows = kv_buf.index_select(0, meta.key_index).view(B, Sk, -1)
     k = rows[..., :kd].unflatten(2, (heads_kv, D)).transpose(1, 2)  # [B, Hkv, Sk, D]
     v = rows[..., kd:].unflatten(2, (heads_kv, dim_v)).transpose(1, 2)
-    if sinks is not None or softcap is not None or (q.device.type == "cpu" and q.dtype != torch.float64):
+    if sinks is not None or softcap is not None or not sdpa_keeps_accuracy(q):
         out = explicit_attention(q, k, v, meta.mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     else:
         out = stock_sdpa(q, k, v, attn_mask=meta.sdpa_mask, dropout_p=dropout_p, scale=scale, enable_gqa=Hq != heads_kv)
