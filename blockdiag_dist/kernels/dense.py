@@ -7,8 +7,8 @@ every local row: torch's fused CPU kernel computes ``exp`` with a vectorized app
 lanes and with libm on a row's remainder, so its float32 gradient error depends on how many keys a score row
 has; flattening all rows into one ``[Tq, Tk]`` call gave peaked softmax rows the error of a longer row.
 
-On the CPU below float64 it computes explicit scores (:mod:`.explicit`, the accuracy of SDPA's math backend)
-instead: a row's ``L`` queries meet its ``Sk`` key slots, more keys than queries under CP, and on such a call
+On the CPU below float64, where a row's ``L`` queries meet more key slots (``Sk > L``: under CP), it computes
+explicit scores (:mod:`.explicit`, the accuracy of SDPA's math backend) instead: on such a call
 torch's fused CPU kernel loses float32 precision in the values' gradient when a query sees few keys and its
 scores are large (torch 2.13.0+cpu, one allowed key per query, scores of standard deviation ~16: ``dV`` error
 1e-5 at 16 queries x 17 keys against 1.2e-7 at 16 x 16 and on the math backend; ``python -m verify fuzz
@@ -86,10 +86,11 @@ def plan_dense(q_flat: Tensor, k_flat: Tensor, segments: Tensor, padded_len: int
     return DenseMeta(mask=mask[:, None], key_index=key_index.flatten(), pad_q=pad_q, sdpa_mask=sdpa_mask)
 
 
-def sdpa_keeps_accuracy(q: Tensor) -> bool:
-    """Whether the dense kernel's SDPA call is as accurate on its shape as on the stock call's: not on the CPU
-    below float64 (see the module docstring), where the kernel computes explicit scores instead."""
-    return not (q.device.type == "cpu" and q.dtype != torch.float64)
+def sdpa_keeps_accuracy(q: Tensor, queries: int, keys: int) -> bool:
+    """Whether the dense kernel's SDPA call of ``queries`` rows against ``keys`` slots is as accurate as the stock
+    call on the whole row (square): not on the CPU below float64 when it has more keys than queries (see the
+    module docstring), where the kernel computes explicit scores instead; at CP 1 its calls are the stock ones."""
+    return not (q.device.type == "cpu" and q.dtype != torch.float64 and keys > queries)
 
 
 def dense_attention(
@@ -107,7 +108,7 @@ def dense_attention(
     rows = kv_buf.index_select(0, meta.key_index).view(B, Sk, -1)
     k = rows[..., :kd].unflatten(2, (heads_kv, D)).transpose(1, 2)  # [B, Hkv, Sk, D]
     v = rows[..., kd:].unflatten(2, (heads_kv, dim_v)).transpose(1, 2)
-    if sinks is not None or softcap is not None or not sdpa_keeps_accuracy(q):
+    if sinks is not None or softcap is not None or not sdpa_keeps_accuracy(q, L, Sk):
         out = explicit_attention(q, k, v, meta.mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     else:
         out = stock_sdpa(q, k, v, attn_mask=meta.sdpa_mask, dropout_p=dropout_p, scale=scale, enable_gqa=Hq != heads_kv)
