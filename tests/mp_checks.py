@@ -253,17 +253,16 @@ def fsdp_step(family: str, lengths: tuple[int, ...]) -> dict:
     """One step of a tiny model under FSDP2 (``fully_shard`` over the CP group: the reduction a trainer applies over
     the ranks) and blockdiag's CP, the documents ``lengths`` packed into one row: the DSA model of ``family`` (its
     float64 build), or ``"deepseek_v4"`` (compressed attention; its float32 islands in float64 as in its truth).
-    Returns the step (loss and gradients summed over the ranks, a :class:`~verify.model.harness.StepResult`; FSDP
-    averages, so its gradients times the CP size), the parameters without a gradient on this rank, and whether the
-    rank held padding only."""
+    Returns :func:`~verify.model.harness.cp_step`'s step (FSDP leaves every rank the mean of the ranks' gradients;
+    cp_step sums them over the ranks: the sum of their partial gradients), the parameters without a gradient on this
+    rank, and whether the rank held padding only."""
     from contextlib import nullcontext
 
     from torch.distributed.fsdp import fully_shard
 
-    from verify.model.harness import IGNORE_INDEX, StepResult, causal_lm_loss, text_forward
+    from verify.model.harness import cp_step, text_forward
 
-    env = worker_info()
-    mesh, world = env["cp_mesh"], env["world"]
+    mesh = worker_info()["cp_mesh"]
     if family == "deepseek_v4":
         from verify.model.compressed import _exactly, build_tiny_dsv4, dsv4_batch, dsv4_docs
 
@@ -275,15 +274,7 @@ def fsdp_step(family: str, lengths: tuple[int, ...]) -> dict:
         model = build_tiny_dsa(family, torch.float64)
         batch, exact = dsa_batch(dsa_docs(lengths=lengths)), nullcontext()
     fully_shard(model, mesh=mesh)
-    train_ctx, local = make_cp_blockdiag_batch_and_ctx(mesh, None, batch)
-    with exact, train_ctx():
-        loss = causal_lm_loss(text_forward(model, local), local["labels"], 1)
-        loss.backward()
-    summed = torch.stack([loss.detach(), (local["labels"] != IGNORE_INDEX).sum().to(loss.dtype)])
-    dist.all_reduce(summed, group=mesh.get_group())
-    grads = {n: (p.grad.full_tensor() * world).numpy() if p.grad is not None else torch.zeros(p.shape).numpy()
-             for n, p in model.named_parameters()}
-    return {"step": StepResult(loss=float(summed[0]), grads=grads, targets=int(summed[1]),
-                               notes=list(train_ctx.state.notes)),
-            "without_gradient": sorted(n for n, p in model.named_parameters() if p.grad is None),
-            "padding_only": bool(local["padding_mask"].all())}
+    with exact:
+        step = cp_step(model, batch, mesh, text_forward, track_rows=True)
+    return {"step": step, "without_gradient": sorted(n for n, p in model.named_parameters() if p.grad is None),
+            "padding_only": bool(((step.rows < 0) | (step.rows >= sum(lengths))).all())}  # documents first, padding after
