@@ -47,8 +47,8 @@ class Compression:
     tokens per window, ``overlap`` (``C = 2 D``: entry ``w`` pools window ``w - 1``'s first half with window
     ``w``'s second half), ``position_bias [rate, C]`` (added to the gate per slot of a window), ``finish``:
     ``(pooled [1, T, D], positions int64 [1, T]) -> entries [1, T, D]`` (the layer's norm and rotary embedding;
-    ``positions`` are the windows' first in-document positions; also called on no entry, ``[1, 0, width]``, so that
-    its weights get a gradient on every rank), and ``pool_dtype`` (the gate softmax's dtype: float32 in DeepSeek-V4
+    ``positions`` are the windows' first in-document positions; called on no entry, ``[1, 0, width]``, on a rank
+    that makes none, so that its weights get a gradient on every rank), and ``pool_dtype`` (the gate softmax's dtype: float32 in DeepSeek-V4
     whatever the model's)."""
 
     kv: Tensor
@@ -195,11 +195,13 @@ def compressed_attention(
     pieces = state.mixer_plan(("dsa", _pieces), lambda: _pieces(state, wp))
     out = query.new_zeros(B, L, H, D)
     m = c.rate
+    pooled = False  # whether an entry was made here: the position bias and finish's weights are then in the graph
     for p in pieces:
         n = p.offset + p.length
         kv_p = cols[0][p.key_rows]  # [n, D]
         entries = pool_windows(cols[1][p.key_rows], cols[2][p.key_rows], c)  # [T, D]
         T = entries.shape[0]
+        pooled = pooled or T > 0
         index_keys = None
         if index is not None and T > 0:
             with torch.no_grad():
@@ -232,10 +234,11 @@ def compressed_attention(
     # only; documents without a complete window): the exchange's backward collective runs on every rank, and the
     # position bias and the weights of ``finish`` get their (zero) gradient there, as a data-parallel reduction over
     # the ranks needs (an empty slice's sum: exactly 0)
-    width = c.kv.shape[-1] // 2 if c.overlap else c.kv.shape[-1]
-    no_entry = c.finish(buf.new_zeros((1, 0, width)), torch.zeros(1, 0, dtype=torch.int64, device=buf.device))
-    unused = (buf[:0].sum() + query.reshape(-1)[:0].sum() + sinks[:0].sum() + c.position_bias[:0].sum()
-              + no_entry[:, :0].sum())
+    unused = buf[:0].sum() + query.reshape(-1)[:0].sum() + sinks[:0].sum()
+    if not pooled:
+        width = c.kv.shape[-1] // 2 if c.overlap else c.kv.shape[-1]
+        no_entry = c.finish(buf.new_zeros((1, 0, width)), torch.zeros(1, 0, dtype=torch.int64, device=buf.device))
+        unused = unused + c.position_bias[:0].sum() + no_entry[:, :0].sum()
     out = out + unused.to(out.dtype)
     bind(out, (query, kv), state)
     return out.transpose(1, 2)
