@@ -162,3 +162,29 @@ def test_shrinker_builds_the_catalogues_awkward_configs(model, check):
     assert check(p.config), p.tiny.changes
     size, _ = _parameters(meta_build(p.auto)(p.config))
     assert size < MAX_PARAMETERS
+
+
+def test_a_case_judged_again_with_every_op_in_float64_is_classed_by_that_run():
+    """The session judges a float64 difference at the model's own precision again with every op in float64
+    (verify.model.run.with_exact_run) and keeps that run inside the case's result: a pass there is a pass that names
+    the rounding, a failure there too is wrong, with the exact run's reason. An earlier sweep's record, whose exact
+    run is a result of its own beside the case, is classed the same way."""
+
+    def result(cls, exact, worst, why="", again=None, rounding=False):
+        verdict = {"worst_grad": worst, **({"rounding_only": True} if rounding else {})}
+        return {"case": {"cp": 2, "exact": exact}, "class": cls, "why": why, "message": "", "verdict": verdict,
+                "packed": {"status": "ok"}, "notes": [], "reproduce": "python -m verify model ...", "details": "",
+                "again": again or {}}
+
+    exact_pass = result("pass", True, 8e-16)
+    exact_bug = result("bug", True, 2e-3, why="first wrong module model.layers.0.self_attn")
+    rounding = {"results": [result("pass", False, 3e-7, rounding=True, again=exact_pass)]}
+    wrong = {"results": [result("bug", False, 2e-3, why="first wrong module x", again=exact_bug)]}
+    earlier = {"results": [result("bug", False, 3e-7, why="first wrong module x"), exact_pass]}
+    for record in (rounding, earlier):
+        row = classify(record, [2])[2]
+        assert row["class"] == "pass" and row["reason"].startswith("passes with every op in float64"), row
+        assert "(worst gradient 3.0e-07)" in row["reason"], row
+    row = classify(wrong, [2])[2]
+    expected = "wrong with every op in float64 too: first wrong module model.layers.0.self_attn"
+    assert row["class"] == "wrong" and row["reason"] == expected, row

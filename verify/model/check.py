@@ -231,6 +231,7 @@ class ModelResult:
     exercised: dict[str, Any] = field(default_factory=dict)  # what the step computed (harness.exercised)
     seconds: float = 0.0
     details: str = ""  # tracebacks of a crash
+    again: dict[str, Any] = field(default_factory=dict)  # the same case with every op in float64 (run.with_exact_run)
 
     @property
     def ok(self) -> bool:
@@ -242,7 +243,7 @@ class ModelResult:
                 "message": self.message, "verdict": v, "packed": self.packed, "notes": self.notes,
                 "exercised": self.exercised,
                 "seconds": round(self.seconds, 3), "reproduce": self.case.command(),
-                "details": self.details[-4000:] if self.details else ""}
+                "details": self.details[-4000:] if self.details else "", "again": self.again}
 
 
 def judge(case: ModelCase, ref: Reference, per_rank: list[dict[str, Any]]) -> ModelResult:

@@ -283,8 +283,11 @@ def _summary(console, results, names, infos) -> None:
 
 def report_result(console, r, seen: set[str]) -> None:
     """Print a case that did not pass as it arrives: its class, why, the message and a replay line; a refusal
-    (or a cannot-run) whose message is in ``seen`` is not printed again (the summary counts it)."""
+    (or a cannot-run) whose message is in ``seen`` is not printed again (the summary counts it). A pass only with
+    every op in float64 is printed with what differed at the model's own precision."""
     if r.cls == "pass":
+        if r.verdict.get("rounding_only"):  # judged again with every op in float64 (run.with_exact_run): say so
+            console.print(f"PASS {r.case.label()}: {r.notes[-1]}", markup=False, soft_wrap=True, highlight=False)
         return
     if r.cls in REFUSED and r.message:
         if r.message in seen:
