@@ -50,11 +50,11 @@ def prepared():
 
 
 def run(msession, prepared, model: str, cps=(1, 2), layouts=("spans-every-rank",), dtypes=("float64",), impl="blockdiag_dist",
-        exact=False, sources=("packed",), seed=0):
+        exact=False, sources=("packed",)):
     p = prepared(model)
     sharding = "contiguous" if impl == "blockdiag_dist" else None
     cases = [ModelCase(model=model, args=tuple(p.args), cp=cp, layout=lay, dtype=dt, sharding=sharding, impl=impl,
-                       exact=exact, source=source, seed=seed)
+                       exact=exact, source=source)
              for cp in cps for lay in layouts for dt in dtypes for source in sources]
     return msession.run(cases, {model: p})
 
