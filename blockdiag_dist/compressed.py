@@ -48,8 +48,8 @@ class Compression:
     ``w``'s second half), ``position_bias [rate, C]`` (added to the gate per slot of a window), ``finish``:
     ``(pooled [1, T, D], positions int64 [1, T]) -> entries [1, T, D]`` (the layer's norm and rotary embedding;
     ``positions`` are the windows' first in-document positions; called on no entry, ``[1, 0, width]``, on a rank
-    that makes none, so that its weights get a gradient on every rank), and ``pool_dtype`` (the gate softmax's dtype: float32 in DeepSeek-V4
-    whatever the model's)."""
+    that makes none, so that its weights get a gradient on every rank), and ``pool_dtype`` (the gate softmax's
+    dtype: float32 in DeepSeek-V4 whatever the model's)."""
 
     kv: Tensor
     gate: Tensor

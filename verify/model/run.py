@@ -75,10 +75,10 @@ class ModelSession(PoolsByWorld):
                 if on_result:
                     on_result(r)
         if held:
-            again = {a.case: a for a in self.run([dataclasses.replace(r.case, exact=True) for r in held], prepared,
-                                                 exact_again=False)}
-            for r in held:
-                r = with_exact_run(r, again[dataclasses.replace(r.case, exact=True)])
+            exact = [dataclasses.replace(r.case, exact=True) for r in held]
+            again = {a.case: a for a in self.run(exact, prepared, exact_again=False)}
+            for r, case in zip(held, exact):
+                r = with_exact_run(r, again[case])
                 out.append(r)
                 if on_result:
                     on_result(r)
