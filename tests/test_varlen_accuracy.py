@@ -170,17 +170,21 @@ def test_dense_is_as_accurate_as_stock_sdpa_per_row():
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("ids, chunk", [([0, 0, 1, 1, 1, 1, 1, 1, 1, 0], 1), ([1, 2, 3, 4, 5, 0, 6, 7], None)],
-                         ids=["chunks-of-one", "one-token-documents"])
-def test_a_query_that_sees_only_itself_gets_its_value_and_no_gradient_exactly(ids, chunk):
+@pytest.mark.parametrize("kernel", ["varlen", "dense"])
+@pytest.mark.parametrize("ids, chunk", [([0, 0, 1, 1, 1, 1, 1, 1, 1, 0], 1), ([1, 2, 3, 4, 5, 0, 6, 7], None),
+                                        ([0, 1, 0, 0, 0, 0], None)],
+                         ids=["chunks-of-one", "one-token-documents", "one-token-between-padding"])
+def test_a_query_that_sees_only_itself_gets_its_value_and_no_gradient_exactly(ids, chunk, kernel):
     """Where every query sees only its own key (chunks of one position, documents of one token, as under a window
     of 0), its softmax is exactly 1: the output is exactly the value and q and k get exactly 0, in float32 with
-    peaked scores. (Run through the fused kernel they got its rounding instead: dq up to 1.9e-6 with chunks of
-    one, and the verifier's float32 limit on ``dinputs_embeds`` was passed by 1.16x, ``python -m verify fuzz
-    --seed 20261208``.)"""
+    peaked scores, through either kernel. (Run through the fused kernel they got its rounding instead: dq up to
+    1.9e-6 with chunks of one, and the verifier's float32 limit on ``dinputs_embeds`` was passed by 1.16x, ``python
+    -m verify fuzz --seed 20261208``; the dense kernel: dq 3.7e-6 for a one-token document between padding at CP 4,
+    the limit passed by 1.4x, ``--seed 20261221``.)"""
     ids = torch.tensor([ids])
     S = ids.shape[1]
-    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(1, S, 1), "_packed_seq_ids": ids})
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(1, S, 1), "_packed_seq_ids": ids},
+                                             kernel=kernel)
     g = torch.Generator().manual_seed(1)
     q, k = ((torch.randn(1, h, S, D, generator=g) * 5).requires_grad_() for h in (HQ, HKV))
     v = torch.randn(1, HKV, S, D, generator=g).requires_grad_()

@@ -14,6 +14,12 @@ scores are large (torch 2.13.0+cpu, one allowed key per query, scores of standar
 1e-5 at 16 queries x 17 keys against 1.2e-7 at 16 x 16 and on the math backend; ``python -m verify fuzz
 --seed 20261207`` found it at CP 2, 28x the stock call's error on the whole row).
 
+Where every real query sees exactly one key (documents of one token, chunks of one position, a window of 0), its
+softmax is exactly 1: the kernel returns that key's value and gives q and k exactly 0 gradient, as the varlen kernel
+does, where torch's fused kernel would give them its rounding (``python -m verify fuzz --seed 20261221``: a
+one-token document at CP 4, dq 3.7e-6 through the fused CPU kernel, and the gradient of ``inputs_embeds`` over the
+verifier's float32 limit by 1.4x).
+
 Shape legend: B local rows of L query tokens (Tq = B * L), Tk key-buffer tokens, Sk the most keys of one row
 (rows with fewer keys are padded with masked slots), Hq / Hkv heads, D / Dv head dims.
 """
@@ -40,9 +46,14 @@ class DenseMeta:
     # fully masked (CUDA backends may return NaN there, in the output or the gradients); the padding rows'
     # outputs are replaced by 0, so their gradient is exactly 0 and so is what they give their key
     sdpa_mask: Tensor
+    # int64 [B, 1, L, 1]: the key slot of each query's only key, when every real query sees exactly one (0 on a
+    # padding query); None otherwise
+    one_key: Tensor | None = None
 
     def to(self, device: torch.device) -> DenseMeta:
-        return DenseMeta(self.mask.to(device), self.key_index.to(device), self.pad_q.to(device), self.sdpa_mask.to(device))
+        one_key = None if self.one_key is None else self.one_key.to(device)
+        return DenseMeta(self.mask.to(device), self.key_index.to(device), self.pad_q.to(device), self.sdpa_mask.to(device),
+                         one_key)
 
     def pairs(self) -> Tensor:
         """int64 ``[n, 2]``: (local query row, key-buffer row) of every pair the mask allows."""
@@ -83,7 +94,11 @@ def plan_dense(q_flat: Tensor, k_flat: Tensor, segments: Tensor, padded_len: int
         mask |= same if whole_blocks else same & (pos_k > pos_q)
     pad_q = (seg_q == 0)[:, None]
     sdpa_mask = mask[:, None] | (pad_q & (torch.arange(Sk) == 0))
-    return DenseMeta(mask=mask[:, None], key_index=key_index.flatten(), pad_q=pad_q, sdpa_mask=sdpa_mask)
+    seen = mask.sum(-1)  # [B, L]: keys each query sees (0 on a padding query)
+    one_key = None
+    if bool((seen == 1).any()) and bool(((seen == 1) | (seg_q[..., 0] == 0)).all()):
+        one_key = mask.to(torch.uint8).argmax(-1)[:, None, :, None]
+    return DenseMeta(mask=mask[:, None], key_index=key_index.flatten(), pad_q=pad_q, sdpa_mask=sdpa_mask, one_key=one_key)
 
 
 def sdpa_keeps_accuracy(q: Tensor, queries: int, keys: int) -> bool:
@@ -108,7 +123,11 @@ def dense_attention(
     rows = kv_buf.index_select(0, meta.key_index).view(B, Sk, -1)
     k = rows[..., :kd].unflatten(2, (heads_kv, D)).transpose(1, 2)  # [B, Hkv, Sk, D]
     v = rows[..., kd:].unflatten(2, (heads_kv, dim_v)).transpose(1, 2)
-    if sinks is not None or softcap is not None or not sdpa_keeps_accuracy(q, L, Sk):
+    if meta.one_key is not None and sinks is None and dropout_p == 0:  # a softmax of one (capped) score is exactly 1
+        own = v.gather(2, meta.one_key.expand(B, heads_kv, L, dim_v)).repeat_interleave(Hq // heads_kv, dim=1)
+        # q stays in the graph with exactly 0 gradient, as through any other path (k gets 0 through the key buffer)
+        out = own + torch.where(torch.zeros((), dtype=torch.bool, device=q.device), q[:1, :1, :1, :1].sum(), 0.0)
+    elif sinks is not None or softcap is not None or not sdpa_keeps_accuracy(q, L, Sk):
         out = explicit_attention(q, k, v, meta.mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     else:
         out = stock_sdpa(q, k, v, attn_mask=meta.sdpa_mask, dropout_p=dropout_p, scale=scale, enable_gqa=Hq != heads_kv)
