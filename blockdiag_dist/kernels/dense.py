@@ -115,7 +115,8 @@ def dense_attention(
     """``q_tok [Tq, Hq, D]`` and the key buffer ``kv_buf [Tk, Hkv * (D + Dv)]`` (keys then values per token)
     -> ``[Tq, Hq, Dv]``; padding rows exactly 0, padded key slots and masked keys exactly 0 gradient. With
     ``sinks [Hq]`` or a ``softcap``, and on the CPU below float64 where a row has more key slots than queries,
-    explicit scores (:mod:`.explicit`) in place of SDPA."""
+    explicit scores (:mod:`.explicit`) in place of SDPA. Where every real query sees exactly one key (``meta.one_key``)
+    and there are no sinks and no dropout, that key's value, with no kernel call."""
     B, _, L, Sk = meta.mask.shape
     Hq, D = q_tok.shape[1], q_tok.shape[2]
     kd = heads_kv * D
