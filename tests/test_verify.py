@@ -298,6 +298,62 @@ def test_a_correct_implementation_on_a_ranks_call_shape_passes(session):
     assert all(r.status == "fail" for r in session.run([case], impl="verify.mutants.kv_scale"))
 
 
+# found by ``python -m verify fuzz --max-len 80 --seed 20261222``: small scores (gain 0.5) and sinks, whose gradient
+# (0.0144) is a sum over the queries of terms summing to 1.04 in magnitude: the implementation's rounding of that
+# sum (9.1e-8, 1.5 float32 ulps of the terms) was held to a floor scaled by the sum, not by the terms
+CANCELLING_SINKS = Case(rows=parse_rows("1x5,2x7,0x9,1x9,0x8,1x8,0x1"), cp=1, hq=1, hkv=1, dim=8, window=1, gain=0.5,
+                        sinks=True, softcap=5.0, chunk=3, kernel="varlen", layout="contiguous", dtype="float32", seed=224)
+
+
+def _reference_partials(case: Case, dsinks_factor: float = 1.0) -> tuple[list[dict], dict]:
+    """One rank whose summed quantities are the float64 reference's, its sinks' gradient times ``dsinks_factor``."""
+    from verify.runner import expected_results
+
+    exp = expected_results(case)
+    ref = exp["ref"]
+    partials = {label: ref[key].numpy() for label, key in (("dinputs_embeds", "x"), ("dWq", "dwq"), ("dWk", "dwk"),
+                                                            ("dWv", "dwv"), ("dWo", "dwo"), ("loss", "loss"))}
+    partials["dsinks"] = (ref["dsinks"] * dsinks_factor).numpy()
+    return [{"partials": partials}], exp
+
+
+def test_the_sinks_gradient_is_judged_against_the_magnitude_of_its_terms():
+    """The sinks' gradient sums one term per query and head, ``-p_sink * (dO . O)``; the reference reports the sum of
+    their magnitudes (``dsinks_terms``: the gradient again with each query's ``dO`` signed by ``dO . O``), equal to
+    the terms taken one query at a time. Its float32 floor is scaled by that sum: the rounding found by the fuzzer
+    passes, and the gradient 1e-4 off still fails where the terms do not cancel (the matrix's sinks cases)."""
+    from verify.runner import _leaves, _variant_kwargs, expected_results, make_inputs, summed_metrics
+    from blockdiag_ref import reference_attention
+
+    case = CANCELLING_SINKS
+    ref = expected_results(case)["ref"]
+    inputs = make_inputs(case)
+    x, ws = _leaves(inputs, torch.float64, torch.device("cpu"))
+    B, S, _ = x.shape
+    q = (x @ ws["wq"]).view(B, S, 1, case.dim).transpose(1, 2)
+    k = (x @ ws["wk"]).view(B, S, 1, case.dim).transpose(1, 2)
+    v = (x @ ws["wv"]).view(B, S, 1, case.dim).transpose(1, 2)
+    out = reference_attention(q, k, v, inputs["doc_ids"], window_size=(case.window, 0), **_variant_kwargs(case, ws))
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    one_by_one = 0.0
+    for i in range(S):  # each query's term alone
+        alone = torch.zeros_like(d_out)
+        alone[:, :, i] = d_out[:, :, i]
+        (g,) = torch.autograd.grad(out, ws["sinks"], grad_outputs=alone, retain_graph=True)
+        one_by_one += g.abs().item()
+    signed = d_out * torch.sign((d_out * out.detach()).sum(-1, keepdim=True))
+    (magnitude,) = torch.autograd.grad(out, ws["sinks"], grad_outputs=signed)
+    assert magnitude.abs().item() == pytest.approx(one_by_one, rel=1e-12)
+    assert ref["dsinks_terms"].item() > 50 * ref["dsinks"].abs().max().item()  # the terms cancel
+
+    per_rank, exp = _reference_partials(case, 1 + 6.3e-6)  # 9.1e-8 of 0.0144: the rounding the fuzzer met
+    assert summed_metrics(case, per_rank, exp)["dsinks"]["ok"]
+    for c in [Case(**{**BUGGY_CASE.__dict__, "dtype": "float32", "sinks": True, "seed": seed}) for seed in range(3)]:
+        assert summed_metrics(c, *_reference_partials(c))["dsinks"]["ok"]
+        row = summed_metrics(c, *_reference_partials(c, 1 + 1e-4))["dsinks"]
+        assert not row["ok"], (c.label(), row)
+
+
 PEAKED_CASE = Case(rows=parse_rows("1x2,0x2,2x2,0x1,3x2"), cp=1, hq=3, hkv=1, dim=3, window=0, kernel="varlen",
                    exchange="a2a", layout="balanced", dtype="float32", seed=239, source="mask2d")  # peaked softmax
 
