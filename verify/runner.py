@@ -230,7 +230,9 @@ def _single_device(
 ) -> dict:
     """The case's block on one device: the float64 reference (``reference``), or stock SDPA with the dense
     per-document mask on ``backend`` in ``dtype``; with ``per_rank`` > 1, one SDPA call per CP rank's rows, its
-    ``L`` queries against the whole row's keys padded to ``per_rank * L`` (the shape of a CP rank's call)."""
+    ``L`` queries against the whole row's keys padded to ``per_rank * L`` (the shape of a CP rank's call). The
+    reference of a case with sinks also gives ``dsinks_terms``: the sum of the magnitudes of the sinks' gradient's
+    terms, per head, the largest (the scale of its limit, :func:`summed_metrics`)."""
     window = (case.window, 0) if case.window >= 0 else None
     x, ws = _leaves(inputs, dtype, device)
     variants = _variant_kwargs(case, ws)
@@ -605,7 +607,7 @@ def summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> dict[str
     w_scale = max(ref[k].abs().max().item() for k in ("dwq", "dwk", "dwv", "dwo"))
     # the sinks' gradient is a sum over the queries whose terms may cancel: its rounding scales with the sum of the
     # terms' magnitudes (computed with the reference), not with the sum (python -m verify fuzz --max-len 80 --seed
-    # 20261222: 0.0144 against terms of 0.3)
+    # 20261222: 0.0144 from terms of 1.04)
     group = {"dsinks": float(ref["dsinks_terms"]) if "dsinks_terms" in ref else 0.0}
     for label, key in SUMMED + ((("dsinks", "dsinks"),) if case.sinks else ()):
         got = summed_over_ranks(per_rank, label, ref[key])
