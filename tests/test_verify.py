@@ -322,8 +322,8 @@ def test_the_sinks_gradient_is_judged_against_the_magnitude_of_its_terms():
     their magnitudes (``dsinks_terms``: the gradient again with each query's ``dO`` signed by ``dO . O``), equal to
     the terms taken one query at a time. Its float32 floor is scaled by that sum: the rounding found by the fuzzer
     passes, and the gradient 1e-4 off still fails where the terms do not cancel (the matrix's sinks cases)."""
-    from verify.runner import _leaves, _variant_kwargs, expected_results, make_inputs, summed_metrics
     from blockdiag_ref import reference_attention
+    from verify.runner import _leaves, _variant_kwargs, expected_results, make_inputs, summed_metrics
 
     case = CANCELLING_SINKS
     ref = expected_results(case)["ref"]
