@@ -300,7 +300,7 @@ def test_a_correct_implementation_on_a_ranks_call_shape_passes(session):
 
 # found by ``python -m verify fuzz --max-len 80 --seed 20261222``: small scores (gain 0.5) and sinks, whose gradient
 # (0.0144) is a sum over the queries of terms summing to 1.04 in magnitude: the implementation's rounding of that
-# sum (9.1e-8, 1.5 float32 ulps of the terms) was held to a floor scaled by the sum, not by the terms
+# sum (9.1e-8, under one float32 ulp of the terms' sum, 1.2e-7) was held to a floor scaled by the sum, not the terms
 CANCELLING_SINKS = Case(rows=parse_rows("1x5,2x7,0x9,1x9,0x8,1x8,0x1"), cp=1, hq=1, hkv=1, dim=8, window=1, gain=0.5,
                         sinks=True, softcap=5.0, chunk=3, kernel="varlen", layout="contiguous", dtype="float32", seed=224)
 
