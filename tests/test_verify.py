@@ -307,12 +307,11 @@ CANCELLING_SINKS = Case(rows=parse_rows("1x5,2x7,0x9,1x9,0x8,1x8,0x1"), cp=1, hq
 
 def _reference_partials(case: Case, dsinks_factor: float = 1.0) -> tuple[list[dict], dict]:
     """One rank whose summed quantities are the float64 reference's, its sinks' gradient times ``dsinks_factor``."""
-    from verify.runner import expected_results
+    from verify.runner import SUMMED, expected_results
 
     exp = expected_results(case)
     ref = exp["ref"]
-    partials = {label: ref[key].numpy() for label, key in (("dinputs_embeds", "x"), ("dWq", "dwq"), ("dWk", "dwk"),
-                                                            ("dWv", "dwv"), ("dWo", "dwo"), ("loss", "loss"))}
+    partials = {label: ref[key].numpy() for label, key in SUMMED}
     partials["dsinks"] = (ref["dsinks"] * dsinks_factor).numpy()
     return [{"partials": partials}], exp
 
@@ -323,17 +322,16 @@ def test_the_sinks_gradient_is_judged_against_the_magnitude_of_its_terms():
     the terms taken one query at a time. Its float32 floor is scaled by that sum: the rounding found by the fuzzer
     passes, and the gradient 1e-4 off still fails where the terms do not cancel (the matrix's sinks cases)."""
     from blockdiag_ref import reference_attention
-    from verify.runner import _leaves, _variant_kwargs, expected_results, make_inputs, summed_metrics
+    from verify.runner import _block, _leaves, _variant_kwargs, make_inputs, summed_metrics
 
     case = CANCELLING_SINKS
-    ref = expected_results(case)["ref"]
+    per_rank, exp = _reference_partials(case, 1 + 6.3e-6)  # 9.1e-8 of 0.0144: the rounding the fuzzer met
+    ref = exp["ref"]
     inputs = make_inputs(case)
     x, ws = _leaves(inputs, torch.float64, torch.device("cpu"))
-    B, S, _ = x.shape
-    q = (x @ ws["wq"]).view(B, S, 1, case.dim).transpose(1, 2)
-    k = (x @ ws["wk"]).view(B, S, 1, case.dim).transpose(1, 2)
-    v = (x @ ws["wv"]).view(B, S, 1, case.dim).transpose(1, 2)
-    out = reference_attention(q, k, v, inputs["doc_ids"], window_size=(case.window, 0), **_variant_kwargs(case, ws))
+    S = x.shape[1]
+    out = _block(case, x, ws, inputs["labels"], lambda q, k, v: reference_attention(
+        q, k, v, inputs["doc_ids"], window_size=(case.window, 0), **_variant_kwargs(case, ws)))["out"]
     d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     one_by_one = 0.0
     for i in range(S):  # each query's term alone
@@ -346,11 +344,12 @@ def test_the_sinks_gradient_is_judged_against_the_magnitude_of_its_terms():
     assert magnitude.abs().item() == pytest.approx(one_by_one, rel=1e-12)
     assert ref["dsinks_terms"].item() > 50 * ref["dsinks"].abs().max().item()  # the terms cancel
 
-    per_rank, exp = _reference_partials(case, 1 + 6.3e-6)  # 9.1e-8 of 0.0144: the rounding the fuzzer met
     assert summed_metrics(case, per_rank, exp)["dsinks"]["ok"]
     for c in [Case(**{**BUGGY_CASE.__dict__, "dtype": "float32", "sinks": True, "seed": seed}) for seed in range(3)]:
-        assert summed_metrics(c, *_reference_partials(c))["dsinks"]["ok"]
-        row = summed_metrics(c, *_reference_partials(c, 1 + 1e-4))["dsinks"]
+        per_rank, exp = _reference_partials(c)
+        assert summed_metrics(c, per_rank, exp)["dsinks"]["ok"]
+        per_rank[0]["partials"]["dsinks"] = per_rank[0]["partials"]["dsinks"] * (1 + 1e-4)
+        row = summed_metrics(c, per_rank, exp)["dsinks"]
         assert not row["ok"], (c.label(), row)
 
 

@@ -604,15 +604,16 @@ def summed_metrics(case: Case, per_rank: list[dict], expected: dict) -> dict[str
     ref, base = expected["ref"], expected["base"]
     used = case.backend or expected.get("default_backend")
     m = Metrics(case.dtype)
+    # the magnitudes rounding is scaled by, where not the quantity's own: the weights' gradients, the largest of
+    # them; the sinks' gradient, a sum over the queries whose terms may cancel, the sum of the terms' magnitudes
+    # (computed with the reference; python -m verify fuzz --max-len 80 --seed 20261222: 0.0144 from terms of 1.04)
     w_scale = max(ref[k].abs().max().item() for k in ("dwq", "dwk", "dwv", "dwo"))
-    # the sinks' gradient is a sum over the queries whose terms may cancel: its rounding scales with the sum of the
-    # terms' magnitudes (computed with the reference), not with the sum (python -m verify fuzz --max-len 80 --seed
-    # 20261222: 0.0144 from terms of 1.04)
-    group = {"dsinks": float(ref["dsinks_terms"]) if "dsinks_terms" in ref else 0.0}
+    group = {**dict.fromkeys(("dwq", "dwk", "dwv", "dwo"), w_scale),
+             "dsinks": float(ref["dsinks_terms"]) if "dsinks_terms" in ref else 0.0}
     for label, key in SUMMED + ((("dsinks", "dsinks"),) if case.sinks else ()):
         got = summed_over_ranks(per_rank, label, ref[key])
         bases = None if base is None else {b: r[key] for b, r in base.items()}
-        m.close(label, got, ref[key], bases, w_scale if key.startswith("dw") else group.get(key, 0.0), used)
+        m.close(label, got, ref[key], bases, group.get(key, 0.0), used)
         if label.startswith("dW") or label == "dsinks":
             m.on_every_rank(label, per_rank)
     return m.rows
