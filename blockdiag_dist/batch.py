@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from blockdiag_ref import DocLayout, doc_ids_from_batch, layout_from_batch, normalize_window
-from blockdiag_ref.batch import positions_name_documents
+from blockdiag_ref.batch import boundaries_name_documents, positions_name_documents
 
 from .options import CPOptions, kernel_substitution
 from .plan import plan_step
@@ -43,6 +43,9 @@ EXACT_BS_KEYS = ("input_ids", "labels", "shift_labels", "_packed_seq_ids", "loss
 UNSHARDED_KEYS = frozenset({
     "pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts",
 })
+# The flash-attn keywords of a flattening collator: boundaries and longest length of the unsharded row. Read for the
+# documents where they name them, then dropped: the rank's batch holds other rows.
+ROW_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # What the loss reads beside the logits: sharded even with shard_primary=False (the logits come out sharded).
 TARGET_KEYS = ("labels", "shift_labels", "loss_mask", "padding_mask", "_packed_seq_ids")
 DEEPSTACK_KEY = "_deepstack_visual_embeds"  # a list of [n_vis, H], one per level, indexed by visual token
@@ -53,7 +56,7 @@ def _cp_blockdiag_doc_ids(batch: dict, seq_len: int, device, batch_size: int) ->
 
     Prefers ``_packed_seq_ids``; else a 4-D block-causal ``attention_mask`` (every document in it is
     recovered); else a 2-D indexed ``attention_mask``, or a validity one split where ``position_ids`` restart
-    at 0; else documents from ``position_ids`` restarting at 0 (transformers' ``DataCollatorWithFlattening``;
+    at 0; else the segments of ``cu_seq_lens_q`` (one packed row); else documents from ``position_ids`` restarting at 0 (transformers' ``DataCollatorWithFlattening``;
     ``[n, B, S]`` mRoPE positions restarting at 0 on every axis); else one document per row.
     Delegates to :func:`blockdiag_ref.doc_ids_from_batch`.
     """
@@ -112,7 +115,8 @@ def _validate_batch(batch: Any, loss_mask: Tensor | None) -> tuple[str, int, int
         ):
             got = tuple(pos.shape) if isinstance(pos, Tensor) else type(pos).__name__
             raise ValueError(f"position_ids: expected [B, S] = {[B, S]} or [n, B, S] (e.g. 3 for mRoPE), got {got}")
-        if not positions_name_documents(batch, S, B):  # else they are checked where they are read for documents
+        # else they are checked where they are read for documents (every one, or at the boundaries' edges)
+        if not (positions_name_documents(batch, S, B) or boundaries_name_documents(batch)):
             _check_positions(pos)
     labels = batch.get("labels")
     if labels is not None and (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):
@@ -215,10 +219,13 @@ def make_cp_blockdiag_batch_and_ctx(
         tp_mesh: accepted for ``_cp_make_batch_fn`` signature compatibility; unused.
         batch: exactly one of ``inputs_embeds [B, S, H]`` / ``input_ids [B, S]``, plus any of ``labels``,
             ``position_ids [B, S]`` or ``[n, B, S]`` (mRoPE), ``_packed_seq_ids``, ``attention_mask``,
-            ``loss_mask``, and for a vision-language model its inputs (``pixel_values``, ``image_grid_thw``, ...,
-            never sharded), ``visual_pos_masks [B, S]`` and ``_deepstack_visual_embeds``.
+            ``cu_seq_lens_q/k`` (one packed row's document boundaries: the documents are then read from them
+            alone, in ``O(documents)``), ``loss_mask``, and for a vision-language model its inputs
+            (``pixel_values``, ``image_grid_thw``, ..., never sharded), ``visual_pos_masks [B, S]`` and
+            ``_deepstack_visual_embeds``. The documents come by the precedence of :mod:`blockdiag_ref.batch`.
             Mutated in place, after all validation, and returned (the same dict; pass ``dict(batch)`` to keep
-            yours: values are replaced, never written into): ``attention_mask`` is dropped, ``padding_mask [B, S]``
+            yours: values are replaced, never written into): ``attention_mask``, ``cu_seq_lens_q/k`` and
+            ``max_length_q/k`` (they describe the unsharded row) are dropped, ``padding_mask [B, S]``
             (True = pad) is added, every sequence-aligned tensor is padded to ``W * L`` and sliced to this
             rank's ``L`` rows. ``inputs_embeds`` is sliced differentiably, so grads reach the full tensor.
             Labels must already be aligned with positions (next-token targets), as for any sharded loss.
@@ -326,6 +333,8 @@ def _step(batch: Any, loss_mask: Tensor | None, opts: CPOptions, group: dist.Pro
     # ---- mutation starts here: everything above may raise, nothing below does ---------------------------
     shards = plan.shards
     batch.pop("attention_mask", None)
+    for k in ROW_BOUNDARY_KEYS:
+        batch.pop(k, None)
     batch.pop("padding_mask", None)  # set below, from the plan, for this rank's rows only
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask

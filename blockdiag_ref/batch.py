@@ -9,12 +9,18 @@ Precedence, the seed's ``_cp_blockdiag_doc_ids`` order first:
 3. ``batch["attention_mask"]``   2-D ``[B, S]`` indexed ids (0 = padding), or a 0/1 validity mask. A validity
    mask says which tokens are real, not where documents start: with 2-D ``position_ids`` it is split where
    positions restart at 0 (as in 4);
-4. ``batch["position_ids"]``     2-D ``[B, S]`` per-document positions (what transformers'
+4. ``batch["cu_seq_lens_q"]``    ``[n + 1]`` boundaries of the documents of one packed row (``B = 1``), rising
+   strictly from 0 to ``S`` (what transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
+   adds, the ``cu_seqlens`` of flash-attn's varlen call): one document per segment, read in ``O(documents)``
+   with no per-token read. ``cu_seq_lens_k``, when given, must be the same boundaries, and 2-D ``position_ids``
+   beside them must number each document's tokens on from the row's first position, checked at each document's
+   first and last token (see :func:`boundaries_name_documents`);
+5. ``batch["position_ids"]``     2-D ``[B, S]`` per-document positions (what transformers'
    ``DataCollatorWithFlattening`` emits): a document starts at each row's first token and wherever the
    position is 0. ``[n, B, S]`` positions (mRoPE: temporal, height, width) the same way: a document starts where
    every component is 0, its first token's position whether it is text or an image's first patch (see
    :func:`doc_ids_from_position_ids`);
-5. otherwise one document per row (all ones).
+6. otherwise one document per row (all ones).
 
 Anything malformed raises ``ValueError`` naming what was expected and what was got.
 """
@@ -187,17 +193,95 @@ def doc_ids_from_batch(
         return ids.to(device) if device is not None else ids
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"batch: expected B >= 1 and S >= 1, got B={batch_size}, S={seq_len}")
+    if boundaries_name_documents(batch):
+        ids = _layout_from_boundaries(batch, seq_len, batch_size).doc_ids
+        return ids.to(device) if device is not None else ids
     if positions is not None:
         ids = doc_ids_from_position_ids(positions)
         return ids.to(device) if device is not None else ids
     return torch.ones(batch_size, seq_len, dtype=torch.int64, device=device)
 
 
+def boundaries_name_documents(batch: Mapping[str, Any]) -> bool:
+    """Whether the documents of ``batch`` come from its ``cu_seq_lens_q`` (no doc ids, no mask): then
+    :func:`layout_from_batch` reads them in ``O(documents)``, and the positions beside them are checked at each
+    document's first and last token only (tokens between are the model's to number, as for flash-attn's varlen
+    call given the same boundaries)."""
+    return (batch.get("_packed_seq_ids") is None and batch.get("attention_mask") is None
+            and batch.get("cu_seq_lens_q") is not None)
+
+
+def _boundaries(batch: Mapping[str, Any], name: str) -> np.ndarray:
+    """``batch[name]`` as int64 on the host: a 1-D integer tensor, or a list of ints."""
+    value = batch[name]
+    if isinstance(value, Tensor):
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{name}: expected 1-D integer boundaries [n + 1], got {value.dtype} of shape "
+                             f"{tuple(value.shape)}")
+        return value.detach().cpu().numpy().astype(np.int64, copy=False)
+    if isinstance(value, (list, tuple)) and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+                                                for x in value):
+        return np.asarray(value, dtype=np.int64).reshape(-1)
+    raise ValueError(f"{name}: expected a 1-D integer tensor or a list of ints [n + 1], got {type(value).__name__}")
+
+
+def _shown(a: np.ndarray, edge: int = 6) -> str:
+    """``[0, 3, 7]``, or the first and last ``edge`` entries of long boundaries with the count between."""
+    if a.size <= 2 * edge:
+        return str(a.tolist())
+    head, tail = ", ".join(map(str, a[:edge].tolist())), ", ".join(map(str, a[-edge:].tolist()))
+    return f"[{head}, ... {a.size - 2 * edge} more ..., {tail}]"
+
+
+def _layout_from_boundaries(batch: Mapping[str, Any], seq_len: int, batch_size: int) -> DocLayout:
+    """The documents of one packed row from ``cu_seq_lens_q`` (see :func:`boundaries_name_documents`)."""
+    cu = _boundaries(batch, "cu_seq_lens_q")
+    if batch_size != 1:
+        raise ValueError(f"cu_seq_lens_q: expected the boundaries of one packed row (B = 1), got B = {batch_size}; "
+                         "for several rows pass _packed_seq_ids or per-document position_ids")
+    if cu.size < 2 or cu[0] != 0 or cu[-1] != seq_len or (np.diff(cu) <= 0).any():
+        raise ValueError(f"cu_seq_lens_q: expected document boundaries rising strictly from 0 to S = {seq_len} (one "
+                         f"packed row), got {_shown(cu)}")
+    if batch.get("cu_seq_lens_k") is not None:
+        cu_k = _boundaries(batch, "cu_seq_lens_k")
+        if cu_k.shape != cu.shape or (cu_k != cu).any():
+            raise ValueError(f"cu_seq_lens_k: expected the boundaries of cu_seq_lens_q {_shown(cu)} (self-attention "
+                             f"over the packed row), got {_shown(cu_k)}")
+    positions = batch.get("position_ids")
+    if isinstance(positions, Tensor) and positions.dim() == 2:
+        _check_positions_at_boundaries(positions, cu)
+    return DocLayout._of_segments(np.stack([np.zeros(cu.size - 1, dtype=np.int64), cu[:-1], cu[1:]], 1), 1, seq_len)
+
+
+def _check_positions_at_boundaries(positions: Tensor, cu: np.ndarray) -> None:
+    """Each document of ``cu`` numbers its tokens from the row's first position on: checked at its first and last
+    token (a gather of ``2 n`` positions, wherever they live)."""
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise ValueError(f"position_ids: expected integer positions, got dtype {positions.dtype}")
+    at = np.concatenate([cu[:-1], cu[1:] - 1])
+    got = positions[0, torch.from_numpy(at).to(positions.device)].cpu().numpy().astype(np.int64)
+    n = cu.size - 1
+    first = got[0]
+    want = np.concatenate([np.full(n, first), first + np.diff(cu) - 1])
+    bad = np.flatnonzero(got != want)
+    if first < 0 or bad.size:
+        i = int(bad[0]) if bad.size else 0
+        doc = i % n
+        edge = "first" if i < n else "last"
+        raise ValueError(
+            f"position_ids: expected each document of cu_seq_lens_q to number its tokens from the row's first "
+            f"position {int(first)} (>= 0) on; got {int(got[i])} at its {edge} token, position {int(at[i])} of "
+            f"document {doc} (tokens [{int(cu[doc])}, {int(cu[doc + 1])}))"
+            + (f" where {int(want[i])} was expected" if bad.size else "")
+        )
+
+
 def positions_name_documents(batch: Mapping[str, Any], seq_len: int, batch_size: int) -> bool:
     """Whether the documents of ``batch`` come from 2-D integer ``position_ids [B, S]`` alone (no doc ids, no
-    mask): then :func:`layout_from_batch` reads them in one pass, checking them as it goes."""
+    mask, no boundaries): then :func:`layout_from_batch` reads them in one pass, checking them as it goes."""
     positions = batch.get("position_ids")
     return (batch.get("_packed_seq_ids") is None and batch.get("attention_mask") is None
+            and batch.get("cu_seq_lens_q") is None
             and isinstance(positions, Tensor) and positions.dim() == 2
             and tuple(positions.shape) == (batch_size, seq_len) and seq_len >= 1 and batch_size >= 1
             and not (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool))
@@ -225,13 +309,19 @@ def _starts(flat: Tensor, seq_len: int, on_host: bool | None = None) -> tuple[np
 def layout_from_batch(batch: Mapping[str, Any], seq_len: int, batch_size: int) -> DocLayout:
     """The :class:`DocLayout` of ``batch``: the documents :func:`doc_ids_from_batch` gives, by the same precedence.
 
-    Where they come from 2-D ``position_ids`` alone (no ``_packed_seq_ids``, no ``attention_mask``: what
-    transformers' ``DataCollatorWithFlattening`` and TRL's packing give), the documents are read from where the
-    positions are 0 in one pass, and no doc-id tensor is built (the layout builds one if it is read).
+    Where they come from ``cu_seq_lens_q`` (what ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
+    adds), they are read from the boundaries alone, in ``O(documents)``. Where they come from 2-D ``position_ids``
+    alone (no ``_packed_seq_ids``, no ``attention_mask``: what transformers' ``DataCollatorWithFlattening`` and
+    TRL's packing give), the documents are read from where the positions are 0 in one pass. Neither builds a
+    doc-id tensor (the layout builds one if it is read).
 
     >>> layout_from_batch({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}, 9, 1).seqlens
     [[3, 2, 4]]
+    >>> layout_from_batch({"cu_seq_lens_q": torch.tensor([0, 3, 5, 9], dtype=torch.int32)}, 9, 1).seqlens
+    [[3, 2, 4]]
     """
+    if boundaries_name_documents(batch):
+        return _layout_from_boundaries(batch, seq_len, batch_size)
     if not positions_name_documents(batch, seq_len, batch_size):
         # its checks, its errors; the ids read on the host, wherever the batch lives
         return DocLayout.from_doc_ids(doc_ids_from_batch(batch, seq_len, batch_size, device="cpu"))

@@ -193,6 +193,37 @@ def test_a_collated_batch_is_read_once_and_its_full_rows_are_never_rebuilt(layou
         assert torch.equal(got[key], want[key]), key
 
 
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "balanced", "auto"])
+def test_a_flattening_collators_boundaries_plan_the_step_its_positions_would(layout, world):
+    """``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``: the documents come from ``cu_seq_lens_q``
+    (no doc-id tensor), every rank's shards and padding mask equal those of the same batch without the boundaries,
+    and the boundaries and longest lengths of the unsharded row are gone from the rank's batch."""
+    from transformers import DataCollatorWithFlattening
+
+    from blockdiag_dist import CPOptions
+    from blockdiag_dist.batch import _step
+
+    lengths = [5, 1, 6, 3, 9]
+    g = torch.Generator().manual_seed(2)
+    features = [{"input_ids": torch.randint(1, 50, (n,), generator=g).tolist()} for n in lengths]
+    full = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
+    assert sorted(full) == ["cu_seq_lens_k", "cu_seq_lens_q", "input_ids", "labels", "max_length_k", "max_length_q",
+                            "position_ids"]
+    bare = {k: full[k] for k in ("input_ids", "labels", "position_ids")}
+    options = CPOptions(layout=layout, check_consensus=False)
+    for rank in range(world):
+        ctx, got = _step(dict(full), None, options, None, world, rank)
+        _, want = _step(dict(bare), None, options, None, world, rank)
+        assert ctx.state.plan.layout.seqlens == [lengths] and "doc_ids" not in vars(ctx.state.plan.layout)
+        assert sorted(got) == sorted(want) == ["input_ids", "labels", "padding_mask", "position_ids"]
+        for key in sorted(got):
+            assert torch.equal(got[key], want[key]), key
+        ctx, _ = _step({"input_ids": full["input_ids"], "cu_seq_lens_q": full["cu_seq_lens_q"]}, None, options, None,
+                       world, rank)
+        assert ctx.state.plan.layout.seqlens == [lengths]  # the boundaries alone name them
+
+
 def test_window_without_context_is_a_causal_band():
     q, k, v = qkv(Hkv=4)
     band = DocLayout.from_seqlens([7]).materialize_mask(window_size=(2, 0))[0, 0]

@@ -169,3 +169,68 @@ def test_the_starts_are_found_alike_on_the_host_and_as_on_a_device():
         assert (host[0] == device[0]).all() and (host[1] == device[1]).all()
         want = ((flat <= 0) | (torch.arange(500) % 50 == 0)).nonzero().flatten()
         assert host[0].tolist() == want.tolist() and host[1].tolist() == flat[want].tolist()
+
+
+def test_a_flattening_collators_boundaries_name_the_documents_without_reading_the_tokens():
+    """``cu_seq_lens_q`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) names one packed row's
+    documents: the layout equals the one its positions give, for every dtype the boundaries come in, with no doc-id
+    tensor built; the positions between a document's first and last token are not read (a restart there is the
+    model's, as for flash-attn's varlen call given the same boundaries), and the boundaries win over them."""
+    from transformers import DataCollatorWithFlattening
+
+    from blockdiag_ref import layout_from_batch
+
+    gen = torch.Generator().manual_seed(1)
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    for trial in range(100):
+        lengths = torch.randint(1, 9, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen).tolist()
+        batch = collate([{"input_ids": list(range(3, 3 + n))} for n in lengths])
+        S = sum(lengths)
+        cu = batch["cu_seq_lens_q"]
+        for given in (cu, cu.long(), cu.tolist()):
+            for keys in ({"cu_seq_lens_q": given}, {"cu_seq_lens_q": given, "cu_seq_lens_k": given,
+                                                    "position_ids": batch["position_ids"]}):
+                got = layout_from_batch(keys, S, 1)
+                assert got.seqlens == [lengths] and "doc_ids" not in got.__dict__
+                want = layout_from_batch({"position_ids": batch["position_ids"]}, S, 1)
+                assert torch.equal(got.segments, want.segments)
+                assert torch.equal(doc_ids_from_batch(keys, S, 1), want.doc_ids)
+    pos = torch.tensor([[0, 1, 0, 3, 0, 1]])  # restarts inside the first document, between its edges
+    assert layout_from_batch({"cu_seq_lens_q": [0, 4, 6], "position_ids": pos}, 6, 1).seqlens == [[4, 2]]
+    assert layout_from_batch({"position_ids": pos}, 6, 1).seqlens == [[2, 2, 2]]
+    # doc ids and a mask keep their precedence: the boundaries are not read
+    ids = torch.tensor([[1, 1, 1, 2, 2, 2]])
+    for keys in ({"_packed_seq_ids": ids}, {"attention_mask": ids}):
+        assert layout_from_batch({**keys, "cu_seq_lens_q": [0, 6]}, 6, 1).seqlens == [[3, 3]]
+
+
+@pytest.mark.parametrize("batch, B, match", [
+    ({"cu_seq_lens_q": [0, 3, 5, 8]}, 1, r"cu_seq_lens_q: expected document boundaries rising strictly from 0 to S = 9 "
+                                         r"\(one packed row\), got \[0, 3, 5, 8\]"),
+    ({"cu_seq_lens_q": [0, 3, 3, 9]}, 1, r"rising strictly from 0 to S = 9 \(one packed row\), got \[0, 3, 3, 9\]"),
+    ({"cu_seq_lens_q": [1, 9]}, 1, r"rising strictly from 0 to S = 9 \(one packed row\), got \[1, 9\]"),
+    ({"cu_seq_lens_q": [0]}, 1, r"rising strictly from 0 to S = 9 \(one packed row\), got \[0\]"),
+    ({"cu_seq_lens_q": torch.arange(40)}, 1, r"got \[0, 1, 2, 3, 4, 5, \.\.\. 28 more \.\.\., 34, 35, 36, 37, 38, 39\]"),
+    ({"cu_seq_lens_q": torch.tensor([0.0, 9.0])}, 1, r"cu_seq_lens_q: expected 1-D integer boundaries \[n \+ 1\], got "
+                                                      r"torch.float32 of shape \(2,\)"),
+    ({"cu_seq_lens_q": "0,9"}, 1, r"cu_seq_lens_q: expected a 1-D integer tensor or a list of ints \[n \+ 1\], got str"),
+    ({"cu_seq_lens_q": [0, 9]}, 2, r"cu_seq_lens_q: expected the boundaries of one packed row \(B = 1\), got B = 2"),
+    ({"cu_seq_lens_q": [0, 4, 9], "cu_seq_lens_k": [0, 9]}, 1,
+     r"cu_seq_lens_k: expected the boundaries of cu_seq_lens_q \[0, 4, 9\] \(self-attention over the packed row\), "
+     r"got \[0, 9\]"),
+    ({"cu_seq_lens_q": [0, 4, 9], "position_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8]])}, 1,
+     r"position_ids: expected each document of cu_seq_lens_q to number its tokens from the row's first position 0 "
+     r"\(>= 0\) on; got 4 at its first token, position 4 of document 1 \(tokens \[4, 9\)\) where 0 was expected"),
+    ({"cu_seq_lens_q": [0, 4, 9], "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]])}, 1,
+     r"got 1 at its last token, position 8 of document 1 \(tokens \[4, 9\)\) where 4 was expected"),
+    ({"cu_seq_lens_q": [0, 4, 9], "position_ids": torch.tensor([[-2, -1, 0, 1, -2, -1, 0, 1, 2]])}, 1,
+     r"from the row's first position -2 \(>= 0\) on; got -2 at its first token, position 0 of document 0"),
+    ({"cu_seq_lens_q": [0, 9], "position_ids": torch.zeros(1, 9)}, 1,
+     r"position_ids: expected integer positions, got dtype torch.float32"),
+])
+def test_malformed_boundaries_are_refused_by_both_readers(batch, B, match):
+    from blockdiag_ref import layout_from_batch
+
+    for read in (layout_from_batch, doc_ids_from_batch):
+        with pytest.raises(ValueError, match=match):
+            read(batch, 9, B)

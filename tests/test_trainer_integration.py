@@ -229,7 +229,7 @@ def test_trainer_refuses_what_would_train_wrong(tmp_path, config, kw, match):
 def test_a_packed_batch_without_documents_is_refused_before_the_model_runs(tmp_path):
     trainer = _sft(output_dir=str(tmp_path))
     batch = {"input_ids": torch.randint(2, 90, (1, 16)), "labels": torch.randint(2, 90, (1, 16))}
-    with pytest.raises(ValueError, match=r"expected documents named by _packed_seq_ids, restarting position_ids or a 4-D mask"):
+    with pytest.raises(ValueError, match=r"expected documents named by _packed_seq_ids, cu_seq_lens_q, restarting position_ids or a 4-D mask"):
         trainer._prepare_context_parallel_inputs(trainer.model, batch)
 
 
@@ -272,6 +272,19 @@ def test_accelerates_own_cp_is_refused(tmp_path):
     trainer.accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=True, cp_size=2))
     with pytest.raises(ValueError, match="parallelism_config: expected cp_size=1 .* got accelerate's cp_size=2"):
         trainer._check_config()
+
+
+def test_a_collators_boundaries_alone_name_the_documents_and_give_the_positions(tmp_path):
+    """``DataCollatorWithFlattening(return_position_ids=False, return_flash_attn_kwargs=True)``: the documents come
+    from ``cu_seq_lens_q``, the per-document positions are added from them, and the boundaries are dropped."""
+    trainer = _sft(output_dir=str(tmp_path))
+    inputs = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), "labels": torch.tensor([[-100, 6, 7, -100, 9, 10, 11]]),
+              "cu_seq_lens_q": torch.tensor([0, 3, 7], dtype=torch.int32),
+              "cu_seq_lens_k": torch.tensor([0, 3, 7], dtype=torch.int32), "max_length_q": 4, "max_length_k": 4}
+    ctx, batch = trainer._prepare_context_parallel_inputs(trainer.model, inputs)
+    assert ctx.state.plan.layout.seqlens == [[3, 4]]
+    assert sorted(batch) == ["input_ids", "labels", "position_ids", "shift_labels"]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3]]
 
 
 def test_step_inputs_are_sharded_with_shifted_labels_and_no_row_descriptions(tmp_path):

@@ -17,8 +17,9 @@ What the mixin changes, and why each is right:
   them without shifting a shard; blockdiag's own collators, whose labels are already shifted, hand them on as
   ``shift_labels``), per-document ``position_ids`` are added where the batch has none, the batch
   function shards every sequence-aligned tensor and returns the step context, inside which the Trainer runs the
-  forward and the backward. The collator's own descriptions of the unsharded rows (``cu_seq_lens_q/k``,
-  ``max_length_q/k``, ``seq_idx``) are dropped: the documents come from the full doc ids.
+  forward and the backward. The collator's ``cu_seq_lens_q/k`` (``DataCollatorWithFlattening(
+  return_flash_attn_kwargs=True)``) name the documents, read in ``O(documents)``; they, ``max_length_q/k`` and
+  ``seq_idx`` describe the unsharded row and are dropped from the rank's batch.
 - **Loss and gradients**: a model that takes no ``num_items_in_batch`` (``accepts_loss_kwargs = False``, e.g.
   Qwen2.5-VL) gets its loss from its logits and the pre-shifted labels (the Trainer's ``compute_loss_func``, set
   here). ``get_cp_size()`` returns the CP size, so the Trainer's ``num_items_in_batch`` counts
@@ -57,12 +58,10 @@ from .packing import IGNORE_INDEX, shift_labels
 __all__ = ["BlockdiagSFTTrainer", "BlockdiagTrainer", "BlockdiagTrainerMixin", "document_positions", "environment_from_group",
            "fsdp_not_applied"]
 
-# Keys that describe the documents of the unsharded rows for other kernels; blockdiag takes them from the full doc ids.
-ROW_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 # Keys the batch function adds or keeps for the loss that are not model inputs.
 NOT_MODEL_INPUTS = ("padding_mask", "_packed_seq_ids", "loss_mask")
 # Keys from which the batch function reads documents (besides a 4-D attention_mask).
-DOCUMENT_SOURCES = ("_packed_seq_ids", "position_ids")
+DOCUMENT_SOURCES = ("_packed_seq_ids", "cu_seq_lens_q", "position_ids")
 
 
 def document_positions(doc_ids: Tensor) -> Tensor:
@@ -249,15 +248,16 @@ class BlockdiagTrainerMixin:
     ) -> tuple[Callable[[], AbstractContextManager], dict[str, Any]]:
         """Shard this rank's batch and return the step context (see the module docstring)."""
         batch = dict(inputs)
-        for key in ROW_DOCUMENT_KEYS:
-            batch.pop(key, None)
+        # the unsharded row's documents token by token, for other kernels: the batch function reads them from the full
+        # rows (and drops the collator's boundaries, cu_seq_lens_q/k, once read)
+        batch.pop("seq_idx", None)
         mask = batch.get("attention_mask")
         if self.require_documents and not any(batch.get(k) is not None for k in DOCUMENT_SOURCES) and not (
             isinstance(mask, Tensor) and mask.dim() == 4
         ):
             raise ValueError(
-                "batch: expected documents named by _packed_seq_ids, restarting position_ids or a 4-D mask (packing is "
-                f"on), got only {sorted(batch)}: every row would be one document, merging the packed documents"
+                "batch: expected documents named by _packed_seq_ids, cu_seq_lens_q, restarting position_ids or a 4-D mask "
+                f"(packing is on), got only {sorted(batch)}: every row would be one document, merging the packed documents"
             )
         labels = batch.get("labels")
         if isinstance(labels, Tensor) and batch.get("shift_labels") is None:
