@@ -241,17 +241,18 @@ def plan_tables(p: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     rows = [[f"{r['S'] / 2**20:g}M", str(r["cp"]), f"{r['mix']} ({r['docs']})", r["layout"], f"{r['replicated_ms']:.1f}",
              f"{r['scan_ms']:.1f}", f"{r['rank_ms']:.1f}", f"{r['total_ms']:.1f}",
              f"{r['first_use_ms']:.1f}" if "first_use_ms" in r else "-",
-             f"{r['read_ms']:.1f}" if "read_ms" in r else "-", f"{r['step_ms']:.1f}" if "step_ms" in r else "-"]
+             f"{r['read_ms']:.1f}" if "read_ms" in r else "-", f"{r['step_ms']:.1f}" if "step_ms" in r else "-",
+             f"{r['bounds_ms']:.1f}" if "bounds_ms" in r else "-"]
             for r in p["rows"]]
     growth = [[str(g["cp"]), g["mix"], g["layout"], f"{g['S_from'] / 2**20:g}M -> {g['S_to'] / 2**20:g}M",
                f"{g['replicated']:.2f}x", f"{g['total']:.2f}x",
-               f"{g['after_scan']:.2f}x" if "after_scan" in g else "-"] for g in p["growth"]]
+               f"{g['bounds']:.2f}x" if "bounds" in g else "-"] for g in p["growth"]]
     return [(f"Per-step planning of one rank, ms (torch threads {p['threads']})",
              ["S", "CP", "documents", "layout", "replicated", "of which the doc-id scan", "rank's own", "total",
               "token-level, built on first use (not in total)", "documents read from positions",
-              "whole batch function (not in total)"], rows),
+              "whole batch function (not in total)", "total from the collator's boundaries"], rows),
             ("Planning growth with S at equal document count",
-             ["CP", "documents", "layout", "S", "replicated", "total", "total less the doc-id scan"], growth),
+             ["CP", "documents", "layout", "S", "replicated", "total", "total from the collator's boundaries"], growth),
             ("Planning goals (worst case per layout)", ["goal", "layout", "worst case", "figure", "met"],
              [[g["goal"], g["layout"], g["case"], "-" if g["figure"] is None else
                (f"{g['figure']:.1f} ms" if "ms" in g["goal"] else f"{g['figure']:.2f}x"),
