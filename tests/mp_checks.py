@@ -278,3 +278,31 @@ def fsdp_step(family: str, lengths: tuple[int, ...]) -> dict:
         step = cp_step(model, batch, mesh, text_forward, track_rows=True)
     return {"step": step, "without_gradient": sorted(n for n, p in model.named_parameters() if p.grad is None),
             "padding_only": bool(((step.rows < 0) | (step.rows >= sum(lengths))).all())}  # documents first, padding after
+
+
+def exchange_under_nonreentrant_checkpoint(kind: str) -> list[float]:
+    """An exchange (``allgather``, ``a2a`` or ``summary``) inside a non-reentrant checkpoint whose last rank uses what it
+    received through ops that save nothing for backward (as a rank whose rows see no key may): every rank must
+    still recompute the region, and so issue the recompute's forward collective, before the exchange's backward
+    collective. Returns this rank's input gradient (the caller compares it with the analytic one)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from blockdiag_dist.exchange.a2a import a2a_kv
+    from blockdiag_dist.exchange.allgather import allgather_kv
+    from blockdiag_dist.exchange.summary import exchange_summaries
+
+    info = worker_info()
+    group, world, rank = info["cp_mesh"].get_group(), info["world"], info["rank"]
+    x = (torch.arange(6, dtype=torch.float64) + 10 * rank).view(3, 2).requires_grad_()
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        if kind == "allgather":
+            got = allgather_kv(x, group, world)
+        elif kind == "a2a":  # every rank sends its 3 rows to every rank
+            got = a2a_kv(x, torch.arange(3).repeat(world), [3] * world, [3] * world, group)
+        else:  # every rank sends its 6 values to every rank
+            got = exchange_summaries(x.flatten().repeat(world), [6] * world, [6] * world, group)
+        return got.sum() if rank == world - 1 else (got * got).sum()  # the last: nothing saved
+
+    checkpoint(region, x, use_reentrant=False).backward()
+    return x.grad.flatten().tolist()

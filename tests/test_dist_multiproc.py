@@ -94,3 +94,18 @@ def test_exchange_check_catches_keys_moved_beyond_the_needed_set(session, exchan
 @pytest.mark.parametrize("layout", ["contiguous", "balanced"])
 def test_gather_sequence_restores_the_original_order(session, layout):
     assert all(session.pool(3).run(mp_checks.gather_restores_order, args=(layout,), timeout=60, name="gather"))
+
+
+@pytest.mark.parametrize("kind", ["allgather", "a2a", "summary"])
+def test_an_exchange_under_nonreentrant_checkpointing_recomputes_on_every_rank(session, kind):
+    """Non-reentrant checkpointing recomputes a region when its backward first reads a tensor saved in it. A rank
+    whose use of the received K/V (or summaries) saves nothing, as a rank whose rows see no key may, would reach
+    the exchange's backward collective without recomputing, while the others run the recompute's forward
+    collective: the exchange itself saves a tensor, so that its backward starts the recompute first on every rank.
+    Each rank's gradient: (W - 1) ranks use every received value v as v * v (gradient 2 v), the last as v (1)."""
+    world = 3
+    grads = session.pool(world).run(mp_checks.exchange_under_nonreentrant_checkpoint, args=(kind,), timeout=60,
+                                    name=f"{kind} under checkpoint")
+    for rank, got in enumerate(grads):
+        x = torch.arange(6, dtype=torch.float64) + 10 * rank
+        assert got == (2 * (world - 1) * x + 1).tolist(), (rank, got)

@@ -11,6 +11,12 @@ along the reverse route and accumulates them on the owner.
 | `allgather` | one all-gather of stacked [K;V]  | reduce-scatter                | every token everywhere  |
 | `halo`      | send to rank+1, receive from -1  | the reverse, then index_add   | exactly the needed set  |
 | `a2a`       | one all_to_all_single (splits)   | the reverse, then index_add   | exactly the needed set  |
+
+Under non-reentrant activation checkpointing a region is recomputed, its forward collectives included, when its
+backward first reads a tensor saved in it. Every exchange saves one and reads it before its backward collective
+(the index of the rows it sends; the all-gather and the summary exchange an empty marker,
+:mod:`.recompute`), so every rank recomputes before that collective, even a rank whose use of
+what it received saved nothing (rows that see no key, a rank of padding only).
 """
 
 from .a2a import a2a_kv

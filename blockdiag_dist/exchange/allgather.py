@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .recompute import read_recompute_marker, save_recompute_marker
 from .traffic import TrafficLog
 
 __all__ = ["all_gather_tensor", "allgather_kv", "reduce_scatter_tensor"]
@@ -33,6 +34,7 @@ class _AllGatherKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv_tok: Tensor, group: dist.ProcessGroup, world: int, log: TrafficLog | None) -> Tensor:
         ctx.group, ctx.world, ctx.log = group, world, log
+        save_recompute_marker(ctx, kv_tok)
         out = _allgather_forward(kv_tok, group, world)
         if log is not None:
             n = kv_tok.numel() * (world - 1)
@@ -43,6 +45,7 @@ class _AllGatherKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        read_recompute_marker(ctx)
         out = _allgather_backward(grad, ctx.group, ctx.world)
         if ctx.log is not None:
             n = out.numel() * (ctx.world - 1)

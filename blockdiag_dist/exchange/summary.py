@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .recompute import read_recompute_marker, save_recompute_marker
 from .traffic import TrafficLog
 
 __all__ = ["exchange_summaries"]
@@ -35,6 +36,7 @@ class _SummaryExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, send, send_splits, recv_splits, group, log):
         ctx.meta = (send_splits, recv_splits, group, log)
+        save_recompute_marker(ctx, send)
         recv = _summary_forward(send, send_splits, recv_splits, group)
         if log is not None:
             log.record("summary", "forward", send.numel(), recv.numel(), send.element_size(), tuple(recv_splits))
@@ -42,6 +44,7 @@ class _SummaryExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_recv):
+        read_recompute_marker(ctx)
         send_splits, recv_splits, group, log = ctx.meta
         grad = _summary_backward(grad_recv, send_splits, recv_splits, group)
         if log is not None:
