@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .kernels.explicit import graph_zero
 from .mixers._common import active_state, bind
 from .sparse import SCORE_BUDGET, _pieces
 
@@ -233,12 +234,12 @@ def compressed_attention(
     # the exchange, the inputs and the compressor stay in the graph on a rank whose rows use none of them (padding
     # only; documents without a complete window): the exchange's backward collective runs on every rank, and the
     # position bias and the weights of ``finish`` get their (zero) gradient there, as a data-parallel reduction over
-    # the ranks needs (an empty slice's sum: exactly 0)
-    unused = buf[:0].sum() + query.reshape(-1)[:0].sum() + sinks[:0].sum()
+    # the ranks needs
+    unused = graph_zero(buf, query, sinks)
     if not pooled:
         width = c.kv.shape[-1] // 2 if c.overlap else c.kv.shape[-1]
         no_entry = c.finish(buf.new_zeros((1, 0, width)), torch.zeros(1, 0, dtype=torch.int64, device=buf.device))
-        unused = unused + c.position_bias[:0].sum() + no_entry[:, :0].sum()
+        unused = unused + graph_zero(c.position_bias, no_entry)
     out = out + unused.to(out.dtype)
     bind(out, (query, kv), state)
     return out.transpose(1, 2)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .kernels.explicit import explicit_attention
+from .kernels.explicit import explicit_attention, graph_zero
 from .mixers._common import active_state, bind
 from .state import StepState
 
@@ -213,10 +213,8 @@ def _dsa(query: Tensor, latent: Tensor, expand, topk: int, index: DsaIndex | Non
     # the exchange, the query, the expanded keys and values and the sinks stay in the graph on a rank whose rows use
     # none of them (padding only): the exchange's backward collective runs on every rank, and the query, the sinks
     # and the weights of ``expand`` get their (zero) gradients on every rank, as a data-parallel reduction over the
-    # ranks needs (an empty slice's sum: exactly 0, whatever the tensors hold)
-    unused = (buf[:0].sum() + query.reshape(-1)[:0].sum() + keys_all.reshape(-1)[:0].sum()
-              + values_all.reshape(-1)[:0].sum() + (0 if sinks is None else sinks[:0].sum()))
-    out = out + unused.to(out.dtype)
+    # ranks needs
+    out = out + graph_zero(buf, query, keys_all, values_all, sinks).to(out.dtype)
     bind(out, (query, latent) + (() if sinks is None else (sinks,)), state)
     return out.transpose(1, 2), sel_out
 

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .._stock import stock_sdpa
-from .explicit import explicit_attention
+from .explicit import explicit_attention, graph_zero
 
 __all__ = ["DenseMeta", "dense_attention", "plan_dense", "sdpa_keeps_accuracy"]
 
@@ -96,7 +96,7 @@ def plan_dense(q_flat: Tensor, k_flat: Tensor, segments: Tensor, padded_len: int
     sdpa_mask = mask[:, None] | (pad_q & (torch.arange(Sk) == 0))
     seen = mask.sum(-1)  # [B, L]: keys each query sees (0 on a padding query)
     one_key = None
-    if bool((seen == 1).any()) and bool(((seen == 1) | (seg_q[..., 0] == 0)).all()):
+    if bool((seen == 1).any()) and bool(((seen == 1) | pad_q[:, 0, :, 0]).all()):
         one_key = mask.to(torch.uint8).argmax(-1)[:, None, :, None]
     return DenseMeta(mask=mask[:, None], key_index=key_index.flatten(), pad_q=pad_q, sdpa_mask=sdpa_mask, one_key=one_key)
 
@@ -126,8 +126,7 @@ def dense_attention(
     v = rows[..., kd:].unflatten(2, (heads_kv, dim_v)).transpose(1, 2)
     if meta.one_key is not None and sinks is None and dropout_p == 0:  # a softmax of one (capped) score is exactly 1
         own = v.gather(2, meta.one_key.expand(B, heads_kv, L, dim_v)).repeat_interleave(Hq // heads_kv, dim=1)
-        # q stays in the graph with exactly 0 gradient, as through any other path (k gets 0 through the key buffer)
-        out = own + torch.where(torch.zeros((), dtype=torch.bool, device=q.device), q[:1, :1, :1, :1].sum(), 0.0)
+        out = own + graph_zero(q)  # q gets exactly 0 gradient, as through any other path (k through the key buffer)
     elif sinks is not None or softcap is not None or not sdpa_keeps_accuracy(q, L, Sk):
         out = explicit_attention(q, k, v, meta.mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     else:

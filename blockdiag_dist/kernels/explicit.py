@@ -21,7 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["explicit_attention"]
+__all__ = ["explicit_attention", "graph_zero"]
+
+
+def graph_zero(*tensors: Tensor) -> Tensor:
+    """An exact 0 (0-dim, the first tensor's dtype and device) that reaches each of ``tensors`` (None: skipped) in
+    the graph with exactly 0 gradient: added to an output computed without them (a rank of padding only, a softmax of
+    one key), it keeps them in the backward as any other path would, so every rank runs the same collectives there."""
+    zero = tensors[0][:0].sum()  # an empty slice's sum (a view, no copy): exactly 0, whatever the tensors hold
+    for t in tensors[1:]:
+        if t is not None:
+            zero = zero + t[:0].sum().to(zero.dtype)
+    return zero
 
 
 def explicit_attention(

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from .._stock import stock_sdpa
 from ..balance import interval_ranges, rows_outside
-from .explicit import explicit_attention
+from .explicit import explicit_attention, graph_zero
 
 __all__ = ["VarlenMeta", "flash_unusable_reason", "fused_unusable_reason", "plan_varlen", "size_class", "varlen_attention"]
 
@@ -1051,10 +1051,7 @@ class _TwoTailedSigmoid(torch.autograd.Function):
 def _zero_rows(q_tok: Tensor, kv_buf: Tensor, rows: int, Hq: int, Dv: int, sinks: Tensor | None = None) -> Tensor:
     """Exact zeros ``[rows, Hq, Dv]`` that still reach q, the key buffer (and the sinks) in the graph (with
     exactly 0 gradient), so that a rank holding only padding runs the exchange's backward like every other rank."""
-    anchor = q_tok[:1, :1, :1].sum() + kv_buf[:1, :1].sum()
-    if sinks is not None:
-        anchor = anchor + sinks[:1].sum().to(anchor.dtype)
-    zero = torch.where(torch.zeros((), dtype=torch.bool, device=q_tok.device), anchor, 0.0)
+    zero = graph_zero(q_tok, kv_buf, sinks)
     return zero.expand(rows, Hq, Dv).clone(memory_format=torch.contiguous_format)  # writable, like other ranks' output
 
 
