@@ -77,7 +77,7 @@ def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, pac
             max_length: int = 64, rows: int = 4, record_first_step: bool = False, output_dir: str | None = None,
             resume_from_checkpoint: str | None = None, save_steps: int | None = None, lr: float = 1e-3,
             trainer: str = "sft", float64: bool = False, accumulate: int = 1, evaluate: bool = False,
-            training_args: dict | None = None) -> dict:
+            training_args: dict | None = None, boundaries: bool = False) -> dict:
     """Train ``model_type`` at CP ``cp`` (every process of the default group, or one process) with TRL's
     ``BlockdiagSFTTrainer`` (``trainer="sft"``: TRL packs ``rows`` rows of ``max_length``) or transformers'
     ``BlockdiagTrainer`` (``trainer="hf"``: ``rows`` documents per step flattened into one row by transformers'
@@ -85,7 +85,9 @@ def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, pac
     batch (this rank's, before sharding) and every parameter's gradient before the optimizer step. ``float64``: the
     whole forward in float64 (:func:`promoted`), for float64 parity tests. ``accumulate``: gradient accumulation
     steps; ``evaluate``: also return the evaluation loss on held-out documents after training; ``training_args``: more
-    ``TrainingArguments`` fields (e.g. ``{"torch_compile": True}``, FSDP's ``fsdp`` / ``fsdp_config``)."""
+    ``TrainingArguments`` fields (e.g. ``{"torch_compile": True}``, FSDP's ``fsdp`` / ``fsdp_config``); ``boundaries``
+    (``trainer="hf"``): the collator also gives flash-attn's keywords (``return_flash_attn_kwargs=True``), and the
+    documents are read from its ``cu_seq_lens_q``."""
     from datasets import Dataset
     from transformers import DataCollatorWithFlattening, TrainerCallback, TrainingArguments
     from trl import SFTConfig
@@ -106,7 +108,8 @@ def run_sft(model_type: str, cp: int, steps: int, dtype: str = "float32", *, pac
         cls, extra = BlockdiagSFTTrainer, {"processing_class": tiny_tokenizer()}
     else:
         args = TrainingArguments(remove_unused_columns=False, **common)
-        cls, extra = BlockdiagTrainer, {"data_collator": DataCollatorWithFlattening(return_tensors="pt")}
+        collator = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=boundaries)
+        cls, extra = BlockdiagTrainer, {"data_collator": collator}
     recorded: dict = {}
     steps_state: list = []  # the first step's CP states (one per micro-batch)
 
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--fsdp2", action="store_true",
                    help='TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}): accelerate shards the model '
                         "over every rank on GPUs; on CPU accelerate 1.15 leaves FSDP off (the trainer notes it; DDP trains)")
+    p.add_argument("--boundaries", action="store_true",
+                   help="with --trainer hf: the collator also gives cu_seq_lens_q/k, from which the documents are read")
     p.add_argument("--out", default=None, help="write the logged losses here as JSON (rank 0)")
     a = p.parse_args(argv)
     extra: dict = {}
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     if own_group:
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     losses = run_sft(a.model, a.cp, a.steps, a.dtype, packing_strategy=a.packing_strategy, max_length=a.max_length,
-                     trainer=a.trainer, training_args=extra)["losses"]
+                     trainer=a.trainer, training_args=extra, boundaries=a.boundaries)["losses"]
     if int(os.environ.get("RANK", "0")) == 0:
         for i, loss in enumerate(losses, 1):
             print(f"step {i:3d} loss {loss:.6f}")

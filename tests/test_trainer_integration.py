@@ -50,6 +50,15 @@ def test_trainer_at_cp2_first_step_gradients_equal_each_document_alone(pools, mo
     _check_first_step(model_type, runs[0])
 
 
+def test_trainer_at_cp2_with_the_collators_boundaries_equals_each_document_alone(pools):
+    """``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``: the documents come from ``cu_seq_lens_q`` (a
+    hybrid model: its Gated DeltaNet reads them from the step too), float64."""
+    runs = pools(2).run(sft_on_rank, args=("qwen3_5", 2, 1, "float64", True, "hf", True), timeout=TIMEOUT_S,
+                        name="Trainer qwen3_5 at CP 2, boundaries")
+    assert "cu_seq_lens_q" in runs[0]["batch"]  # the recorded batch is the collator's, before sharding
+    _check_first_step("qwen3_5", runs[0])
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5", "llama"])
 def test_sft_trainer_at_cp2_first_step_gradients_equal_each_document_alone(pools, model_type):
     """TRL's SFTTrainer, packing bfd (padding-free rows), float64 model (TRL's head in float32), TRL's default

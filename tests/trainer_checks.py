@@ -12,11 +12,13 @@ from examples.trl_sft import run_sft, tiny_model
 from verify.trainers import per_document_truth, worst_gradient_error  # noqa: F401  (the truth the report uses too)
 
 
-def sft_on_rank(model_type: str, cp: int, steps: int, dtype: str, record: bool, trainer: str = "sft") -> dict:
+def sft_on_rank(model_type: str, cp: int, steps: int, dtype: str, record: bool, trainer: str = "sft",
+                boundaries: bool = False) -> dict:
     """One rank's run; rank 0 returns the record, the others only their losses (every rank logs the step's loss).
     transformers' Trainer: the whole forward in float64 (``float64``), as in the truth. TRL's SFTTrainer as it runs
     (its float32 LM head; its default gradient checkpointing, whose recompute would run outside the promotion)."""
-    out = run_sft(model_type, cp, steps, dtype, record_first_step=record, trainer=trainer, float64=trainer == "hf")
+    out = run_sft(model_type, cp, steps, dtype, record_first_step=record, trainer=trainer, float64=trainer == "hf",
+                  boundaries=boundaries)
     out.pop("eval_loss", None)
     if torch.distributed.get_rank() != 0:
         out = {"losses": out["losses"]}
