@@ -298,6 +298,25 @@ def test_a_correct_implementation_on_a_ranks_call_shape_passes(session):
     assert all(r.status == "fail" for r in session.run([case], impl="verify.mutants.kv_scale"))
 
 
+# found by ``python -m verify fuzz --seed 20261231``: a one-token document after padding, chunks of one, sinks, scores
+# of gain 4: the query sees its own key and its sink
+OWN_KEY_AND_SINK = Case(rows=parse_rows("0x30,1x1"), cp=1, hq=2, hkv=2, dim=7, hidden=6, gain=4.0, sinks=True, chunk=1,
+                        kernel="varlen", layout="contiguous", dtype="float32", seed=142)
+
+
+def test_a_query_that_sees_its_own_key_and_a_sink_keeps_the_stock_accuracy(session):
+    """Its output is ``sigmoid(s - sink) v``. The varlen kernel ran it through the fused blocks' log-sum-exp merge,
+    whose one-key softmax gave the score the fused kernel's rounding: dq 7.2e-7 against the baseline's 5.0e-9, and
+    ``dinputs_embeds`` 1.04e-5 against its limit of 3.3e-6. Both kernels now weigh the key by a sigmoid precise in
+    both tails (``own_key_weight``): every gradient within twice the stock error (plus its floor)."""
+    cases = [Case(**{**OWN_KEY_AND_SINK.__dict__, "cp": cp, "kernel": kernel}) for cp in (1, 2) for kernel in ("varlen", "dense")]
+    for r in session.run(cases):
+        assert r.ok, (r.case.label(), r.details)
+        for name in ("dq", "dk"):
+            m = r.metrics[name]
+            assert m["err"] <= 2 * m["base"] + 1e-8, (r.case.label(), name, m)
+
+
 # found by ``python -m verify fuzz --max-len 80 --seed 20261222``: small scores (gain 0.5) and sinks, whose gradient
 # (0.0144) is a sum over the queries of terms summing to 1.04 in magnitude: the implementation's rounding of that
 # sum (9.1e-8, under one float32 ulp of the terms' sum, 1.2e-7) was held to a floor scaled by the sum, not the terms

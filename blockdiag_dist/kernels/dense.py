@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .._stock import stock_sdpa
-from .explicit import explicit_attention, graph_zero
+from .explicit import explicit_attention, graph_zero, own_key_weight
 
 __all__ = ["DenseMeta", "dense_attention", "plan_dense", "sdpa_keeps_accuracy"]
 
@@ -116,7 +116,8 @@ def dense_attention(
     -> ``[Tq, Hq, Dv]``; padding rows exactly 0, padded key slots and masked keys exactly 0 gradient. With
     ``sinks [Hq]`` or a ``softcap``, and on the CPU below float64 where a row has more key slots than queries,
     explicit scores (:mod:`.explicit`) in place of SDPA. Where every real query sees exactly one key (``meta.one_key``)
-    and there are no sinks and no dropout, that key's value, with no kernel call."""
+    and there is no dropout, that key's value, with no kernel call (with sinks, weighed by
+    :func:`.explicit.own_key_weight`)."""
     B, _, L, Sk = meta.mask.shape
     Hq, D = q_tok.shape[1], q_tok.shape[2]
     kd = heads_kv * D
@@ -124,9 +125,15 @@ def dense_attention(
     rows = kv_buf.index_select(0, meta.key_index).view(B, Sk, -1)
     k = rows[..., :kd].unflatten(2, (heads_kv, D)).transpose(1, 2)  # [B, Hkv, Sk, D]
     v = rows[..., kd:].unflatten(2, (heads_kv, dim_v)).transpose(1, 2)
-    if meta.one_key is not None and sinks is None and dropout_p == 0:  # a softmax of one (capped) score is exactly 1
-        own = v.gather(2, meta.one_key.expand(B, heads_kv, L, dim_v)).repeat_interleave(Hq // heads_kv, dim=1)
-        out = own + graph_zero(q)  # q gets exactly 0 gradient, as through any other path (k through the key buffer)
+    if meta.one_key is not None and dropout_p == 0:
+        g = Hq // heads_kv
+        own = v.gather(2, meta.one_key.expand(B, heads_kv, L, dim_v)).repeat_interleave(g, dim=1)
+        if sinks is None:  # a softmax of one (capped) score is exactly 1, and q gets exactly 0 gradient, as through
+            out = own + graph_zero(q)  # any other path (k through the key buffer)
+        else:  # the key's weight beside its sink, precise in both tails
+            k_own = k.gather(2, meta.one_key.expand(B, heads_kv, L, D)).repeat_interleave(g, dim=1)
+            weight = own_key_weight(q, k_own, sinks.view(1, Hq, 1), scale, softcap)  # [B, Hq, L]
+            out = (own * weight[..., None]).to(q.dtype)
     elif sinks is not None or softcap is not None or not sdpa_keeps_accuracy(q, L, Sk):
         out = explicit_attention(q, k, v, meta.mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     else:

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from .._stock import stock_sdpa
 from ..balance import interval_ranges, rows_outside
-from .explicit import explicit_attention, graph_zero
+from .explicit import TwoTailedSigmoid, explicit_attention, graph_zero, own_key_weight
 
 __all__ = ["VarlenMeta", "flash_unusable_reason", "fused_unusable_reason", "plan_varlen", "size_class", "varlen_attention"]
 
@@ -961,11 +961,8 @@ def _attention(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: int, d
         kd = heads_kv * D
         k_buf, v_buf = kv_buf[:, :kd].unflatten(1, (heads_kv, D)), kv_buf[:, kd:].unflatten(1, (heads_kv, dim_v))
         return _flash_varlen(q_tok, k_buf, v_buf, meta, dropout_p=dropout_p, scale=scale, softcap=softcap)
-    if meta.labels is None and dropout_p == 0 and sinks is None and meta.sees_only_itself:  # softmax of one (capped)
-        rows, keys = meta.self_keys(q_tok.device)  # score is 1: exactly v, and exactly 0 gradient to q and k
-        v_own = kv_buf.index_select(0, keys)[:, heads_kv * D :].unflatten(1, (heads_kv, dim_v))
-        own = v_own.repeat_interleave(Hq // heads_kv, dim=1)
-        return _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v).index_copy(0, rows, own)  # q stays in the graph
+    if meta.labels is None and dropout_p == 0 and meta.sees_only_itself:
+        return _own_key(q_tok, kv_buf, meta, heads_kv, dim_v, scale, sinks, softcap)
     variants = sinks is not None or softcap is not None
     if meta.labels is None and fused_unusable_reason(q_tok, D, dim_v, dropout_p) is None:
         if softcap is None:
@@ -988,6 +985,25 @@ def _attention(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: int, d
             for b, q, k, v in zip(plan.buckets, qs, kvs[0::2], kvs[1::2])
         ]
     return _ScatterOutputs.apply(plan.out_rows, meta.pad_rows, meta.num_queries, *outs)
+
+
+def _own_key(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: int, dim_v: int, scale: float | None,
+             sinks: Tensor | None, softcap: float | None) -> Tensor:
+    """Every real query sees only its own key: without sinks exactly its value (a softmax of one score is 1; q and k
+    get exactly 0 gradient, where a fused kernel's backward gives them rounding noise, ``rowsum(dO * O) - dO . v``),
+    with sinks the value weighed by :func:`own_key_weight` (the fused blocks' merge added that noise to the score's
+    gradient)."""
+    Hq, D = q_tok.shape[1], q_tok.shape[2]
+    g = Hq // heads_kv
+    rows, keys = meta.self_keys(q_tok.device)
+    own_kv = kv_buf.index_select(0, keys)
+    v_own = own_kv[:, heads_kv * D :].unflatten(1, (heads_kv, dim_v)).repeat_interleave(g, dim=1)
+    zeros = _zero_rows(q_tok, kv_buf, meta.num_queries, Hq, dim_v, sinks)  # q, the keys and sinks stay in the graph
+    if sinks is None:
+        return zeros.index_copy(0, rows, v_own)
+    k_own = own_kv[:, : heads_kv * D].unflatten(1, (heads_kv, D)).repeat_interleave(g, dim=1)
+    weight = own_key_weight(q_tok.index_select(0, rows), k_own, sinks[None, :], scale, softcap)  # [n, Hq]
+    return zeros.index_copy(0, rows, (v_own * weight[..., None]).to(q_tok.dtype))
 
 
 def _explicit_blocks(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: int, dim_v: int, scale: float | None,
@@ -1028,24 +1044,8 @@ def _explicit_blocks(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: 
     Tq = meta.num_queries
     out, lse = out[:Tq], lse[:Tq]  # padding rows: never written, exactly 0 (lse -inf)
     if sinks is not None:
-        out = out * _TwoTailedSigmoid.apply(lse - sinks.to(lse.dtype)[None, :])[..., None]  # = exp(lse - lse')
+        out = out * TwoTailedSigmoid.apply(lse - sinks.to(lse.dtype)[None, :])[..., None]  # = exp(lse - lse')
     return out.to(q_tok.dtype)
-
-
-class _TwoTailedSigmoid(torch.autograd.Function):
-    """``sigmoid(x)`` whose derivative is ``sigmoid(x) * sigmoid(-x)``: precise in both tails. Autograd's
-    ``s * (1 - s)`` loses the sink's share ``1 - s`` to cancellation when ``s`` is near 1 (a sink far below the
-    row's log-sum-exp), and with it the sinks' gradient (8x the baseline's float32 error, measured)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        ctx.save_for_backward(x)
-        return torch.sigmoid(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
-        return grad * torch.sigmoid(x) * torch.sigmoid(-x)
 
 
 def _zero_rows(q_tok: Tensor, kv_buf: Tensor, rows: int, Hq: int, Dv: int, sinks: Tensor | None = None) -> Tensor:
