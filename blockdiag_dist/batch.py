@@ -56,8 +56,9 @@ def _cp_blockdiag_doc_ids(batch: dict, seq_len: int, device, batch_size: int) ->
 
     Prefers ``_packed_seq_ids``; else a 4-D block-causal ``attention_mask`` (every document in it is
     recovered); else a 2-D indexed ``attention_mask``, or a validity one split where ``position_ids`` restart
-    at 0; else the segments of ``cu_seq_lens_q`` (one packed row); else documents from ``position_ids`` restarting at 0 (transformers' ``DataCollatorWithFlattening``;
-    ``[n, B, S]`` mRoPE positions restarting at 0 on every axis); else one document per row.
+    at 0; else the segments of ``cu_seq_lens_q`` (one packed row); else documents from ``position_ids`` restarting
+    at 0 (transformers' ``DataCollatorWithFlattening``; ``[n, B, S]`` mRoPE positions restarting at 0 on every
+    axis); else one document per row.
     Delegates to :func:`blockdiag_ref.doc_ids_from_batch`.
     """
     return doc_ids_from_batch(batch, seq_len, batch_size, device)
