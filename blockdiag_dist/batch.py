@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from blockdiag_ref import DocLayout, doc_ids_from_batch, layout_from_batch, normalize_window
-from blockdiag_ref.batch import boundaries_name_documents, positions_name_documents
+from blockdiag_ref.batch import boundaries_name_documents, check_integer_positions, positions_name_documents
 
 from .options import CPOptions, kernel_substitution
 from .plan import plan_step
@@ -145,8 +145,7 @@ def _validate_batch(batch: Any, loss_mask: Tensor | None) -> tuple[str, int, int
 
 def _check_positions(pos: Tensor) -> None:
     """Integer positions >= 0, whether or not they are read for documents (doc ids or a mask take precedence)."""
-    if pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
-        raise ValueError(f"position_ids: expected integer positions, got dtype {pos.dtype}")
+    check_integer_positions(pos)
     if pos.numel() and int(pos.min()) < 0:
         raise ValueError(f"position_ids: expected positions >= 0, got {int(pos.min())}")
 

@@ -86,6 +86,12 @@ def doc_ids_from_4d_mask(mask: Tensor) -> Tensor:
     return ids
 
 
+def check_integer_positions(positions: Tensor) -> None:
+    """Positions are integers (any integer dtype): refused otherwise, naming the dtype got."""
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise ValueError(f"position_ids: expected integer positions, got dtype {positions.dtype}")
+
+
 def doc_ids_from_position_ids(position_ids: Tensor, valid: Tensor | None = None) -> Tensor:
     """Doc ids ``[B, S]`` from per-document positions ``[B, S]`` or ``[n, B, S]``: a document starts at a row's
     first token and wherever the position is 0 (on every one of the ``n`` components); ``valid`` (``[B, S]``,
@@ -109,8 +115,7 @@ def doc_ids_from_position_ids(position_ids: Tensor, valid: Tensor | None = None)
     if not isinstance(position_ids, Tensor) or position_ids.dim() not in (2, 3):
         got = tuple(position_ids.shape) if isinstance(position_ids, Tensor) else type(position_ids).__name__
         raise ValueError(f"position_ids: expected a tensor [B, S] or [n, B, S], got {got}")
-    if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
-        raise ValueError(f"position_ids: expected integer positions, got dtype {position_ids.dtype}")
+    check_integer_positions(position_ids)
     pos = position_ids.to(torch.int64).cpu()
     if bool((pos < 0).any()):
         raise ValueError(f"position_ids: expected positions >= 0, got {int(pos.min())}")
@@ -256,8 +261,7 @@ def _layout_from_boundaries(batch: Mapping[str, Any], seq_len: int, batch_size: 
 def _check_positions_at_boundaries(positions: Tensor, cu: np.ndarray) -> None:
     """Each document of ``cu`` numbers its tokens from the row's first position on: checked at its first and last
     token (a gather of ``2 n`` positions, wherever they live)."""
-    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
-        raise ValueError(f"position_ids: expected integer positions, got dtype {positions.dtype}")
+    check_integer_positions(positions)
     at = np.concatenate([cu[:-1], cu[1:] - 1])
     got = positions[0, torch.from_numpy(at).to(positions.device)].cpu().numpy().astype(np.int64)
     n = cu.size - 1
