@@ -308,7 +308,7 @@ def test_a_query_that_sees_its_own_key_and_a_sink_keeps_the_stock_accuracy(sessi
     """Its output is ``sigmoid(s - sink) v``. The varlen kernel ran it through the fused blocks' log-sum-exp merge,
     whose one-key softmax gave the score the fused kernel's rounding: dq 7.2e-7 against the baseline's 5.0e-9, and
     ``dinputs_embeds`` 1.04e-5 against its limit of 3.3e-6. Both kernels now weigh the key by a sigmoid precise in
-    both tails (``own_key_weight``): every gradient within twice the stock error (plus its floor)."""
+    both tails (``own_key_attention``): every gradient within twice the stock error (plus its floor)."""
     cases = [Case(**{**OWN_KEY_AND_SINK.__dict__, "cp": cp, "kernel": kernel}) for cp in (1, 2) for kernel in ("varlen", "dense")]
     for r in session.run(cases):
         assert r.ok, (r.case.label(), r.details)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .._stock import stock_sdpa
-from .explicit import explicit_attention, graph_zero, own_key_weight
+from .explicit import explicit_attention, graph_zero, own_key_attention
 
 __all__ = ["DenseMeta", "dense_attention", "plan_dense", "sdpa_keeps_accuracy"]
 
@@ -117,7 +117,7 @@ def dense_attention(
     ``sinks [Hq]`` or a ``softcap``, and on the CPU below float64 where a row has more key slots than queries,
     explicit scores (:mod:`.explicit`) in place of SDPA. Where every real query sees exactly one key (``meta.one_key``)
     and there is no dropout, that key's value, with no kernel call (with sinks, weighed by
-    :func:`.explicit.own_key_weight`)."""
+    :func:`.explicit.own_key_attention`)."""
     B, _, L, Sk = meta.mask.shape
     Hq, D = q_tok.shape[1], q_tok.shape[2]
     kd = heads_kv * D
@@ -132,8 +132,7 @@ def dense_attention(
             out = own + graph_zero(q)  # any other path (k through the key buffer)
         else:  # the key's weight beside its sink, precise in both tails
             k_own = k.gather(2, meta.one_key.expand(B, heads_kv, L, D)).repeat_interleave(g, dim=1)
-            weight = own_key_weight(q, k_own, sinks.view(1, Hq, 1), scale, softcap)  # [B, Hq, L]
-            out = (own * weight[..., None]).to(q.dtype)
+            out = own_key_attention(q, k_own, own, sinks.view(1, Hq, 1), scale, softcap)
     elif sinks is not None or softcap is not None or not sdpa_keeps_accuracy(q, L, Sk):
         out = explicit_attention(q, k, v, meta.mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p)
     else:

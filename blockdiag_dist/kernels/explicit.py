@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["TwoTailedSigmoid", "explicit_attention", "graph_zero", "own_key_weight"]
+__all__ = ["TwoTailedSigmoid", "explicit_attention", "graph_zero", "own_key_attention"]
 
 
 def graph_zero(*tensors: Tensor) -> Tensor:
@@ -51,16 +51,19 @@ class TwoTailedSigmoid(torch.autograd.Function):
         return grad * torch.sigmoid(x) * torch.sigmoid(-x)
 
 
-def own_key_weight(q: Tensor, k: Tensor, sink: Tensor, scale: float | None, softcap: float | None) -> Tensor:
-    """The weight ``sigmoid(s - sink)`` of a query's only key beside its sink (``q`` and ``k`` ``[..., D]``, ``sink``
-    broadcastable to ``q.shape[:-1]``), computed in float32 at least: its score's gradient ``(dO . v) sigmoid(x)
-    sigmoid(-x)`` is precise in both tails (:class:`TwoTailedSigmoid`)."""
+def own_key_attention(q: Tensor, k: Tensor, v: Tensor, sink: Tensor, scale: float | None,
+                      softcap: float | None) -> Tensor:
+    """``sigmoid(s - sink) * v`` in ``q``'s dtype: the output of a query whose only key is ``k`` (value ``v``) beside
+    its sink (``q``, ``k`` ``[..., D]``, ``v`` ``[..., Dv]``, ``sink`` broadcastable to ``q.shape[:-1]``). The weight
+    is computed in float32 at least, and its score's gradient ``(dO . v) sigmoid(x) sigmoid(-x)`` is precise in both
+    tails (:class:`TwoTailedSigmoid`)."""
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     score = (q.to(work) * k.to(work)).sum(-1) * scale
     if softcap is not None:
         score = torch.tanh(score / softcap) * softcap
-    return TwoTailedSigmoid.apply(score - sink.to(work))
+    weight = TwoTailedSigmoid.apply(score - sink.to(work))
+    return (v * weight[..., None]).to(q.dtype)
 
 
 def explicit_attention(

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from .._stock import stock_sdpa
 from ..balance import interval_ranges, rows_outside
-from .explicit import TwoTailedSigmoid, explicit_attention, graph_zero, own_key_weight
+from .explicit import TwoTailedSigmoid, explicit_attention, graph_zero, own_key_attention
 
 __all__ = ["VarlenMeta", "flash_unusable_reason", "fused_unusable_reason", "plan_varlen", "size_class", "varlen_attention"]
 
@@ -991,7 +991,7 @@ def _own_key(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: int, dim
              sinks: Tensor | None, softcap: float | None) -> Tensor:
     """Every real query sees only its own key: without sinks exactly its value (a softmax of one score is 1; q and k
     get exactly 0 gradient, where a fused kernel's backward gives them rounding noise, ``rowsum(dO * O) - dO . v``),
-    with sinks the value weighed by :func:`own_key_weight` (the fused blocks' merge added that noise to the score's
+    with sinks the value weighed by :func:`own_key_attention` (the fused blocks' merge added that noise to the score's
     gradient)."""
     Hq, D = q_tok.shape[1], q_tok.shape[2]
     g = Hq // heads_kv
@@ -1002,8 +1002,8 @@ def _own_key(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: int, dim
     if sinks is None:
         return zeros.index_copy(0, rows, v_own)
     k_own = own_kv[:, : heads_kv * D].unflatten(1, (heads_kv, D)).repeat_interleave(g, dim=1)
-    weight = own_key_weight(q_tok.index_select(0, rows), k_own, sinks[None, :], scale, softcap)  # [n, Hq]
-    return zeros.index_copy(0, rows, (v_own * weight[..., None]).to(q_tok.dtype))
+    return zeros.index_copy(0, rows, own_key_attention(q_tok.index_select(0, rows), k_own, v_own, sinks[None, :], scale,
+                                                       softcap))
 
 
 def _explicit_blocks(q_tok: Tensor, kv_buf: Tensor, meta: VarlenMeta, heads_kv: int, dim_v: int, scale: float | None,
