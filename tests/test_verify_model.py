@@ -160,6 +160,40 @@ def test_a_float32_gradient_summed_with_cancellation_gets_its_floor_scaled_by_it
         assert np.allclose(eight.grads[n], g, rtol=1e-12, atol=0), n
 
 
+def test_a_gradient_of_a_few_numbers_gets_sixteen_draws_of_its_rounding(msession):
+    """A gradient of a few numbers summed over every token (DeepSeek-V4's hyper-connection head: ``hc_base`` 4
+    numbers, ``hc_scale`` one) has a float32 error that is one draw of that sum's rounding: with 1 to 8 identical
+    rows per document ``hc_base`` moved 9.2e-6 to 2.9e-5 (one-long, seed 37), so its limit was 6.2e-5, and the
+    stock model itself with 26 rows moved 1.0e-4, CP 3 (balanced) 9.0e-5: a `bug` that was the judge's. Where the
+    baseline sets such a gradient's limit, the baseline draws 9 to 16 rows too: a second set of 16 draws, the stock
+    model with 17 to 32 rows, stays within every such limit (3 did not before), and the CP case passes."""
+    from verify.model.harness import _rel, document_reference
+    from verify.model.layouts import model_rows
+    from verify.model.reference import FEW
+
+    p = resolve("deepseek_v4")
+    ref = msession.reference(p, 37)
+    rows = model_rows("one-long", 3)
+    base, truth = ref.baseline(rows, "float32"), ref.truth(rows)
+    few = [n for n, g in truth.step.grads.items() if g.size <= FEW]
+    assert {"model.hc_head.hc_base", "model.hc_head.hc_scale"} <= set(few)
+    assert "16 identical rows" in base.what and "model.hc_head.hc_base" in base.what.rsplit("(", 1)[-1]
+    model, _ = ref.model("float32")
+    over = []
+    for copies in range(17, 33):
+        step = document_reference(model, ref.packed(rows).docs, copies=copies)
+        for n in few:
+            err = _rel(step.grads[n], truth.step.grads[n])
+            lim = limit("float32", base.params[n], True, truth.step.spread.get(n, 1.0))
+            if err > lim:
+                over.append((copies, n, f"{err:.2e} > {lim:.2e}"))
+    assert not over, over
+    case = ModelCase(model="deepseek_v4", args=tuple(p.args), cp=3, layout="one-long", dtype="float32",
+                     sharding="balanced", seed=37)
+    (r,) = msession.run([case], {"deepseek_v4": p})
+    assert r.cls == "pass", (r.why, r.verdict.get("per_kind"))
+
+
 # ---- classes through the pools --------------------------------------------------------------------------
 def test_llama_passes_and_a_model_with_float32_ops_passes_under_its_measured_limit(msession, prepared):
     results = run(msession, prepared, "llama", dtypes=("float64", "float32"))

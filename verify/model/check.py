@@ -21,8 +21,9 @@ packing-safe by itself (positions taken from its rows, a mixer that does not see
 
 Limits (verify/tolerances.py's rule, the baseline being the same model per document in the case's dtype):
 float32: ``2 x baseline + 4e-6`` relative per quantity, the baseline being the model per document in float32
-(on every CPU SDPA backend that takes the inputs, the worst; and, text models, each document as 8 identical rows:
-the same step, its sums over the tokens over 8 x the terms) against the float64 truth; a gradient's floor is
+(on every CPU SDPA backend that takes the inputs, the worst; and, text models, each document as 2 to 8 identical
+rows: the same step, its sums over the tokens over that many times the terms, and as 9 to 16 rows where a gradient
+of at most 16 numbers has its limit set by the baseline) against the float64 truth; a gradient's floor is
 scaled by its condition as a sum over the documents (``StepResult.spread``: float32 rounding of a sum whose terms
 cancel is that many times larger relative to it). float64: 1e-10, unless
 the model computes some ops below float64 (:mod:`verify.model.precision` names them): then
