@@ -166,9 +166,12 @@ def test_a_gradient_of_a_few_numbers_gets_sixteen_draws_of_its_rounding(msession
     rows per document ``hc_base`` moved 9.2e-6 to 2.9e-5 (one-long, seed 37), so its limit was 6.2e-5, and the
     stock model itself with 26 rows moved 1.0e-4, CP 3 (balanced) 9.0e-5: a `bug` that was the judge's. Where the
     baseline sets such a gradient's limit, the baseline draws 9 to 16 rows too: a second set of 16 draws, the stock
-    model with 17 to 32 rows, stays within every such limit (3 did not before), and the CP case passes."""
+    model with 17 to 32 rows, stays within every such limit (3 did not before), and the CP case passes. The judge
+    stays sharp on that model: half of one layer's key/value projection off by 1e-4 fails, the projection named."""
     from verify.model.harness import _rel, document_reference
+    from verify.model.judge import compare_all
     from verify.model.layouts import model_rows
+    from verify.model.record import packed as packed_records
     from verify.model.reference import FEW
 
     p = resolve("deepseek_v4")
@@ -178,7 +181,7 @@ def test_a_gradient_of_a_few_numbers_gets_sixteen_draws_of_its_rounding(msession
     few = [n for n, g in truth.step.grads.items() if g.size <= FEW]
     assert {"model.hc_head.hc_base", "model.hc_head.hc_scale"} <= set(few)
     assert "16 identical rows" in base.what and "model.hc_head.hc_base" in base.what.rsplit("(", 1)[-1]
-    model, _ = ref.model("float32")
+    model, recorder = ref.model("float32")
     over = []
     for copies in range(17, 33):
         step = document_reference(model, ref.packed(rows).docs, copies=copies)
@@ -192,6 +195,26 @@ def test_a_gradient_of_a_few_numbers_gets_sixteen_draws_of_its_rounding(msession
                      sharding="balanced", seed=37)
     (r,) = msession.run([case], {"deepseek_v4": p})
     assert r.cls == "pass", (r.why, r.verdict.get("per_kind"))
+    # and the judge stays sharp there: half the key/value projection of one layer off by 1e-4 (the stock model's
+    # own step otherwise) fails, on the module outputs
+    packed = ref.packed(rows)
+
+    def judged() -> dict:
+        step = document_reference(model, packed.docs, recorder=recorder)
+        out, inp = (packed_records(step.records, packed.places, packed.lengths, packed.real, kind) for kind in ("out", "inp"))
+        return compare_all(ref, rows, "float32", truth, step, out, inp, model)
+
+    assert judged()["ok"]
+    w = dict(model.named_parameters())["model.layers.1.self_attn.kv_proj.weight"]
+    kept = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w[: w.shape[0] // 2] *= 1 + 1e-4
+        verdict = judged()
+    finally:
+        with torch.no_grad():
+            w.copy_(kept)
+    assert not verdict["ok"] and "kv_proj" in verdict["first_wrong_module"]["module"], verdict.get("first_wrong_module")
 
 
 # ---- classes through the pools --------------------------------------------------------------------------
