@@ -46,9 +46,9 @@ MORE_COPIES = (2, 3, 4, 5, 6, 7)
 # ... and as 9 to 16 identical rows where a gradient of at most FEW numbers has its limit set by the baseline: such a
 # gradient's error is one draw of the rounding of a sum over every token, not an average over many numbers, and the
 # widest of 8 draws understates where a ninth lands. DeepSeek-V4's hc_head.hc_base (4 numbers, one-long, seed 37) moves
-# 9.2e-6 to 2.9e-5 with 1 to 8 rows, up to 1.1e-4 with 9 to 16 and 1.0e-4 with 17 to 32 (3 of those 16 stock runs over
-# the limit 8 rows give; none over the limit of 16), and CP 3 measured 9.0e-5 against a limit of 6.2e-5. If the
-# draws were Gaussian, a ninth scalar would land beyond twice the widest of 8 about 1 time in 120, of 16 1 in 800
+# 9.2e-6 to 2.9e-5 with 1 to 8 rows, up to 1.1e-4 with 9 to 16 and 1.0e-4 with 17 to 32 (3 of those 16 stock runs are
+# over the limits 8 draws give, none over those of 16), and CP 3 measured 9.0e-5 against a limit of 6.2e-5. Were the
+# draws Gaussian, a further scalar would land beyond twice the widest of 8 about 1 time in 120, of 16 1 in 800
 WIDER_COPIES = tuple(range(9, 17))
 FEW = 16
 ODD_COPIES = 3  # the float64 baseline's row-count sample (each float64 sample is also run all in float64)
@@ -312,6 +312,7 @@ class Reference:
             worst.what += " (" + "; ".join(refused) + ")"
         if not self.prepared.multimodal:  # the same step, every sum over the tokens over COPIES x the terms
             ok = next(b for b in backends if not any(f"SDPA {b} refuses" in r for r in refused))
+
             def sampled(worst: Baseline, counts: tuple[int, ...]) -> Baseline:
                 for copies in counts:
                     with _sdpa_backend(ok):
@@ -536,8 +537,8 @@ def _copies(model: nn.Module, recorder: ModuleRecorder, *, docs, copies: int = C
 
 
 def _few_set_by_baseline(base: Baseline, truth: StepResult, dtype: str) -> list[str]:
-    """The gradients of at most ``FEW`` numbers whose limit the baseline sets (``2 x baseline`` above the floor
-    ``4e-6 x spread`` of :func:`verify.model.judge.limit`), in parameter order."""
+    """The gradients of at most ``FEW`` numbers whose limit the baseline sets (``factor x baseline`` above the
+    ``floor x spread`` of :func:`verify.model.judge.limit`; float32: 2 and 4e-6), in parameter order."""
     tol = TOLERANCES[dtype]
     return [n for n, g in truth.grads.items() if g.size <= FEW
             and tol.factor * base.params.get(n, 0.0) > tol.floor * max(1.0, truth.spread.get(n, 1.0))]
