@@ -316,9 +316,9 @@ class Reference:
             def sampled(worst: Baseline, counts: tuple[int, ...]) -> Baseline:
                 for copies in counts:
                     with _sdpa_backend(ok):
-                        step = document_reference(model, p.docs, recorder=rec, copies=copies)
+                        step, records = _copies(model, rec, docs=p.docs, copies=copies)
                     b = self._errors(f"{dtype}, each document as {copies} identical rows" + (f" (SDPA {ok})" if ok else ""),
-                                     truth, step, step.records, p, model)
+                                     truth, step, records, p, model)
                     worst = _merged(worst, b)
                 return worst
 
